@@ -1,0 +1,83 @@
+/* magpie_sim: a simulated CUDA device for testing stream-ordered code
+ * without a GPU.
+ *
+ * Device memory is ordinary host memory. Each stream is a worker thread that
+ * runs the closures enqueued on it, in order. The simulator creates only the
+ * happens-before edges CUDA has:
+ *   - host -> stream at enqueue (work sees everything the host did before
+ *     enqueueing it);
+ *   - stream -> host only through an event query that reports completion,
+ *     an event/stream synchronize, or a device synchronize;
+ *   - stream -> stream only through a wait (magpie_sim_stream_wait or
+ *     magpie_sim_stream_wait_event).
+ * So a block reused by another stream before the earlier use completed is a
+ * real data race that ThreadSanitizer reports. Streams behave like CUDA
+ * streams created with cudaStreamNonBlocking: the default stream (handle 0)
+ * is an ordinary stream with no implicit synchronisation with the others,
+ * which gives fewer edges than CUDA's legacy stream, never more.
+ *
+ * Destroyed stream handles are recycled, most recently destroyed first, so
+ * code under test always meets handle reuse. Handle 0 and
+ * MAGPIE_SIM_STREAM_PER_THREAD (a different stream in each thread, like
+ * cudaStreamPerThread) are always valid.
+ *
+ * Memory capacity: MAGPIE_SIM_MEMORY=bytes (suffixes k, m, g), default 4 GiB
+ * (address space only: pages are touched as the allocator uses them).
+ * Devices: MAGPIE_SIM_DEVICES=n (default 1); magpie_sim_set_device picks the
+ * calling thread's current device, on which new streams are created.
+ */
+#ifndef MAGPIE_SIM_H
+#define MAGPIE_SIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "magpie.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Like cudaStreamPerThread (value 2). */
+#define MAGPIE_SIM_STREAM_PER_THREAD ((cudaStream_t)0x2)
+
+typedef struct magpie_sim_event_st *magpie_sim_event;
+
+/* All functions return 0 or a magpie_error code (MAGPIE_ERR_INVALID_STREAM
+ * for a destroyed or unknown handle), and never abort. */
+MAGPIE_API int magpie_sim_device_count(void);
+MAGPIE_API int magpie_sim_set_device(int device);
+MAGPIE_API int magpie_sim_get_device(void);
+
+/* NULL on failure (see magpie_last_error). */
+MAGPIE_API cudaStream_t magpie_sim_stream_create(void);
+/* Pending work still runs, as with cudaStreamDestroy. */
+MAGPIE_API int magpie_sim_stream_destroy(cudaStream_t s);
+MAGPIE_API int magpie_sim_launch(cudaStream_t s, void (*fn)(void *), void *arg);
+/* Later work on waiter starts after everything enqueued on waited so far. */
+MAGPIE_API int magpie_sim_stream_wait(cudaStream_t waiter, cudaStream_t waited);
+MAGPIE_API int magpie_sim_stream_synchronize(cudaStream_t s);
+MAGPIE_API int magpie_sim_device_synchronize(void);
+/* The stream's unique id (never reused, unlike handles); 0 if invalid. */
+MAGPIE_API uint64_t magpie_sim_stream_id(cudaStream_t s);
+/* The device a stream belongs to, or -1 if the handle is invalid. */
+MAGPIE_API int magpie_sim_stream_device(cudaStream_t s);
+
+/* Events, as cudaEvent_t: record captures the work enqueued so far;
+ * query returns 0 when it completed, MAGPIE_SIM_NOT_READY otherwise. */
+#define MAGPIE_SIM_NOT_READY 600
+MAGPIE_API magpie_sim_event magpie_sim_event_create(void);
+MAGPIE_API int magpie_sim_event_destroy(magpie_sim_event e);
+MAGPIE_API int magpie_sim_event_record(magpie_sim_event e, cudaStream_t s);
+MAGPIE_API int magpie_sim_event_query(magpie_sim_event e);
+MAGPIE_API int magpie_sim_event_synchronize(magpie_sim_event e);
+MAGPIE_API int magpie_sim_stream_wait_event(cudaStream_t s, magpie_sim_event e);
+
+/* Capacity and use of the simulated device memory, in bytes. */
+MAGPIE_API int magpie_sim_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MAGPIE_SIM_H */

@@ -1,0 +1,104 @@
+"""Repository rules for what magpie takes from the host system.
+
+system_libs: jemalloc (as a private, symbol-localized archive) and cmocka.
+cuda_toolkit: the CUDA toolkit's headers, honouring CUDA_HOME; optional.
+"""
+
+# jemalloc entry points magpie calls; everything else in the archive is made
+# local so the application's malloc is never replaced (see README).
+_JE_SYMS = ["mallocx", "dallocx", "sdallocx", "sallocx", "mallctl"]
+
+def _find(rctx, name):
+    cc = rctx.os.environ.get("CC", "gcc")
+    res = rctx.execute([cc, "-print-file-name=" + name])
+    path = res.stdout.strip()
+    if res.return_code != 0 or not path.startswith("/"):
+        return None
+    return path
+
+def _system_libs_impl(rctx):
+    je = _find(rctx, "libjemalloc_pic.a")
+    if je == None:
+        fail("libjemalloc_pic.a not found: install Debian's libjemalloc-dev")
+    rctx.execute(["mkdir", "-p", "je_objs", "include"])
+    res = rctx.execute(["ar", "x", je], working_directory = "je_objs")
+    if res.return_code != 0:
+        fail("ar x failed: " + res.stderr)
+    objs = [o for o in rctx.execute(["ls", "je_objs"]).stdout.split("\n") if o.endswith(".o") and "cpp" not in o]
+    res = rctx.execute(["ld", "-r", "-o", "je_all.o"] + ["je_objs/" + o for o in objs])
+    if res.return_code != 0:
+        fail("ld -r failed: " + res.stderr)
+    args = ["objcopy"]
+    for s in _JE_SYMS:
+        args += ["--redefine-sym", "%s=mpje_%s" % (s, s)]
+    res = rctx.execute(args + ["je_all.o", "je_renamed.o"])
+    if res.return_code != 0:
+        fail("objcopy failed: " + res.stderr)
+    args = ["objcopy"]
+    for s in _JE_SYMS:
+        args += ["--keep-global-symbol=mpje_" + s]
+    res = rctx.execute(args + ["je_renamed.o", "je_private.o"])
+    if res.return_code != 0:
+        fail("objcopy failed: " + res.stderr)
+    res = rctx.execute(["ar", "rcs", "libmagpie_jemalloc.a", "je_private.o"])
+    if res.return_code != 0:
+        fail("ar rcs failed: " + res.stderr)
+    rctx.execute(["rm", "-rf", "je_objs", "je_all.o", "je_renamed.o", "je_private.o"])
+
+    cmocka = _find(rctx, "libcmocka.so")
+    if cmocka == None:
+        fail("libcmocka.so not found: install Debian's libcmocka-dev")
+    rctx.symlink(cmocka, "libcmocka.so")
+    for h in ["cmocka.h", "cmocka_pbc.h"]:
+        for d in ["/usr/include", "/usr/local/include"]:
+            if rctx.path(d + "/" + h).exists:
+                rctx.symlink(d + "/" + h, "include/" + h)
+                break
+
+    rctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "jemalloc_private",
+    srcs = ["libmagpie_jemalloc.a"],
+    linkopts = ["-lpthread", "-ldl", "-lm"],
+    linkstatic = True,
+)
+
+cc_library(
+    name = "cmocka",
+    srcs = ["libcmocka.so"],
+    hdrs = glob(["include/*.h"]),
+    strip_include_prefix = "include",
+)
+""")
+
+system_libs = repository_rule(
+    implementation = _system_libs_impl,
+    environ = ["CC"],
+    local = True,
+)
+
+def _cuda_toolkit_impl(rctx):
+    home = rctx.os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    have = rctx.path(home + "/include/cuda.h").exists
+    if have:
+        rctx.symlink(home + "/include", "include")
+    else:
+        rctx.file("include/.none", "")
+    rctx.file("defs.bzl", "HAVE_CUDA = %s\nCUDA_HOME = %r\n" % (have, home))
+    rctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+cc_library(
+    name = "headers",
+    hdrs = glob(["include/*.h", "include/*.hpp", "include/crt/*.h", "include/crt/*.hpp"]),
+    strip_include_prefix = "include",
+)
+""")
+
+cuda_toolkit = repository_rule(
+    implementation = _cuda_toolkit_impl,
+    environ = ["CUDA_HOME"],
+    local = True,
+)
