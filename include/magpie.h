@@ -99,7 +99,7 @@ typedef struct magpie_stats {
   uint64_t slab_count;
   uint64_t depot_exchanges;   /* magazines taken from / given to the depot */
   uint64_t events_recorded;   /* one per magazine leaving a thread's stream */
-  uint64_t cross_stream_migrations; /* magazines reused on another stream */
+  uint64_t cross_stream_migrations; /* sealed magazines released to every stream */
   uint64_t same_stream_reuses;      /* pending magazines reused on their own stream */
   uint64_t limbo_magazines;   /* magazines whose stream died; waited by device sync */
 } magpie_stats;

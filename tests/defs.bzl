@@ -13,6 +13,7 @@ def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwarg
             "@system_libs//:cmocka",
         ] + deps,
         size = size,
+        linkstatic = True,
         tags = tags,
         **kwargs
     )
