@@ -74,6 +74,10 @@ typedef struct magpie_config {
 } magpie_config;
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg);
+/* The backend in use (MAGPIE_BACKEND_CUDA or MAGPIE_BACKEND_SIM),
+ * initialising from the environment if needed; -1 with the error set if
+ * initialisation failed. */
+MAGPIE_API int magpie_active_backend(void);
 /* Initialise explicitly. Returns MAGPIE_ERR_ALREADY_INITIALIZED if the
  * library is already running (it configures itself lazily on first use). */
 MAGPIE_API int magpie_init(const magpie_config *cfg);

@@ -123,4 +123,9 @@ MAGPIE_API int magpie_init(const magpie_config *cfg) {
   return global_init_slow(cfg, NULL);
 }
 
+MAGPIE_API int magpie_active_backend(void) {
+  if (global_ensure() != MAGPIE_OK) return -1;
+  return strcmp(global_backend->name, "cuda") == 0 ? MAGPIE_BACKEND_CUDA : MAGPIE_BACKEND_SIM;
+}
+
 MAGPIE_API const char *magpie_version(void) { return MAGPIE_VERSION_STRING; }
