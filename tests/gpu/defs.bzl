@@ -65,4 +65,6 @@ def gpu_test(name, srcs, deps = []):
         size = "medium",
         tags = GPU_TAGS,
         linkopts = ["-lpthread"],
+        # Self-contained but for cmocka and the driver: the binary travels.
+        linkstatic = True,
     )
