@@ -282,7 +282,8 @@ static int cuda_pop(int rc, const char *op) {
 }
 
 /* The special handles (0, legacy, per-thread) name a stream of the current
- * context, and a thread that never used CUDA has none. The runtime API then
+ * context, and a thread that never used CUDA has none (the driver answers
+ * CUDA_ERROR_INVALID_CONTEXT). The runtime API then
  * makes device 0's primary context current; so does this (slow path, once
  * per thread). Returns 1 if it did, so the caller retries. */
 static int cuda_bind_default_ctx(cudrv_stream stream) {
@@ -624,7 +625,11 @@ static int cuda_stream_id_slow(cudaStream_t stream, uint64_t *id, cudrv_result r
 }
 
 /* The hot path: one driver call, no context push (the driver resolves a
- * real handle by itself and a special one through the current context). */
+ * real handle by itself and a special one through the current context).
+ * Ids are never reused, but handle values are, at once (driver 580), and
+ * the driver does not check handles: a destroyed one crashes it. So a
+ * caller may pass only handles it knows live, and must key any state by
+ * id, never by handle. */
 static int cuda_stream_id(cudaStream_t stream, uint64_t *id) {
   if (!cuda_ready())
     return cuda_not_ready();
