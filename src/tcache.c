@@ -65,29 +65,30 @@ static void tcache_publish(tcache *tc, heap *h) {
   }
 }
 
-/* Seal a non-empty magazine on `handle` (which names the slot's stream now)
- * and give it to the depot; limbo if the seal fails. */
-static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle, int alive) {
-  if (alive && epoch_seal(ts->rec, handle, &m->ticket) == MAGPIE_OK) depot_put(ts->heap, m);
+/* Seal a non-empty magazine on `handle`, which the caller just passed and
+ * which names the slot's stream (its id matched), and give it to the depot;
+ * limbo if the seal fails. */
+static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
+  if (epoch_seal(ts->rec, handle, &m->ticket) == MAGPIE_OK) depot_put(ts->heap, m);
   else heap_limbo_put(ts->heap, m);
 }
 
-/* Give back everything a slot holds. check_alive: find out whether the
- * slot's handle still names its stream (else its pending work can only be
- * waited for by a device synchronisation). */
-static void tcache_slot_retire(tcache *tc, tslot *ts, int check_alive) {
-  int alive = 0;
-  if (check_alive) {
-    uint64_t id = 0;
-    alive = tc->ops->stream_id(ts->handle, &id) == MAGPIE_OK && id == ts->id;
-  }
+/* Give back everything a slot holds. Its non-empty magazines go to limbo,
+ * which waits for a device synchronisation: the slot's handle may name a
+ * destroyed stream by now, and a stored handle is never passed to the
+ * driver again (cuStreamGetId on a destroyed stream crashes the process,
+ * and an event recorded on a recycled handle would follow the wrong
+ * stream). Retiring happens at thread exit, on slot eviction and when a
+ * handle is found recycled; seals on live streams happen in the free path,
+ * where the caller's handle is known to be valid. */
+static void tcache_slot_retire(tcache *tc, tslot *ts) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     magazine *pair[2] = {ts->loaded[c], ts->prev[c]};
     for (int k = 0; k < 2; k++) {
       magazine *m = pair[k];
       if (!magazine_is_real(m)) continue;
       if (m->count == 0) magazine_put_empty(m);
-      else tcache_seal_to_depot(ts, m, ts->handle, alive);
+      else heap_limbo_put(ts->heap, m);
     }
   }
   tcache_publish(tc, ts->heap);
@@ -111,7 +112,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
     if (tc->slots[i].heap == NULL) ts = &tc->slots[i];
   if (ts == NULL) {
     ts = &tc->slots[tc->next_evict++ % TCACHE_SLOTS];
-    tcache_slot_retire(tc, ts, 1);
+    tcache_slot_retire(tc, ts);
   }
   stream_rec *rec = epoch_stream_acquire(&sh->epochs, id);
   if (rec == NULL) {
@@ -138,7 +139,7 @@ static tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id) {
   if (!tcache_special_handle(s)) {
     for (int i = 0; i < TCACHE_SLOTS; i++) {
       tslot *ts = &tc->slots[i];
-      if (ts->heap != NULL && ts->handle == s && ts->id != id) tcache_slot_retire(tc, ts, 0);
+      if (ts->heap != NULL && ts->handle == s && ts->id != id) tcache_slot_retire(tc, ts);
     }
   }
   return tcache_slot_new(tc, s, id, NULL);
@@ -294,7 +295,7 @@ int tcache_free_slow(void *p, cudaStream_t s) {
       }
       /* The previous magazine is full: it leaves the thread, sealed on the
        * stream its blocks were freed on (s names it: its id matched). */
-      if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s, 1);
+      if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = e;
     }
@@ -310,7 +311,7 @@ int tcache_free_slow(void *p, cudaStream_t s) {
 static void tcache_destroy(void *arg) {
   tcache *tc = arg;
   for (int i = 0; i < TCACHE_SLOTS; i++)
-    if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i], 1);
+    if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
   pthread_mutex_lock(&tcache_list_lock);
   for (int d = 0; d < HEAP_MAX_DEVICES; d++) tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
   if (tc->lprev) tc->lprev->lnext = tc->lnext;

@@ -8,9 +8,9 @@
  * by id (unique for the process) on every call, so a recycled handle value
  * never reaches an old stream's magazines. Free matches the handle only:
  * a block freed into a slot whose handle was recycled is still caught,
- * because every allocation checks the id first and every seal re-checks it
- * (a mismatch sends the slot's magazines to limbo, which waits for the whole
- * device). Special handles (0, 1, 2) name different streams on different
+ * because every allocation checks the id first (a mismatch sends the slot's
+ * magazines to limbo, which waits for the whole device) and seals use the
+ * handle of a free whose id matched. Special handles (0, 1, 2) name different streams on different
  * devices, so their frees always check the id.
  *
  * INVARIANT: every block in slot.loaded/prev may be used by work enqueued on
@@ -31,7 +31,7 @@
 #include "sizeclass.h"
 #include "slab.h"
 
-#define TCACHE_SLOTS 16
+#define TCACHE_SLOTS 32
 
 typedef struct tslot {
   uint64_t id;          /* stream id; meaningful while heap != NULL */

@@ -16,6 +16,7 @@
  * stamps, catching two uses running at once. */
 #include <pthread.h>
 #include <setjmp.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -64,7 +64,7 @@ def gpu_test(name, srcs, deps = []):
         deps = deps + ["@cuda//:headers", "@cuda//:driver_stub"],
         size = "medium",
         tags = GPU_TAGS,
+        # Linked statically but for cmocka and the driver (magpie_test's
+        # default), so the binary travels.
         linkopts = ["-lpthread"],
-        # Self-contained but for cmocka and the driver: the binary travels.
-        linkstatic = True,
     )
