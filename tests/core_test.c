@@ -15,6 +15,8 @@
 #include <cmocka.h>
 
 #include "magpie.h"
+#include "src/epoch.h"
+#include "src/heap.h"
 #include "src/init.h"
 #include "src/meta.h"
 #include "src/pagemap.h"
@@ -148,6 +150,43 @@ static void test_pagemap(void **state) {
   assert_null(pagemap_lookup((uintptr_t)1 << 50)); /* beyond 48 bits */
   assert_int_equal(pagemap_set(base, (size_t)6 << 20, NULL), MAGPIE_OK);
   assert_null(pagemap_lookup(base));
+}
+
+
+/* Events on one stream complete in order: once one ticket's event is seen
+ * complete, earlier tickets of that stream are complete by comparison, with
+ * no further query. Same-stream reuse needs no query at all. */
+static void test_epoch_ordering(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  uint64_t sid = 0;
+  assert_int_equal(fake_backend()->stream_id(s, &sid), MAGPIE_OK);
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  stream_rec *r = epoch_stream_acquire(&h->epochs, sid);
+  assert_non_null(r);
+  epoch_ticket t[3];
+  for (int i = 0; i < 3; i++) assert_int_equal(epoch_seal(r, s, &t[i]), MAGPIE_OK);
+  assert_true(t[0].seq < t[1].seq && t[1].seq < t[2].seq);
+  fake_counters c0, c1;
+  fake_get_counters(&c0);
+  assert_int_equal(epoch_ready(&t[0], sid), EPOCH_READY_SAME);
+  fake_get_counters(&c1);
+  assert_int_equal(c1.event_queries, c0.event_queries);
+  assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_PENDING);
+  fake_stream_complete(s);
+  assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  fake_get_counters(&c0);
+  assert_int_equal(epoch_ready(&t[0], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  assert_int_equal(epoch_ready(&t[1], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  fake_get_counters(&c1);
+  assert_int_equal(c1.event_queries, c0.event_queries); /* by comparison */
+  assert_int_equal(atomic_load(&r->refs), 4);
+  for (int i = 0; i < 3; i++) epoch_ticket_release(&t[i]);
+  assert_int_equal(atomic_load(&r->refs), 1);
+  int64_t live = atomic_load(&h->epochs.live_records);
+  epoch_stream_release(r);
+  assert_int_equal(atomic_load(&h->epochs.live_records), live - 1);
 }
 
 static void test_same_stream_reuse(void **state) {
@@ -421,6 +460,7 @@ int main(void) {
       cmocka_unit_test(test_sizeclass_magic_division),
       cmocka_unit_test(test_stack_lifo_and_threads),
       cmocka_unit_test(test_pagemap),
+      cmocka_unit_test(test_epoch_ordering),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),
