@@ -205,6 +205,7 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s) {
   if (ts == NULL) return NULL;
   if (size > SIZECLASS_MAX_SIZE) return tcache_alloc_large(tc, ts, size, id);
   unsigned c = sizeclass_of(size);
+  int publish = 0;
   if (ts->loaded[c]->count == 0) {
     if (ts->prev[c]->count > 0) {
       magazine *t = ts->loaded[c];
@@ -220,6 +221,7 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s) {
       magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = fresh;
+      publish = 1;
     }
   }
   magazine *m = ts->loaded[c];
@@ -231,7 +233,9 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s) {
     slab_mark_used(sl, i);
   }
   atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
-  tcache_publish(tc, ts->heap);
+  /* Publish for the peak only when the depot was involved: swaps between
+   * the two magazines stay free of shared writes. */
+  if (publish) tcache_publish(tc, ts->heap);
   if (!tc->check) tc->last = ts;
   return p;
 }
@@ -281,6 +285,7 @@ int tcache_free_slow(void *p, cudaStream_t s) {
   if (tc->check && !slab_mark_free(sl, bi))
     return error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
   unsigned c = sl->cls;
+  int publish = 0;
   if (ts->loaded[c]->count >= ts->loaded[c]->cap) {
     magazine *pv = ts->prev[c];
     if (magazine_is_real(pv) && pv->count == 0) {
@@ -298,12 +303,13 @@ int tcache_free_slow(void *p, cudaStream_t s) {
       if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = e;
+      publish = 1;
     }
   }
   magazine *m = ts->loaded[c];
   m->slots[m->count++] = p;
   atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
-  tcache_publish(tc, ts->heap);
+  if (publish) tcache_publish(tc, ts->heap);
   if (!tc->check && ts->alloc_ok) tc->last = ts;
   return MAGPIE_OK;
 }
