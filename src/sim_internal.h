@@ -1,0 +1,179 @@
+/* The simulated device's internal interface, shared by sim_stream.c,
+ * sim_event.c, sim_memory.c and backend_sim.c (and the module tests).
+ *
+ * The design rule every part follows: the simulator creates only CUDA's
+ * happens-before edges (see include/magpie_sim.h). A worker thread (one per
+ * stream) never performs a release that a host thread or another worker
+ * acquires, except where CUDA orders the two: completion cells (event
+ * record, stream synchronize, stream waits) and device synchronize. The
+ * consequences for the data structures:
+ *   - stream queues are lock-free MPSC queues: producers release, the worker
+ *     acquires; the wake-up (a semaphore) is posted by producers only;
+ *   - objects touched by a worker and by other threads are freed by the
+ *     thread that already holds every edge (the worker itself for its
+ *     stream, the reaper thread for completion cells), never by whichever
+ *     thread happens to drop the last reference, because a last-reference
+ *     acquire would order one stream's work before another thread's.
+ * Failures set backend_set_error_detail() and return a magpie_error code;
+ * the public wrappers turn the detail into the thread's last error.
+ */
+#ifndef MAGPIE_SIM_INTERNAL_H
+#define MAGPIE_SIM_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "magpie.h"
+#include "magpie_sim.h"
+
+#define SIM_MAX_DEVICES 16
+/* Unit of map/unmap and alignment of every reservation and allocation. */
+#define SIM_GRANULARITY ((size_t)2 << 20)
+#define SIM_DEFAULT_CAPACITY ((size_t)4 << 30)
+/* Stream handles that can exist at once (destroyed ones are recycled). */
+#define SIM_MAX_HANDLES 16384
+/* Streams per device that can exist at once, counting destroyed streams
+ * whose workers are still draining, default and per-thread streams. */
+#define SIM_MAX_STREAMS 4096
+
+/* ---- configuration, start-up, errors (sim_stream.c) ---- */
+
+/* Puts a printf-style reason in backend_error_detail() and returns code. */
+int sim_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* For the public magpie_sim_* functions: if rc is an error, makes it the
+ * thread's last error, with "fn: detail" as the message. Returns rc. */
+int sim_public_result(const char *fn, int rc);
+
+/* Reads the environment once (thread-safe) and starts the reaper. Returns
+ * MAGPIE_OK, or MAGPIE_ERR_CONFIG with the offending variable in the detail
+ * on every call if a variable was malformed. */
+int sim_init(void);
+/* Number of simulated devices (valid after sim_init succeeded). */
+int sim_device_count(void);
+/* The calling thread's current device. */
+int sim_current_device(void);
+int sim_set_current_device(int device);
+
+/* Parses a decimal count, with an optional k/m/g suffix (powers of 1024)
+ * when allow_suffix. Returns 0 on success, -1 on a malformed value or
+ * overflow. */
+int sim_parse_size(const char *text, int allow_suffix, uint64_t *out);
+
+/* ---- streams (sim_stream.c) ---- */
+
+struct sim_stream;
+struct sim_cell;
+
+/* A stream handle is the address of a slot in sim_slots. Slots live for the
+ * whole process; destroying a stream empties its slot and pushes it on a
+ * LIFO free list, so the next stream created gets the most recently
+ * destroyed handle, with a new id.
+ *
+ * INVARIANT: id != 0 iff the slot holds a live (not destroyed) stream, and
+ * then stream and device describe that stream. Ids are never reused.
+ *
+ * The fields are atomic so that stream_id on one thread and destroy on
+ * another do not race on plain memory; a handle used while another thread
+ * destroys it is still the caller's bug (CUDA has the same rule).
+ * id, stream, device: written by the creating thread (stream and device
+ *   first, then id with release) and by the destroying thread (id cleared
+ *   first); read by any thread resolving the handle. stream_id loads id
+ *   relaxed (it needs only the value); sim_stream_resolve loads id with
+ *   acquire, pairing with the creator's release, before using stream.
+ * next_free: only under the slot lock in sim_stream.c. */
+struct sim_slot {
+  _Alignas(64) _Atomic uint64_t id;
+  _Atomic(struct sim_stream *) stream;
+  _Atomic int device;
+  uint32_t next_free; /* index + 1 of the next free slot, 0 = none */
+};
+
+extern struct sim_slot sim_slots[SIM_MAX_HANDLES];
+
+/* Id of a special handle (0, 1, MAGPIE_SIM_STREAM_PER_THREAD) for the
+ * calling thread's current device, creating the stream on first use; 0 for
+ * anything that is not a valid handle. */
+uint64_t sim_stream_id_slow(cudaStream_t h);
+
+/* The allocation hot path: a range check and one load for a created
+ * stream's handle; special handles take the (still lock-free once created)
+ * slow path. 0 means invalid (destroyed, or not a handle). */
+static inline uint64_t sim_stream_id(cudaStream_t h) {
+  uintptr_t off = (uintptr_t)h - (uintptr_t)sim_slots;
+  if (off < sizeof sim_slots && off % sizeof(struct sim_slot) == 0)
+    return atomic_load_explicit(&sim_slots[off / sizeof(struct sim_slot)].id,
+                                memory_order_relaxed);
+  return sim_stream_id_slow(h);
+}
+
+/* The device of the stream h names, or -1 if h is invalid. */
+int sim_stream_device_of_handle(cudaStream_t h);
+/* Resolves h (creating a default or per-thread stream on first use).
+ * MAGPIE_ERR_INVALID_STREAM for a destroyed or unknown handle. */
+int sim_stream_resolve(cudaStream_t h, struct sim_stream **out);
+int sim_stream_device(const struct sim_stream *s);
+
+int sim_stream_create(cudaStream_t *out);
+int sim_stream_destroy(cudaStream_t h);
+int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg);
+int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited);
+int sim_stream_synchronize(cudaStream_t h);
+int sim_stream_device_synchronize(int device);
+
+/* Enqueue on s a marker that completes c when it runs. On success the
+ * queue owns one of the caller's references to c; on failure the caller
+ * still owns it. */
+int sim_stream_enqueue_marker(struct sim_stream *s, struct sim_cell *c);
+/* Enqueue on s a wait: later work on s starts after c completed. Takes over
+ * one reference like sim_stream_enqueue_marker. */
+int sim_stream_enqueue_wait(struct sim_stream *s, struct sim_cell *c);
+
+/* ---- completion cells and events (sim_event.c) ---- */
+
+/* A cell is one point on one stream: it completes when the marker that was
+ * enqueued for it runs. Reference-counted; the last reference hands it to
+ * the reaper thread, which frees it. NULL when out of host memory. */
+struct sim_cell *sim_cell_new(uint32_t refs);
+void sim_cell_ref(struct sim_cell *c);
+void sim_cell_unref(struct sim_cell *c);
+/* Marks c complete (release) and wakes its waiters; called by the worker
+ * running the marker. */
+void sim_cell_complete(struct sim_cell *c);
+/* 1 if complete (acquire: the marked work happens before the caller). */
+int sim_cell_is_complete(struct sim_cell *c);
+/* Blocks until complete (acquire). */
+void sim_cell_wait(struct sim_cell *c);
+/* Starts the reaper thread; called once by sim_init. */
+void sim_event_start_reaper(void);
+
+int sim_event_create(int device, magpie_sim_event *out);
+int sim_event_destroy(magpie_sim_event e);
+int sim_event_record(magpie_sim_event e, cudaStream_t s);
+/* MAGPIE_OK when complete, MAGPIE_SIM_NOT_READY before, or an error. */
+int sim_event_query(magpie_sim_event e);
+int sim_event_synchronize(magpie_sim_event e);
+int sim_event_stream_wait(cudaStream_t s, magpie_sim_event e);
+
+/* ---- memory (sim_memory.c) ---- */
+
+/* Reads MAGPIE_SIM_MEMORY and MAGPIE_SIM_VMM; called once by sim_init.
+ * Returns MAGPIE_OK or MAGPIE_ERR_CONFIG with the reason in detail. */
+int sim_memory_configure(char *detail, size_t detail_len);
+/* Capacity of one device (tests set small ones). Bytes already in use stay
+ * in use; a capacity below them leaves no free memory until they are
+ * given back. */
+int sim_memory_set_capacity(int device, size_t bytes);
+/* Whether reserve/map/unmap are offered (MAGPIE_SIM_VMM). */
+int sim_memory_vmm_supported(void);
+void sim_memory_set_vmm(int supported);
+
+int sim_memory_info(int device, size_t *free_bytes, size_t *total_bytes);
+int sim_memory_reserve(int device, size_t size, uintptr_t *base);
+int sim_memory_unreserve(int device, uintptr_t base, size_t size);
+int sim_memory_map(int device, uintptr_t addr, size_t size);
+int sim_memory_unmap(int device, uintptr_t addr, size_t size);
+int sim_memory_alloc(int device, size_t size, uintptr_t *out);
+int sim_memory_free(int device, uintptr_t ptr, size_t size);
+
+#endif /* MAGPIE_SIM_INTERNAL_H */
