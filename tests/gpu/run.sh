@@ -35,7 +35,8 @@ done
 
 runner=()
 if ((sanitize)); then
-  export MAGPIE_GPU_HOLD_SECONDS=${MAGPIE_GPU_HOLD_SECONDS:-300}
+  export MAGPIE_GPU_HOLD_SECONDS=${MAGPIE_GPU_HOLD_SECONDS:-120}
+  export MAGPIE_GPU_UNDER_SANITIZER=1
   cs=$(command -v compute-sanitizer || true)
   for d in "${CUDA_HOME:-/usr/local/cuda}/bin" /usr/local/cuda/bin; do
     [[ -z $cs && -x $d/compute-sanitizer ]] && cs=$d/compute-sanitizer
