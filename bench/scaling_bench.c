@@ -2,10 +2,12 @@
  * of live blocks of mixed sizes (256 B - 64 KiB) and replacing a random one
  * per step (free + alloc). Aggregate operations per second for magpie and,
  * in the same run, glibc malloc (and CUDA's pool on a GPU); magpie's
- * reserved memory against the sum of live bytes.
+ * reserved memory against the sum of live bytes. Thread i runs pinned to
+ * CPU i (mod the CPU count).
  *
  *   scaling_bench [max_threads] [seconds_per_point] [window] */
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -17,7 +19,7 @@
 enum { ALLOC_MAGPIE, ALLOC_GLIBC, ALLOC_POOL };
 
 typedef struct worker {
-  int kind, window;
+  int index, kind, window;
   double seconds;
   cudaStream_t stream;
   uint64_t ops;
@@ -39,6 +41,15 @@ static void free_one(int kind, void *p, cudaStream_t s) {
 
 static void *worker_main(void *arg) {
   worker *w = arg;
+  /* One thread per CPU, pinned: a scaling figure should not depend on the
+   * scheduler putting two threads on one CPU for part of the run. */
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  if (ncpu > 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET((int)(w->index % ncpu), &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+  }
   devshim_thread_init();
   uint64_t seed = 0x9E3779B97F4A7C15ull ^ (uint64_t)(uintptr_t)w;
   void **live = calloc((size_t)w->window, sizeof *live);
@@ -81,7 +92,7 @@ static double run_point(int kind, int threads, double seconds, int window, cudaS
   pthread_barrier_t start;
   pthread_barrier_init(&start, NULL, (unsigned)threads);
   for (int i = 0; i < threads; i++) {
-    w[i] = (worker){.kind = kind, .window = window, .seconds = seconds, .stream = streams[i], .start = &start};
+    w[i] = (worker){.index = i, .kind = kind, .window = window, .seconds = seconds, .stream = streams[i], .start = &start};
     pthread_create(&t[i], NULL, worker_main, &w[i]);
   }
   double t0 = bench_now();

@@ -32,8 +32,11 @@ typedef struct epoch_ticket {
   struct event_node *ev;
 } epoch_ticket;
 
+/* Cache-line aligned: magazines of different threads sit side by side in
+ * the registry, and a shared line would make their owners' plain writes
+ * contend. */
 typedef struct magazine {
-  registry_link link; /* must be first: stack node */
+  _Alignas(64) registry_link link; /* must be first: stack node */
   uint32_t count;
   uint32_t cap;
   uint32_t cls;
