@@ -22,15 +22,11 @@
  * together; nothing else is locked under either. Workers take neither.
  */
 #include <errno.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "backend.h"
 #include "sim_internal.h"
@@ -56,14 +52,6 @@ struct sim_cell {
   _Atomic uint32_t refs;
   struct sim_cell *reap_next; /* written by the last dropper before its push */
 };
-
-static void sim_futex_wait(_Atomic uint32_t *word, uint32_t expected) {
-  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
-}
-
-static void sim_futex_wake_all(_Atomic uint32_t *word) {
-  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
 
 struct sim_cell *sim_cell_new(uint32_t refs) {
   struct sim_cell *c = malloc(sizeof *c);

@@ -8,7 +8,7 @@
  * record, stream synchronize, stream waits) and device synchronize. The
  * consequences for the data structures:
  *   - stream queues are lock-free MPSC queues: producers release, the worker
- *     acquires; the wake-up (a semaphore) is posted by producers only;
+ *     acquires, one edge per enqueued node; the wake-up adds no edge;
  *   - objects touched by a worker and by other threads are freed by the
  *     thread that already holds every edge (the worker itself for its
  *     stream, the reaper thread for completion cells), never by whichever
@@ -20,9 +20,13 @@
 #ifndef MAGPIE_SIM_INTERNAL_H
 #define MAGPIE_SIM_INTERNAL_H
 
+#include <limits.h>
+#include <linux/futex.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "magpie.h"
 #include "magpie_sim.h"
@@ -36,6 +40,22 @@
 /* Streams per device that can exist at once, counting destroyed streams
  * whose workers are still draining, default and per-thread streams. */
 #define SIM_MAX_STREAMS 4096
+
+/* Futex wait and wake on a 32-bit atomic. ThreadSanitizer does not see
+ * these system calls, so they add no happens-before edge: the atomics around
+ * them carry exactly the edges the simulator means. Spurious returns are
+ * allowed; callers re-check. */
+static inline void sim_futex_wait(_Atomic uint32_t *word, uint32_t expected) {
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static inline void sim_futex_wake_one(_Atomic uint32_t *word) {
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+static inline void sim_futex_wake_all(_Atomic uint32_t *word) {
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
 
 /* ---- configuration, start-up, errors (sim_stream.c) ---- */
 

@@ -4,8 +4,12 @@
  * simulator's start-up (environment) and devices.
  *
  * Happens-before edges made here (see sim_internal.h for the rule):
- *   host -> worker: a push (release) read by the worker (acquire), and the
- *     wake-up semaphore, which only producers post;
+ *   host -> worker: exactly one per closure, the push (release) of its node
+ *     read by the worker (acquire). The wake-up is a futex-based token whose
+ *     atomics are relaxed (ordered with fences, which ThreadSanitizer does
+ *     not model): a semaphore would hand the worker the poster's latest
+ *     state, including what the host learned from other streams after
+ *     enqueueing the closure, and so hide races between streams;
  *   worker -> others: only through completion cells (sim_event.c) and the
  *     registry entry a dying worker clears, which only device synchronize
  *     of the same device reads.
@@ -15,10 +19,8 @@
  * (a worker unlocking a lock that a host then locks would order the
  * stream's work before the host).
  */
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
-#include <semaphore.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -81,7 +83,15 @@ struct sim_stream {
    * never touches it, so no producer acquires anything from a worker. */
   _Atomic(struct sim_node *) tail;
   struct sim_node *head; /* the worker's end: worker only */
-  sem_t wake;            /* posted by producers after a push; waited by the worker */
+  /* Wake-up token, also the futex word: SIM_WAKE_NONE, SIM_WAKE_TOKEN
+   * (work was pushed since the worker last looked), SIM_WAKE_SLEEPING (the
+   * worker sleeps, no token). Producers exchange in TOKEN after a push; the
+   * worker exchanges it out, or CASes NONE -> SLEEPING before sleeping.
+   * All relaxed RMWs on this one word, so no wake-up is lost; a release
+   * fence before the producer's exchange and an acquire fence after the
+   * worker's make the pushed links visible. Deliberately invisible to
+   * ThreadSanitizer (see the top of this file). */
+  _Atomic uint32_t wake;
   struct sim_node *exit_node; /* preallocated so destroy cannot fail */
 };
 
@@ -231,11 +241,31 @@ int sim_set_current_device(int device) {
 
 /* ---------------------------------------------------------------- workers */
 
+enum { SIM_WAKE_NONE = 0, SIM_WAKE_TOKEN = 1, SIM_WAKE_SLEEPING = 2 };
+
 static void sim_stream_push(struct sim_stream *s, struct sim_node *n) {
   atomic_store_explicit(&n->next, NULL, memory_order_relaxed);
   struct sim_node *prev = atomic_exchange_explicit(&s->tail, n, memory_order_acq_rel);
   atomic_store_explicit(&prev->next, n, memory_order_release);
-  sem_post(&s->wake);
+  atomic_thread_fence(memory_order_release);
+  if (atomic_exchange_explicit(&s->wake, SIM_WAKE_TOKEN, memory_order_relaxed) ==
+      SIM_WAKE_SLEEPING)
+    sim_futex_wake_one(&s->wake);
+}
+
+/* Worker only: returns once a push happened since the last return. */
+static void sim_stream_sleep(struct sim_stream *s) {
+  for (;;) {
+    if (atomic_exchange_explicit(&s->wake, SIM_WAKE_NONE, memory_order_relaxed) ==
+        SIM_WAKE_TOKEN)
+      break;
+    uint32_t expected = SIM_WAKE_NONE;
+    if (atomic_compare_exchange_strong_explicit(&s->wake, &expected, SIM_WAKE_SLEEPING,
+                                                memory_order_relaxed, memory_order_relaxed))
+      sim_futex_wait(&s->wake, SIM_WAKE_SLEEPING);
+    /* else a token arrived meanwhile: take it on the next turn */
+  }
+  atomic_thread_fence(memory_order_acquire);
 }
 
 /* Worker only. The returned node becomes the stub; its payload is valid. */
@@ -283,7 +313,6 @@ static void sim_stream_finish(struct sim_stream *s) {
   struct sim_node *n;
   while ((n = sim_stream_pop(s)) != NULL) sim_stream_run(n);
   free(s->head);
-  sem_destroy(&s->wake);
   free(s);
 }
 
@@ -291,9 +320,7 @@ static void *sim_stream_worker(void *arg) {
   struct sim_stream *s = arg;
   int exiting = 0;
   while (!exiting) {
-    while (sem_wait(&s->wake) != 0) {
-      /* EINTR only: retry */
-    }
+    sim_stream_sleep(s);
     struct sim_node *n;
     while ((n = sim_stream_pop(s)) != NULL)
       if (sim_stream_run(n)) exiting = 1;
@@ -343,12 +370,9 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   atomic_init(&s->tail, stub);
   exit_node->kind = SIM_NODE_EXIT;
   s->exit_node = exit_node;
+  atomic_init(&s->wake, SIM_WAKE_NONE);
   int rc = sim_reg_claim(device, &s->reg_index);
   if (rc != MAGPIE_OK) goto fail_reg;
-  if (sem_init(&s->wake, 0, 0) != 0) {
-    rc = sim_fail(MAGPIE_ERR_BACKEND, "sem_init: %s", strerror(errno));
-    goto fail_sem;
-  }
 
   /* Workers get no asynchronous signals: those belong to the user's threads. */
   sigset_t all, old;
@@ -373,8 +397,6 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   return MAGPIE_OK;
 
 fail_thread:
-  sem_destroy(&s->wake);
-fail_sem:
   atomic_exchange_explicit(&sim_stream_entry(s)->stream, NULL, memory_order_release);
 fail_reg:
   free(exit_node);
@@ -384,7 +406,7 @@ fail_reg:
 }
 
 /* Enqueues EXIT: pending work still runs, then the worker frees the stream.
- * The pin keeps the worker from freeing the stream before our sem_post
+ * The pin keeps the worker from freeing the stream before our wake-up
  * returned. */
 static void sim_stream_retire(struct sim_stream *s) {
   struct sim_reg_entry *e = sim_stream_entry(s);
