@@ -120,9 +120,9 @@ uint64_t sim_stream_id_slow(cudaStream_t h);
  * stream's handle; special handles take the (still lock-free once created)
  * slow path. 0 means invalid (destroyed, or not a handle). */
 static inline uint64_t sim_stream_id(cudaStream_t h) {
-  uintptr_t off = (uintptr_t)h - (uintptr_t)sim_slots;
-  if (off < sizeof sim_slots && off % sizeof(struct sim_slot) == 0)
-    return atomic_load_explicit(&sim_slots[off / sizeof(struct sim_slot)].id,
+  uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
+  if (p >= base && p - base < sizeof sim_slots && (p - base) % sizeof(struct sim_slot) == 0)
+    return atomic_load_explicit(&sim_slots[(p - base) / sizeof(struct sim_slot)].id,
                                 memory_order_relaxed);
   return sim_stream_id_slow(h);
 }

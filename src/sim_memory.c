@@ -153,7 +153,7 @@ static int sim_mem_check_range(uintptr_t addr, size_t size) {
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
                     "range %#lx+%zu is not a nonzero multiple of the %zu-byte granularity",
                     (unsigned long)addr, size, SIM_GRANULARITY);
-  if (addr + size < addr)
+  if (size > UINTPTR_MAX - addr)
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "range %#lx+%zu wraps around",
                     (unsigned long)addr, size);
   return MAGPIE_OK;

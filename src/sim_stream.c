@@ -464,9 +464,11 @@ static void sim_thread_exit(void *arg) {
 /* ---------------------------------------------------------------- handles */
 
 static struct sim_slot *sim_slot_of(cudaStream_t h) {
-  uintptr_t off = (uintptr_t)h - (uintptr_t)sim_slots;
-  if (off < sizeof sim_slots && off % sizeof(struct sim_slot) == 0)
-    return &sim_slots[off / sizeof(struct sim_slot)];
+  uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
+  /* Two comparisons rather than one wrapping subtraction: clean under
+   * -fsanitize=unsigned-integer-overflow. */
+  if (p >= base && p - base < sizeof sim_slots && (p - base) % sizeof(struct sim_slot) == 0)
+    return &sim_slots[(p - base) / sizeof(struct sim_slot)];
   return NULL;
 }
 
