@@ -154,16 +154,16 @@ int sim_stream_enqueue_wait(struct sim_stream *s, struct sim_cell *c);
 /* A cell is one point on one stream: it completes when the marker that was
  * enqueued for it runs. Reference-counted; the last reference hands it to
  * the reaper thread, which frees it. NULL when out of host memory. */
-struct sim_cell *sim_cell_new(uint32_t refs);
-void sim_cell_ref(struct sim_cell *c);
-void sim_cell_unref(struct sim_cell *c);
+struct sim_cell *sim_event_cell_new(uint32_t refs);
+void sim_event_cell_ref(struct sim_cell *c);
+void sim_event_cell_unref(struct sim_cell *c);
 /* Marks c complete (release) and wakes its waiters; called by the worker
  * running the marker. */
-void sim_cell_complete(struct sim_cell *c);
+void sim_event_cell_complete(struct sim_cell *c);
 /* 1 if complete (acquire: the marked work happens before the caller). */
-int sim_cell_is_complete(struct sim_cell *c);
+int sim_event_cell_is_complete(struct sim_cell *c);
 /* Blocks until complete (acquire). */
-void sim_cell_wait(struct sim_cell *c);
+void sim_event_cell_wait(struct sim_cell *c);
 /* Starts the reaper thread; called once by sim_init. */
 void sim_event_start_reaper(void);
 

@@ -164,7 +164,7 @@ static int sim_init_status;
 static char sim_init_detail[256];
 static int sim_ndevices = 1;
 
-static void sim_thread_exit(void *arg);
+static void sim_stream_thread_exit(void *arg);
 
 int sim_parse_size(const char *text, int allow_suffix, uint64_t *out) {
   const char *p = text;
@@ -209,7 +209,7 @@ static void sim_init_once(void) {
     sim_init_status = rc;
     return;
   }
-  if (pthread_key_create(&sim_thread_key, sim_thread_exit) != 0) {
+  if (pthread_key_create(&sim_thread_key, sim_stream_thread_exit) != 0) {
     sim_init_status = MAGPIE_ERR_BACKEND;
     snprintf(sim_init_detail, sizeof sim_init_detail,
              "cannot create the simulator's thread key");
@@ -285,12 +285,12 @@ static int sim_stream_run(struct sim_node *n) {
       n->fn(n->arg);
       return 0;
     case SIM_NODE_MARKER:
-      sim_cell_complete(n->cell);
-      sim_cell_unref(n->cell);
+      sim_event_cell_complete(n->cell);
+      sim_event_cell_unref(n->cell);
       return 0;
     case SIM_NODE_WAIT:
-      sim_cell_wait(n->cell);
-      sim_cell_unref(n->cell);
+      sim_event_cell_wait(n->cell);
+      sim_event_cell_unref(n->cell);
       return 0;
     case SIM_NODE_EXIT:
       return 1;
@@ -331,7 +331,7 @@ static void *sim_stream_worker(void *arg) {
 
 /* ---------------------------------------------------------------- creation */
 
-static int sim_reg_claim(int device, uint32_t *index) {
+static int sim_stream_reg_claim(int device, uint32_t *index) {
   struct sim_device *d = &sim_devices[device];
   for (uint32_t i = 0; i < SIM_MAX_STREAMS; i++) {
     struct sim_stream *expected = NULL;
@@ -371,7 +371,7 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   exit_node->kind = SIM_NODE_EXIT;
   s->exit_node = exit_node;
   atomic_init(&s->wake, SIM_WAKE_NONE);
-  int rc = sim_reg_claim(device, &s->reg_index);
+  int rc = sim_stream_reg_claim(device, &s->reg_index);
   if (rc != MAGPIE_OK) goto fail_reg;
 
   /* Workers get no asynchronous signals: those belong to the user's threads. */
@@ -453,7 +453,7 @@ static int sim_stream_per_thread(int device, struct sim_stream **out) {
 
 /* Thread exit: retire the thread's per-thread streams (their pending work
  * still runs). */
-static void sim_thread_exit(void *arg) {
+static void sim_stream_thread_exit(void *arg) {
   struct sim_thread *t = arg;
   for (int d = 0; d < SIM_MAX_DEVICES; d++)
     if (t->per_thread[d] != NULL) sim_stream_retire(t->per_thread[d]);
@@ -463,7 +463,7 @@ static void sim_thread_exit(void *arg) {
 
 /* ---------------------------------------------------------------- handles */
 
-static struct sim_slot *sim_slot_of(cudaStream_t h) {
+static struct sim_slot *sim_stream_slot_of(cudaStream_t h) {
   uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
   /* Two comparisons rather than one wrapping subtraction: clean under
    * -fsanitize=unsigned-integer-overflow. */
@@ -472,12 +472,12 @@ static struct sim_slot *sim_slot_of(cudaStream_t h) {
   return NULL;
 }
 
-static int sim_is_special(cudaStream_t h) {
+static int sim_stream_is_special(cudaStream_t h) {
   return h == NULL || h == (cudaStream_t)1 || h == MAGPIE_SIM_STREAM_PER_THREAD;
 }
 
 int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
-  struct sim_slot *slot = sim_slot_of(h);
+  struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot != NULL) {
     if (atomic_load_explicit(&slot->id, memory_order_acquire) != 0) {
       struct sim_stream *s = atomic_load_explicit(&slot->stream, memory_order_relaxed);
@@ -488,7 +488,7 @@ int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
     }
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)h);
   }
-  if (!sim_is_special(h))
+  if (!sim_stream_is_special(h))
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
                     (void *)h);
   int rc = sim_init();
@@ -500,19 +500,19 @@ int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
 
 uint64_t sim_stream_id_slow(cudaStream_t h) {
   struct sim_stream *s;
-  if (!sim_is_special(h) || sim_stream_resolve(h, &s) != MAGPIE_OK) return 0;
+  if (!sim_stream_is_special(h) || sim_stream_resolve(h, &s) != MAGPIE_OK) return 0;
   return s->id;
 }
 
 int sim_stream_device(const struct sim_stream *s) { return s->device; }
 
 int sim_stream_device_of_handle(cudaStream_t h) {
-  struct sim_slot *slot = sim_slot_of(h);
+  struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot != NULL) {
     if (atomic_load_explicit(&slot->id, memory_order_acquire) == 0) return -1;
     return atomic_load_explicit(&slot->device, memory_order_relaxed);
   }
-  if (!sim_is_special(h) || sim_init() != MAGPIE_OK) return -1;
+  if (!sim_stream_is_special(h) || sim_init() != MAGPIE_OK) return -1;
   return sim_tls_device;
 }
 
@@ -553,9 +553,9 @@ int sim_stream_create(cudaStream_t *out) {
 }
 
 int sim_stream_destroy(cudaStream_t h) {
-  struct sim_slot *slot = sim_slot_of(h);
+  struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot == NULL) {
-    if (sim_is_special(h))
+    if (sim_stream_is_special(h))
       return sim_fail(MAGPIE_ERR_INVALID_STREAM,
                       "the default and per-thread streams cannot be destroyed");
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
@@ -579,7 +579,7 @@ int sim_stream_destroy(cudaStream_t h) {
 
 /* ---------------------------------------------------------------- work */
 
-static struct sim_node *sim_node_new(enum sim_node_kind kind, void (*fn)(void *), void *arg,
+static struct sim_node *sim_stream_node_new(enum sim_node_kind kind, void (*fn)(void *), void *arg,
                                      struct sim_cell *c) {
   struct sim_node *n = malloc(sizeof *n);
   if (n == NULL) return NULL;
@@ -593,7 +593,7 @@ static struct sim_node *sim_node_new(enum sim_node_kind kind, void (*fn)(void *)
 
 static int sim_stream_enqueue(struct sim_stream *s, enum sim_node_kind kind,
                               void (*fn)(void *), void *arg, struct sim_cell *c) {
-  struct sim_node *n = sim_node_new(kind, fn, arg, c);
+  struct sim_node *n = sim_stream_node_new(kind, fn, arg, c);
   if (n == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream's work");
   sim_stream_push(s, n);
   return MAGPIE_OK;
@@ -621,16 +621,16 @@ int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited) {
   if (rc == MAGPIE_OK) rc = sim_stream_resolve(waited, &b);
   if (rc != MAGPIE_OK) return rc;
   if (a == b) return MAGPIE_OK; /* a stream is already ordered with itself */
-  struct sim_cell *c = sim_cell_new(2);
+  struct sim_cell *c = sim_event_cell_new(2);
   if (c == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream wait");
   /* Both nodes exist before either is pushed: a failure leaves no half wait. */
-  struct sim_node *marker = sim_node_new(SIM_NODE_MARKER, NULL, NULL, c);
-  struct sim_node *wait = sim_node_new(SIM_NODE_WAIT, NULL, NULL, c);
+  struct sim_node *marker = sim_stream_node_new(SIM_NODE_MARKER, NULL, NULL, c);
+  struct sim_node *wait = sim_stream_node_new(SIM_NODE_WAIT, NULL, NULL, c);
   if (marker == NULL || wait == NULL) {
     free(marker);
     free(wait);
-    sim_cell_unref(c);
-    sim_cell_unref(c);
+    sim_event_cell_unref(c);
+    sim_event_cell_unref(c);
     return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream wait");
   }
   sim_stream_push(b, marker);
@@ -642,16 +642,16 @@ int sim_stream_synchronize(cudaStream_t h) {
   struct sim_stream *s;
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;
-  struct sim_cell *c = sim_cell_new(2);
+  struct sim_cell *c = sim_event_cell_new(2);
   if (c == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a synchronize");
   rc = sim_stream_enqueue_marker(s, c);
   if (rc != MAGPIE_OK) {
-    sim_cell_unref(c);
-    sim_cell_unref(c);
+    sim_event_cell_unref(c);
+    sim_event_cell_unref(c);
     return rc;
   }
-  sim_cell_wait(c);
-  sim_cell_unref(c);
+  sim_event_cell_wait(c);
+  sim_event_cell_unref(c);
   return MAGPIE_OK;
 }
 
@@ -681,7 +681,7 @@ int sim_stream_device_synchronize(int device) {
           cap = ncap;
         }
       }
-      struct sim_cell *c = rc == MAGPIE_OK ? sim_cell_new(2) : NULL;
+      struct sim_cell *c = rc == MAGPIE_OK ? sim_event_cell_new(2) : NULL;
       if (rc == MAGPIE_OK && c == NULL)
         rc = sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a device synchronize");
       if (c != NULL) {
@@ -689,8 +689,8 @@ int sim_stream_device_synchronize(int device) {
         if (rc == MAGPIE_OK) {
           cells[ncells++] = c;
         } else {
-          sim_cell_unref(c);
-          sim_cell_unref(c);
+          sim_event_cell_unref(c);
+          sim_event_cell_unref(c);
         }
       }
     }
@@ -698,8 +698,8 @@ int sim_stream_device_synchronize(int device) {
   }
   /* Even after a failure, wait for what was enqueued: nothing half done. */
   for (size_t k = 0; k < ncells; k++) {
-    sim_cell_wait(cells[k]);
-    sim_cell_unref(cells[k]);
+    sim_event_cell_wait(cells[k]);
+    sim_event_cell_unref(cells[k]);
   }
   free(cells);
   return rc;
@@ -753,9 +753,9 @@ MAGPIE_API int magpie_sim_device_synchronize(void) {
 MAGPIE_API uint64_t magpie_sim_stream_id(cudaStream_t s) {
   uint64_t id = sim_stream_id(s);
   if (id == 0) {
-    if (sim_slot_of(s) != NULL)
+    if (sim_stream_slot_of(s) != NULL)
       sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)s);
-    else if (!sim_is_special(s))
+    else if (!sim_stream_is_special(s))
       sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
                (void *)s);
     sim_public_result("magpie_sim_stream_id", MAGPIE_ERR_INVALID_STREAM);
