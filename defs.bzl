@@ -8,4 +8,5 @@ MAGPIE_COPTS = [
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
+    "-Werror=implicit-function-declaration",
 ]

@@ -74,6 +74,10 @@ typedef struct magpie_config {
 } magpie_config;
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg);
+/* The backend in use (MAGPIE_BACKEND_CUDA or MAGPIE_BACKEND_SIM),
+ * initialising from the environment if needed; -1 with the error set if
+ * initialisation failed. */
+MAGPIE_API int magpie_active_backend(void);
 /* Initialise explicitly. Returns MAGPIE_ERR_ALREADY_INITIALIZED if the
  * library is already running (it configures itself lazily on first use). */
 MAGPIE_API int magpie_init(const magpie_config *cfg);
@@ -99,7 +103,7 @@ typedef struct magpie_stats {
   uint64_t slab_count;
   uint64_t depot_exchanges;   /* magazines taken from / given to the depot */
   uint64_t events_recorded;   /* one per magazine leaving a thread's stream */
-  uint64_t cross_stream_migrations; /* magazines reused on another stream */
+  uint64_t cross_stream_migrations; /* sealed magazines released to every stream */
   uint64_t same_stream_reuses;      /* pending magazines reused on their own stream */
   uint64_t limbo_magazines;   /* magazines whose stream died; waited by device sync */
 } magpie_stats;

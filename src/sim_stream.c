@@ -131,6 +131,15 @@ struct sim_device {
    * CAS) by creators, read (relaxed) by device synchronize to bound its
    * scan: a claim that happens before the synchronize is seen by coherence. */
   _Atomic uint32_t reg_high;
+  /* Streams of this device whose workers finished (all their work ran).
+   * Incremented by each dying worker as its last act, with a release
+   * read-modify-write; read with acquire by device synchronize. Every
+   * release RMW merges into what the next acquire sees, so one load orders
+   * the work of every finished worker before the synchronize, without
+   * leaning on release sequences through other threads' RMWs (which
+   * ThreadSanitizer does not follow) and without giving stream creators an
+   * edge from dead streams that CUDA does not have. */
+  _Atomic uint64_t retired;
   struct sim_reg_entry reg[SIM_MAX_STREAMS];
 };
 
@@ -312,6 +321,7 @@ static void sim_stream_finish(struct sim_stream *s) {
     sched_yield(); /* a pin lasts one push: a few instructions */
   struct sim_node *n;
   while ((n = sim_stream_pop(s)) != NULL) sim_stream_run(n);
+  atomic_fetch_add_explicit(&sim_devices[s->device].retired, 1, memory_order_release);
   free(s->head);
   free(s);
 }
@@ -702,6 +712,9 @@ int sim_stream_device_synchronize(int device) {
     sim_event_cell_unref(cells[k]);
   }
   free(cells);
+  /* Destroyed streams whose workers already finished: their work is done,
+   * and this acquire orders it before the caller (see sim_device.retired). */
+  (void)atomic_load_explicit(&d->retired, memory_order_acquire);
   return rc;
 }
 

@@ -13,6 +13,8 @@ def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwarg
             "@system_libs//:cmocka",
         ] + deps,
         size = size,
+        # Static: hidden library internals must resolve in the test binary.
+        linkstatic = True,
         tags = tags,
         **kwargs
     )

@@ -1,7 +1,8 @@
 """Repository rules for what magpie takes from the host system.
 
 system_libs: jemalloc (as a private, symbol-localized archive) and cmocka.
-cuda_toolkit: the CUDA toolkit's headers, honouring CUDA_HOME; optional.
+cuda_toolkit: the CUDA toolkit's headers, driver stub and nvcc, honouring
+CUDA_HOME; optional (defs.bzl says what was found).
 """
 
 # jemalloc entry points magpie calls; everything else in the archive is made
@@ -86,7 +87,23 @@ def _cuda_toolkit_impl(rctx):
         rctx.symlink(home + "/include", "include")
     else:
         rctx.file("include/.none", "")
-    rctx.file("defs.bzl", "HAVE_CUDA = %s\nCUDA_HOME = %r\n" % (have, home))
+
+    # The driver stub (GPU tests link it; the real libcuda.so.1 answers at
+    # run time) and nvcc (GPU test kernels): both optional.
+    stub = home + "/lib64/stubs/libcuda.so"
+    have_stub = have and rctx.path(stub).exists
+    if have_stub:
+        rctx.symlink(stub, "lib64/stubs/libcuda.so")
+    nvcc = home + "/bin/nvcc"
+    have_nvcc = have and rctx.path(nvcc).exists
+    rctx.file("defs.bzl", "\n".join([
+        "HAVE_CUDA = %s" % have,
+        "CUDA_HOME = %r" % home,
+        "# The GPU tests need the driver stub and nvcc besides the headers.",
+        "HAVE_CUDA_GPU_TESTS = %s" % (have_stub and have_nvcc),
+        "NVCC = %r" % (nvcc if have_nvcc else ""),
+        "",
+    ]))
     rctx.file("BUILD", """
 package(default_visibility = ["//visibility:public"])
 
@@ -94,6 +111,12 @@ cc_library(
     name = "headers",
     hdrs = glob(["include/*.h", "include/*.hpp", "include/crt/*.h", "include/crt/*.hpp"]),
     strip_include_prefix = "include",
+)
+
+# Empty where the toolkit has no stub.
+cc_library(
+    name = "driver_stub",
+    srcs = glob(["lib64/stubs/libcuda.so"]),
 )
 """)
 

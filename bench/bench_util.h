@@ -1,0 +1,38 @@
+/* Timing helpers shared by the benchmarks. */
+#ifndef MAGPIE_BENCH_UTIL_H
+#define MAGPIE_BENCH_UTIL_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+static inline double bench_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Keep the compiler from eliding an allocation whose result is unused. */
+static inline void bench_escape(void *p) { __asm__ volatile("" : : "g"(p) : "memory"); }
+
+static int bench_cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static inline double bench_median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* xorshift64*: cheap, thread-local randomness. */
+static inline uint64_t bench_rand(uint64_t *s) {
+  uint64_t x = *s;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  *s = x;
+  return x * 0x2545F4914F6CDD1Dull;
+}
+
+#endif

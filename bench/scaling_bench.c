@@ -1,0 +1,141 @@
+/* Thread scaling: T threads, each on its own stream, each keeping a window
+ * of live blocks of mixed sizes (256 B - 64 KiB) and replacing a random one
+ * per step (free + alloc). Aggregate operations per second for magpie and,
+ * in the same run, glibc malloc (and CUDA's pool on a GPU); magpie's
+ * reserved memory against the sum of live bytes.
+ *
+ *   scaling_bench [max_threads] [seconds_per_point] [window] */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "bench/bench_util.h"
+#include "magpie.h"
+#include "tools/devshim.h"
+
+enum { ALLOC_MAGPIE, ALLOC_GLIBC, ALLOC_POOL };
+
+typedef struct worker {
+  int kind, window;
+  double seconds;
+  cudaStream_t stream;
+  uint64_t ops;
+  size_t peak_live;
+  pthread_barrier_t *start;
+} worker;
+
+static void *alloc_one(int kind, size_t size, cudaStream_t s) {
+  if (kind == ALLOC_MAGPIE) return magpie_malloc_async(size, s);
+  if (kind == ALLOC_GLIBC) return malloc(size);
+  return devshim_pool_alloc(size, s);
+}
+
+static void free_one(int kind, void *p, cudaStream_t s) {
+  if (kind == ALLOC_MAGPIE) magpie_free_async(p, s);
+  else if (kind == ALLOC_GLIBC) free(p);
+  else devshim_pool_free(p, s);
+}
+
+static void *worker_main(void *arg) {
+  worker *w = arg;
+  devshim_thread_init();
+  uint64_t seed = 0x9E3779B97F4A7C15ull ^ (uint64_t)(uintptr_t)w;
+  void **live = calloc((size_t)w->window, sizeof *live);
+  size_t *sz = calloc((size_t)w->window, sizeof *sz);
+  size_t cur = 0;
+  pthread_barrier_wait(w->start);
+  double end = bench_now() + w->seconds;
+  uint64_t ops = 0;
+  while (1) {
+    for (int k = 0; k < 256; k++) {
+      uint64_t r = bench_rand(&seed);
+      int i = (int)(r % (uint64_t)w->window);
+      if (live[i]) {
+        free_one(w->kind, live[i], w->stream);
+        cur -= sz[i];
+        ops++;
+      }
+      sz[i] = (size_t)256 << ((r >> 32) % 9);
+      live[i] = alloc_one(w->kind, sz[i], w->stream);
+      if (live[i]) {
+        cur += sz[i];
+        if (cur > w->peak_live) w->peak_live = cur;
+      }
+      ops++;
+    }
+    if (bench_now() >= end) break;
+  }
+  for (int i = 0; i < w->window; i++)
+    if (live[i]) free_one(w->kind, live[i], w->stream);
+  w->ops = ops;
+  free(live);
+  free(sz);
+  return NULL;
+}
+
+static double run_point(int kind, int threads, double seconds, int window, cudaStream_t *streams,
+                        size_t *sum_peaks) {
+  worker *w = calloc((size_t)threads, sizeof *w);
+  pthread_t *t = calloc((size_t)threads, sizeof *t);
+  pthread_barrier_t start;
+  pthread_barrier_init(&start, NULL, (unsigned)threads);
+  for (int i = 0; i < threads; i++) {
+    w[i] = (worker){.kind = kind, .window = window, .seconds = seconds, .stream = streams[i], .start = &start};
+    pthread_create(&t[i], NULL, worker_main, &w[i]);
+  }
+  double t0 = bench_now();
+  uint64_t ops = 0;
+  size_t peaks = 0;
+  for (int i = 0; i < threads; i++) {
+    pthread_join(t[i], NULL);
+    ops += w[i].ops;
+    peaks += w[i].peak_live;
+  }
+  double el = bench_now() - t0;
+  pthread_barrier_destroy(&start);
+  free(w);
+  free(t);
+  if (sum_peaks) *sum_peaks = peaks;
+  return (double)ops / el;
+}
+
+int main(int argc, char **argv) {
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  int max_threads = argc > 1 ? atoi(argv[1]) : (int)ncpu;
+  double seconds = argc > 2 ? atof(argv[2]) : 1.0;
+  int window = argc > 3 ? atoi(argv[3]) : 64;
+  if (max_threads < 1 || max_threads > 256 || seconds <= 0 || window < 1) {
+    fprintf(stderr, "usage: scaling_bench [max_threads] [seconds_per_point] [window]\n");
+    return 2;
+  }
+  if (devshim_init() != 0) return 1;
+  int cuda = devshim_is_cuda();
+  int pool = cuda && devshim_pool_prepare() == 0;
+  cudaStream_t *streams = calloc((size_t)max_threads, sizeof *streams);
+  for (int i = 0; i < max_threads; i++)
+    if ((streams[i] = devshim_stream_create()) == NULL) return 1;
+  printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB, %.1f s per point, %ld cpus, device: %s\n",
+         window, seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
+  printf("%7s %14s %9s %14s %9s", "threads", "magpie Mops/s", "x 1 thr", "glibc Mops/s", "mp/glibc");
+  if (pool) printf(" %14s %9s", "pool Mops/s", "mp/pool");
+  printf(" %16s\n", "reserved/peaks");
+  double base = 0;
+  for (int th = 1; th <= max_threads; th *= 2) {
+    size_t peaks = 0;
+    double m = run_point(ALLOC_MAGPIE, th, seconds, window, streams, &peaks);
+    magpie_stats st;
+    magpie_stats_get(0, &st);
+    double g = run_point(ALLOC_GLIBC, th, seconds, window, streams, NULL);
+    if (th == 1) base = m;
+    printf("%7d %14.2f %9.2f %14.2f %9.2f", th, m / 1e6, m / base, g / 1e6, m / g);
+    if (pool) {
+      double p = run_point(ALLOC_POOL, th, seconds, window, streams, NULL);
+      printf(" %14.2f %9.1f", p / 1e6, m / p);
+    }
+    printf(" %16.2f\n", peaks ? (double)st.peak_reserved_bytes / (double)peaks : 0.0);
+    if (th < max_threads && th * 2 > max_threads) th = max_threads / 2; /* end on max_threads */
+  }
+  devshim_synchronize();
+  return 0;
+}

@@ -1,0 +1,19 @@
+/* The public allocation API: thin wrappers over the thread-cache fast
+ * paths (tcache.h), which fall through to the slow paths in tcache.c. */
+#include "error.h"
+#include "tcache.h"
+
+MAGPIE_API void *magpie_malloc_async(size_t size, cudaStream_t stream) { return tcache_alloc(size, stream); }
+
+MAGPIE_API int magpie_free_async(void *ptr, cudaStream_t stream) { return tcache_free(ptr, stream); }
+
+MAGPIE_API void *magpie_malloc(size_t size) { return tcache_alloc(size, (cudaStream_t)0); }
+
+MAGPIE_API int magpie_free(void *ptr) { return tcache_free(ptr, (cudaStream_t)0); }
+
+MAGPIE_API size_t magpie_usable_size(const void *ptr) {
+  slab *sl = pagemap_lookup((uintptr_t)ptr);
+  uint32_t i = 0;
+  if (sl == NULL || !slab_block_index(sl, (uintptr_t)ptr, &i)) return 0;
+  return sl->bsize;
+}

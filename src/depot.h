@@ -1,0 +1,40 @@
+/* The depot: per heap and size class, the magazines no thread holds.
+ *
+ *   full    — ready for any stream (fresh from a slab, or their epoch has
+ *             completed);
+ *   pending — sealed by a stream whose epoch may not have completed; ready
+ *             at once for that same stream, for others after the epoch.
+ *
+ * Both are lock-free stacks. Threads exchange whole magazines here on their
+ * slow paths only (one exchange per magazine's worth of operations). */
+#ifndef MAGPIE_DEPOT_H
+#define MAGPIE_DEPOT_H
+
+#include <stdint.h>
+
+#include "magazine.h"
+#include "stack.h"
+
+struct heap;
+
+typedef struct depot {
+  stack full;
+  stack pending;
+  /* Threads currently holding the pending list taken for a scan (relaxed
+   * counter; a heuristic that keeps others from mapping a new slab while
+   * reusable magazines are only out for inspection). */
+  _Atomic int scanners;
+} depot;
+
+void depot_init(depot *d);
+/* Give a non-empty magazine to the depot: to pending if it carries a ticket,
+ * else to full. */
+void depot_put(struct heap *h, magazine *m);
+/* A magazine whose blocks stream_id may use now, or NULL. Never blocks and
+ * never maps memory. The returned magazine carries no ticket. */
+magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id);
+/* Pressure: wait for every pending magazine of class cls (blocking on their
+ * events) and move them to full. Returns how many moved. */
+int depot_wait_pending(struct heap *h, unsigned cls);
+
+#endif /* MAGPIE_DEPOT_H */

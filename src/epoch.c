@@ -1,0 +1,133 @@
+/* Stream records, the event pool, sealing and completion checks.
+ * Lock order: see epoch.h (table lock and seal lock are never nested). */
+#include "epoch.h"
+
+#include <string.h>
+
+#include "meta.h"
+
+static registry event_registry;
+
+void epoch_module_init(void) { registry_init(&event_registry, sizeof(event_node)); }
+
+int epoch_table_init(epoch_table *t, int device, const backend_ops *ops) {
+  memset(t, 0, sizeof *t);
+  t->device = device;
+  t->ops = ops;
+  pthread_mutex_init(&t->lock, NULL);
+  stack_init(&t->free_events);
+  return MAGPIE_OK;
+}
+
+static inline unsigned epoch_bucket(uint64_t id) {
+  return (unsigned)((id * 0x9E3779B97F4A7C15ull) >> 56) & (EPOCH_BUCKETS - 1);
+}
+
+stream_rec *epoch_stream_acquire(epoch_table *t, uint64_t id) {
+  unsigned b = epoch_bucket(id);
+  pthread_mutex_lock(&t->lock);
+  for (stream_rec *r = t->buckets[b]; r; r = r->hnext) {
+    if (r->id != id) continue;
+    int64_t refs = atomic_load_relaxed(&r->refs);
+    while (refs > 0 && !atomic_cas_weak_acq_rel(&r->refs, &refs, refs + 1)) {
+    }
+    if (refs > 0) {
+      pthread_mutex_unlock(&t->lock);
+      return r;
+    }
+    /* refs reached 0: being freed by its last holder; make a fresh one. */
+  }
+  stream_rec *r = meta_alloc(sizeof *r);
+  if (r != NULL) {
+    r->id = id;
+    r->device = t->device;
+    r->table = t;
+    atomic_store_relaxed(&r->refs, 1);
+    pthread_mutex_init(&r->seal_lock, NULL);
+    r->hnext = t->buckets[b];
+    t->buckets[b] = r;
+    atomic_add_relaxed(&t->live_records, 1);
+  }
+  pthread_mutex_unlock(&t->lock);
+  return r;
+}
+
+void epoch_stream_release(stream_rec *r) {
+  if (r == NULL || atomic_sub_acq_rel(&r->refs, 1) != 1) return;
+  epoch_table *t = r->table;
+  pthread_mutex_lock(&t->lock);
+  for (stream_rec **pp = &t->buckets[epoch_bucket(r->id)]; *pp; pp = &(*pp)->hnext) {
+    if (*pp == r) {
+      *pp = r->hnext;
+      break;
+    }
+  }
+  atomic_sub_relaxed(&t->live_records, 1);
+  pthread_mutex_unlock(&t->lock);
+  pthread_mutex_destroy(&r->seal_lock);
+  meta_free(r);
+}
+
+static event_node *epoch_event_get(epoch_table *t) {
+  event_node *e = (event_node *)stack_pop(&t->free_events, &event_registry);
+  if (e != NULL) return e;
+  e = registry_new(&event_registry);
+  if (e == NULL) return NULL;
+  e->device = t->device;
+  if (t->ops->event_create(t->device, &e->ev) != MAGPIE_OK) {
+    /* Keep the node (type-stable) without an event; it is not pooled. */
+    return NULL;
+  }
+  atomic_add_relaxed(&t->events_created, 1);
+  return e;
+}
+
+int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
+  epoch_table *t = r->table;
+  event_node *e = epoch_event_get(t);
+  if (e == NULL) return MAGPIE_ERR_BACKEND;
+  pthread_mutex_lock(&r->seal_lock);
+  int rc = t->ops->event_record(e->ev, handle);
+  uint64_t seq = 0;
+  if (rc == MAGPIE_OK) {
+    seq = atomic_load_relaxed(&r->sealed) + 1;
+    atomic_store_relaxed(&r->sealed, seq);
+  }
+  pthread_mutex_unlock(&r->seal_lock);
+  if (rc != MAGPIE_OK) {
+    stack_push(&t->free_events, &event_registry, &e->link);
+    return rc;
+  }
+  atomic_add_relaxed(&t->events_recorded, 1);
+  epoch_stream_ref(r);
+  *out = (epoch_ticket){.rec = r, .seq = seq, .ev = e};
+  return MAGPIE_OK;
+}
+
+enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
+  stream_rec *r = t->rec;
+  if (r == NULL) return EPOCH_READY_DONE;
+  if (r->id == stream_id) return EPOCH_READY_SAME;
+  if (atomic_load_acquire(&r->done) >= t->seq) return EPOCH_READY_DONE;
+  if (r->table->ops->event_query(t->ev->ev) == MAGPIE_OK) {
+    atomic_max_u64_release(&r->done, t->seq);
+    return EPOCH_READY_DONE;
+  }
+  return EPOCH_PENDING;
+}
+
+int epoch_wait(const epoch_ticket *t) {
+  stream_rec *r = t->rec;
+  if (r == NULL || atomic_load_acquire(&r->done) >= t->seq) return MAGPIE_OK;
+  int rc = r->table->ops->event_synchronize(t->ev->ev);
+  if (rc == MAGPIE_OK) atomic_max_u64_release(&r->done, t->seq);
+  return rc;
+}
+
+void epoch_ticket_release(epoch_ticket *t) {
+  stream_rec *r = t->rec;
+  if (r == NULL) return;
+  stack_push(&r->table->free_events, &event_registry, &t->ev->link);
+  *t = (epoch_ticket){0};
+  epoch_stream_release(r);
+}

@@ -1,0 +1,53 @@
+/* Device memory for slabs and large blocks, in granularity units (2 MiB).
+ *
+ * With VMM, one large virtual range per device is reserved up front and
+ * physical memory is mapped into it on demand; freed ranges return to a
+ * sorted, coalesced free list and are reused first-fit. Without VMM, each
+ * request is a plain device allocation, aligned to the granularity so the
+ * page map can describe it.
+ *
+ * Lock order: region.lock is a leaf, and no driver call is made while it is
+ * held (the range is claimed under the lock, mapped after). */
+#ifndef MAGPIE_REGION_H
+#define MAGPIE_REGION_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "atomic.h"
+#include "backend.h"
+
+typedef struct region_range {
+  uintptr_t base;
+  size_t size;
+  struct region_range *next;
+} region_range;
+
+typedef struct region {
+  int device;
+  const backend_ops *ops;
+  int vmm;     /* 1: reserved range + map/unmap; 0: mem_alloc/mem_free */
+  size_t gran; /* map unit */
+  uintptr_t base;
+  size_t size;
+  pthread_mutex_t lock; /* guards bump and free */
+  size_t bump;          /* [base, base+bump) has been handed out at least once */
+  region_range *free;   /* free ranges inside [base, base+bump), by address */
+  /* Bytes currently backed by device memory. Updated with relaxed RMW after
+   * each map/unmap; read for statistics and limits. */
+  _Atomic size_t mapped;
+} region;
+
+/* reserve_hint: bytes of virtual range to try first (halved on failure). */
+int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint);
+/* Map size bytes (a granularity multiple). *raw/raw_size describe what to
+ * give back to region_unmap (differs from *addr only without VMM). */
+int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size);
+void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size);
+
+static inline size_t region_round(const region *r, size_t size) {
+  return (size + r->gran - 1) & ~(r->gran - 1);
+}
+
+#endif /* MAGPIE_REGION_H */

@@ -1,0 +1,39 @@
+/* Size-class tables: block size, slab size, magazine capacity, and the
+ * multiply-shift constant that turns a block offset into an index. */
+#include "sizeclass.h"
+
+#include "magazine.h"
+
+sizeclass_info sizeclass_table[SIZECLASS_COUNT];
+
+/* Slab of one to four granules, whichever wastes the least tail (ties to
+ * the smaller, so small classes keep 2 MiB slabs). */
+static size_t sizeclass_pick_slab(size_t size, size_t granularity) {
+  size_t best = granularity;
+  size_t best_waste_num = granularity % size, best_den = granularity;
+  for (size_t k = 2; k <= 4; k++) {
+    size_t slab = k * granularity;
+    size_t waste = slab % size;
+    /* waste/slab < best_waste_num/best_den, cross-multiplied */
+    if (waste * best_den < best_waste_num * slab) {
+      best = slab;
+      best_waste_num = waste;
+      best_den = slab;
+    }
+  }
+  return best;
+}
+
+void sizeclass_init(size_t magazine_bytes, size_t granularity) {
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    sizeclass_info *ci = &sizeclass_table[c];
+    ci->size = sizeclass_size_calc(c);
+    ci->slab_size = sizeclass_pick_slab(ci->size, granularity);
+    ci->blocks = (uint32_t)(ci->slab_size / ci->size);
+    size_t cap = magazine_bytes / ci->size;
+    if (cap < 2) cap = 2;
+    if (cap > MAGAZINE_MAX) cap = MAGAZINE_MAX;
+    ci->mag_cap = (uint32_t)cap;
+    ci->magic = sizeclass_magic(ci->size);
+  }
+}

@@ -1,0 +1,475 @@
+/* Allocator core against the deterministic fake device (fake_backend.c):
+ * size classes, the lock-free stack, the page map, stream-ordered reuse,
+ * handle reuse, large blocks, memory pressure, bad input, statistics and
+ * thread exit. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "magpie.h"
+#include "src/epoch.h"
+#include "src/heap.h"
+#include "src/init.h"
+#include "src/meta.h"
+#include "src/pagemap.h"
+#include "src/slab.h"
+#include "src/sizeclass.h"
+#include "src/stack.h"
+#include "tests/fake_backend.h"
+
+#define N_BLOCKS 400
+
+static int contains(void *const *set, int n, const void *p) {
+  for (int i = 0; i < n; i++)
+    if (set[i] == p) return 1;
+  return 0;
+}
+
+static void test_sizeclass(void **state) {
+  (void)state;
+  for (size_t size = 1; size <= SIZECLASS_MAX_SIZE; size += (size < 65536 ? 1 : 97)) {
+    unsigned c = sizeclass_of(size);
+    assert_true(c < SIZECLASS_COUNT);
+    size_t cs = sizeclass_table[c].size;
+    assert_true(cs >= size);
+    assert_int_equal(cs % 256, 0);
+    if (c > 0) assert_true(sizeclass_table[c - 1].size < size);
+    if (size > 1024) assert_true((cs - size) * 4 <= cs); /* <= 25 % waste */
+  }
+  assert_int_equal(sizeclass_of(SIZECLASS_MAX_SIZE), SIZECLASS_COUNT - 1);
+  for (unsigned c = 1; c < SIZECLASS_COUNT; c++) assert_true(sizeclass_table[c].size > sizeclass_table[c - 1].size);
+}
+
+static void test_sizeclass_magic_division(void **state) {
+  (void)state;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    const sizeclass_info *ci = &sizeclass_table[c];
+    assert_true(ci->blocks >= 1 && ci->slab_size < ((size_t)1 << 24));
+    assert_true(ci->mag_cap >= 2 && ci->mag_cap <= 64);
+    for (uint64_t off = 0; off < ci->slab_size; off += (ci->slab_size / 4099) | 1) {
+      assert_int_equal((off * ci->magic) >> SIZECLASS_MAGIC_SHIFT, off / ci->size);
+    }
+    uint64_t last = ci->slab_size - 1;
+    assert_int_equal((last * ci->magic) >> SIZECLASS_MAGIC_SHIFT, last / ci->size);
+  }
+}
+
+typedef struct tnode {
+  registry_link link;
+  _Atomic int owner;
+} tnode;
+static registry stack_reg;
+static stack test_stack;
+#define STACK_NODES 512
+#define STACK_THREADS 4
+#define STACK_ROUNDS 50000
+
+static void *stack_worker(void *arg) {
+  intptr_t me = (intptr_t)arg;
+  unsigned seed = (unsigned)me * 7919u;
+  tnode *held[8];
+  int nh = 0;
+  for (int r = 0; r < STACK_ROUNDS; r++) {
+    if (nh < 8 && (rand_r(&seed) & 1)) {
+      tnode *n = (tnode *)stack_pop(&test_stack, &stack_reg);
+      if (n) {
+        /* Exclusive ownership: nobody else may hold it. */
+        int prev = atomic_exchange(&n->owner, (int)me + 1);
+        if (prev != 0) return (void *)1;
+        held[nh++] = n;
+      }
+    } else if (nh > 0) {
+      tnode *n = held[--nh];
+      atomic_store(&n->owner, 0);
+      stack_push(&test_stack, &stack_reg, &n->link);
+    }
+  }
+  while (nh > 0) {
+    tnode *n = held[--nh];
+    atomic_store(&n->owner, 0);
+    stack_push(&test_stack, &stack_reg, &n->link);
+  }
+  return NULL;
+}
+
+static void test_stack_lifo_and_threads(void **state) {
+  (void)state;
+  registry_init(&stack_reg, sizeof(tnode));
+  stack_init(&test_stack);
+  tnode *a = registry_new(&stack_reg), *b = registry_new(&stack_reg);
+  stack_push(&test_stack, &stack_reg, &a->link);
+  stack_push(&test_stack, &stack_reg, &b->link);
+  assert_ptr_equal(stack_pop(&test_stack, &stack_reg), &b->link);
+  assert_ptr_equal(stack_pop(&test_stack, &stack_reg), &a->link);
+  assert_null(stack_pop(&test_stack, &stack_reg));
+  stack_push(&test_stack, &stack_reg, &a->link);
+  stack_push(&test_stack, &stack_reg, &b->link);
+  for (int i = 2; i < STACK_NODES; i++) {
+    tnode *n = registry_new(&stack_reg);
+    assert_non_null(n);
+    stack_push(&test_stack, &stack_reg, &n->link);
+  }
+  pthread_t t[STACK_THREADS];
+  for (intptr_t i = 0; i < STACK_THREADS; i++) pthread_create(&t[i], NULL, stack_worker, (void *)i);
+  for (int i = 0; i < STACK_THREADS; i++) {
+    void *rv;
+    pthread_join(t[i], &rv);
+    assert_null(rv);
+  }
+  /* Every node is back exactly once. */
+  char seen[STACK_NODES + 2] = {0};
+  int n = 0;
+  for (registry_link *l = stack_take_all(&test_stack, &stack_reg); l; l = stack_next(&stack_reg, l)) {
+    assert_true(l->idx >= 1 && l->idx <= STACK_NODES);
+    assert_int_equal(seen[l->idx], 0);
+    seen[l->idx] = 1;
+    n++;
+  }
+  assert_int_equal(n, STACK_NODES);
+  assert_int_equal(stack_count(&test_stack), 0);
+}
+
+static void test_pagemap(void **state) {
+  (void)state;
+  slab *fake = (slab *)0x1234;
+  uintptr_t base = (uintptr_t)0x7f0000000000ull;
+  assert_null(pagemap_lookup(base));
+  assert_int_equal(pagemap_set(base, (size_t)6 << 20, fake), MAGPIE_OK);
+  assert_ptr_equal(pagemap_lookup(base), fake);
+  assert_ptr_equal(pagemap_lookup(base + ((size_t)6 << 20) - 1), fake);
+  assert_null(pagemap_lookup(base + ((size_t)6 << 20)));
+  assert_null(pagemap_lookup(base - 1));
+  assert_null(pagemap_lookup((uintptr_t)1 << 50)); /* beyond 48 bits */
+  assert_int_equal(pagemap_set(base, (size_t)6 << 20, NULL), MAGPIE_OK);
+  assert_null(pagemap_lookup(base));
+}
+
+
+/* Events on one stream complete in order: once one ticket's event is seen
+ * complete, earlier tickets of that stream are complete by comparison, with
+ * no further query. Same-stream reuse needs no query at all. */
+static void test_epoch_ordering(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  uint64_t sid = 0;
+  assert_int_equal(fake_backend()->stream_id(s, &sid), MAGPIE_OK);
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  stream_rec *r = epoch_stream_acquire(&h->epochs, sid);
+  assert_non_null(r);
+  epoch_ticket t[3];
+  for (int i = 0; i < 3; i++) assert_int_equal(epoch_seal(r, s, &t[i]), MAGPIE_OK);
+  assert_true(t[0].seq < t[1].seq && t[1].seq < t[2].seq);
+  fake_counters c0, c1;
+  fake_get_counters(&c0);
+  assert_int_equal(epoch_ready(&t[0], sid), EPOCH_READY_SAME);
+  fake_get_counters(&c1);
+  assert_int_equal(c1.event_queries, c0.event_queries);
+  assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_PENDING);
+  fake_stream_complete(s);
+  assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  fake_get_counters(&c0);
+  assert_int_equal(epoch_ready(&t[0], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  assert_int_equal(epoch_ready(&t[1], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  fake_get_counters(&c1);
+  assert_int_equal(c1.event_queries, c0.event_queries); /* by comparison */
+  assert_int_equal(atomic_load(&r->refs), 4);
+  for (int i = 0; i < 3; i++) epoch_ticket_release(&t[i]);
+  assert_int_equal(atomic_load(&r->refs), 1);
+  int64_t live = atomic_load(&h->epochs.live_records);
+  epoch_stream_release(r);
+  assert_int_equal(atomic_load(&h->epochs.live_records), live - 1);
+}
+
+static void test_same_stream_reuse(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  void *p = magpie_malloc_async(1000, s);
+  assert_non_null(p);
+  assert_int_equal((uintptr_t)p % 256, 0);
+  assert_int_equal(magpie_usable_size(p), 1024);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+  void *q = magpie_malloc_async(1000, s);
+  assert_ptr_equal(q, p); /* the freeing stream reuses at once */
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+}
+
+/* Blocks freed on A go through the depot sealed; B must not receive any of
+ * them until A's work completed; after that, B may. */
+static void test_cross_stream_waits_for_epoch(void **state) {
+  (void)state;
+  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
+  static void *pa[N_BLOCKS], *pb[N_BLOCKS];
+  for (int i = 0; i < N_BLOCKS; i++) assert_non_null(pa[i] = magpie_malloc_async(3000, a));
+  for (int i = 0; i < N_BLOCKS; i++) assert_int_equal(magpie_free_async(pa[i], a), MAGPIE_OK);
+  magpie_stats before;
+  assert_int_equal(magpie_stats_get(0, &before), MAGPIE_OK);
+  assert_true(before.events_recorded > 0);
+  for (int i = 0; i < N_BLOCKS; i++) {
+    assert_non_null(pb[i] = magpie_malloc_async(3000, b));
+    assert_false(contains(pa, N_BLOCKS, pb[i]));
+  }
+  for (int i = 0; i < N_BLOCKS; i++) assert_int_equal(magpie_free_async(pb[i], b), MAGPIE_OK);
+  fake_stream_complete(a);
+  /* A's sealed magazines are now reusable by B. Allocate more than a slab
+   * holds, so the depot's fresh magazines run out and its pending ones are
+   * scanned. */
+  int reused = 0;
+  int more = (int)sizeclass_table[sizeclass_of(3000)].blocks * 2 + N_BLOCKS;
+  for (int i = 0; i < more; i++) {
+    void *p = magpie_malloc_async(3000, b);
+    assert_non_null(p);
+    reused += contains(pa, N_BLOCKS, p);
+    pb[i % N_BLOCKS] = p;
+  }
+  assert_true(reused > 0);
+  magpie_stats after;
+  assert_int_equal(magpie_stats_get(0, &after), MAGPIE_OK);
+  assert_true(after.cross_stream_migrations > before.cross_stream_migrations);
+  fake_stream_complete(b);
+}
+
+static int wait_device_synced(uint64_t before) {
+  for (int i = 0; i < 5000; i++) {
+    fake_counters c;
+    fake_get_counters(&c);
+    if (c.device_syncs > before) return 1;
+    usleep(1000);
+  }
+  return 0;
+}
+
+/* A destroyed stream's handle comes back for a new stream: the new stream
+ * must not inherit the old one's cached, possibly pending blocks, until the
+ * device has drained (the reaper's synchronisation). */
+static void test_handle_reuse(void **state) {
+  (void)state;
+  int blocks = (int)sizeclass_table[sizeclass_of(5000)].blocks;
+  cudaStream_t a = fake_stream_create(0);
+  static void *pa[N_BLOCKS];
+  for (int i = 0; i < N_BLOCKS; i++) assert_non_null(pa[i] = magpie_malloc_async(5000, a));
+  for (int i = 0; i < N_BLOCKS; i++) assert_int_equal(magpie_free_async(pa[i], a), MAGPIE_OK);
+  fake_counters c0;
+  fake_get_counters(&c0);
+  fake_gate_device_sync(1);
+  fake_stream_destroy(a);
+  cudaStream_t b = fake_stream_create(0);
+  assert_ptr_equal(b, a); /* same handle value, new stream */
+  for (int i = 0; i < 2 * blocks + N_BLOCKS; i++) {
+    void *p = magpie_malloc_async(5000, b);
+    assert_non_null(p);
+    assert_false(contains(pa, N_BLOCKS, p));
+  }
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.limbo_magazines > 0); /* the old slot's magazines */
+  fake_gate_device_sync(0);
+  assert_true(wait_device_synced(c0.device_syncs));
+  int reused = 0;
+  for (int i = 0; i < 2 * blocks + N_BLOCKS && !reused; i++) {
+    void *p = magpie_malloc_async(5000, b);
+    assert_non_null(p);
+    reused += contains(pa, N_BLOCKS, p);
+  }
+  assert_true(reused > 0); /* after the drain they are everyone's again */
+}
+
+static void test_bad_input(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  int local;
+  assert_int_equal(magpie_free_async(&local, s), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_INVALID_POINTER);
+  assert_non_null(strstr(magpie_last_error_message(), "not a pointer returned by magpie"));
+  char *p = magpie_malloc_async(4096, s);
+  assert_non_null(p);
+  assert_int_equal(magpie_free_async(p + 256, s), MAGPIE_ERR_INVALID_POINTER);
+  assert_non_null(strstr(magpie_last_error_message(), "points 256 bytes into a block"));
+  assert_int_equal(magpie_usable_size(p + 256), 0);
+  assert_null(magpie_malloc_async(SIZE_MAX, s));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_SIZE_OVERFLOW);
+  assert_null(magpie_malloc_async(SIZE_MAX - 255, s));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_SIZE_OVERFLOW);
+  assert_null(magpie_malloc_async((size_t)2 << 30, s)); /* device has 1 GiB */
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_TOO_LARGE);
+  assert_non_null(strstr(magpie_last_error_message(), "in total"));
+  assert_int_equal(magpie_free_async(NULL, s), MAGPIE_OK);
+  void *z = magpie_malloc_async(0, s);
+  void *z2 = magpie_malloc_async(0, s);
+  assert_non_null(z);
+  assert_ptr_not_equal(z, z2);
+  assert_int_equal(magpie_usable_size(z), 256);
+  assert_int_equal(magpie_free_async(z, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(z2, s), MAGPIE_OK);
+  /* A destroyed stream: allocation fails; a free on it fails and keeps the
+   * block allocated, so a later free on a valid stream succeeds. */
+  cudaStream_t dead = fake_stream_create(0);
+  fake_stream_destroy(dead);
+  assert_null(magpie_malloc_async(100, dead));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_free_async(p, dead), MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+  assert_string_equal(magpie_error_string(MAGPIE_ERR_DOUBLE_FREE), "block freed twice");
+  assert_string_equal(magpie_error_string(-5), "unknown magpie error code");
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  assert_int_equal(magpie_init(&cfg), MAGPIE_ERR_ALREADY_INITIALIZED);
+}
+
+static void test_large_blocks(void **state) {
+  (void)state;
+  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
+  char *p = magpie_malloc_async((size_t)3 << 20, a);
+  assert_non_null(p);
+  assert_int_equal(magpie_usable_size(p), (size_t)4 << 20);
+  assert_int_equal(magpie_free_async(p + 4096, a), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_ERR_DOUBLE_FREE); /* always caught for large */
+  void *q = magpie_malloc_async((size_t)3 << 20, b);
+  assert_ptr_not_equal(q, p); /* A's work may still use p */
+  void *r = magpie_malloc_async((size_t)3 << 20, a);
+  assert_ptr_equal(r, p); /* same stream: at once */
+  assert_int_equal(magpie_free_async(r, a), MAGPIE_OK);
+  fake_stream_complete(a);
+  assert_int_equal(magpie_free_async(q, b), MAGPIE_OK);
+  void *t = magpie_malloc_async((size_t)3 << 20, b);
+  assert_true(t == p || t == q);
+  assert_int_equal(magpie_free_async(t, b), MAGPIE_OK);
+  fake_stream_complete(b);
+}
+
+/* Device 1 is small: fill it, free everything on one stream with its work
+ * pending, then allocate on another stream: the ladder must wait for the
+ * epochs and succeed; past the device, fail with a full message. */
+static void test_memory_pressure(void **state) {
+  (void)state;
+  fake_set_current_device(1);
+  cudaStream_t a = fake_stream_create(1), b = fake_stream_create(1);
+  enum { MAX = 64 };
+  void *held[MAX];
+  int n = 0;
+  void *p;
+  while (n < MAX && (p = magpie_malloc_async((size_t)1 << 20, a)) != NULL) held[n++] = p;
+  assert_true(n > 0 && n < MAX);
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_OUT_OF_MEMORY);
+  assert_non_null(strstr(magpie_last_error_message(), "out of memory on device 1 allocating 1048576 bytes"));
+  assert_non_null(strstr(magpie_last_error_message(), "magpie reserved"));
+  for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(held[i], a), MAGPIE_OK);
+  fake_counters c0, c1;
+  fake_get_counters(&c0);
+  int got = 0;
+  for (int i = 0; i < n - 4; i++) {
+    held[i] = magpie_malloc_async((size_t)1 << 20, b);
+    if (held[i]) got++;
+  }
+  fake_get_counters(&c1);
+  assert_int_equal(got, n - 4);
+  assert_true(c1.event_syncs > c0.event_syncs); /* waited for A's epochs */
+  for (int i = 0; i < got; i++) assert_int_equal(magpie_free_async(held[i], b), MAGPIE_OK);
+  fake_stream_complete(b);
+  fake_set_current_device(0);
+}
+
+static void test_stats_invariants(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  void *p[10];
+  for (int i = 0; i < 10; i++) p[i] = magpie_malloc_async(10000, s); /* 10240-byte class */
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.in_use_bytes - st0.in_use_bytes, 10 * 10240);
+  assert_int_equal(st1.in_use_bytes + st1.cached_bytes, st1.reserved_bytes);
+  assert_true(st1.peak_in_use_bytes >= st1.in_use_bytes);
+  assert_true(st1.peak_reserved_bytes >= st1.reserved_bytes);
+  fake_counters c;
+  fake_get_counters(&c);
+  assert_int_equal(c.mapped_bytes[0], st1.reserved_bytes);
+  for (int i = 0; i < 10; i++) magpie_free_async(p[i], s);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.in_use_bytes, st0.in_use_bytes);
+  assert_int_equal(magpie_stats_get(99, &st1), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_stats_get(0, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+}
+
+static cudaStream_t churn_stream;
+static void *churn_worker(void *arg) {
+  (void)arg;
+  void *p[100];
+  for (int i = 0; i < 100; i++) p[i] = magpie_malloc_async(700 + i * 13, churn_stream);
+  for (int i = 0; i < 100; i++) magpie_free_async(p[i], churn_stream);
+  p[0] = magpie_malloc_async(512, churn_stream); /* left allocated on purpose */
+  return p[0];
+}
+
+/* Threads that exit give their magazines back; nothing leaks, and bytes
+ * still allocated by dead threads stay counted as in use. */
+static void test_thread_exit(void **state) {
+  (void)state;
+  churn_stream = fake_stream_create(0);
+  magpie_stats st0, st1, st2;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  void *left[200];
+  for (int round = 0; round < 200; round++) {
+    pthread_t t;
+    pthread_create(&t, NULL, churn_worker, NULL);
+    pthread_join(t, &left[round]);
+    assert_non_null(left[round]);
+    if (round == 20) assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  }
+  assert_int_equal(magpie_stats_get(0, &st2), MAGPIE_OK);
+  assert_int_equal(st2.in_use_bytes - st0.in_use_bytes, 200 * 512);
+  /* After warm-up, churn maps nothing new beyond what the 180 blocks left
+   * allocated need: returned magazines are reused. */
+  assert_true(st2.reserved_bytes - st1.reserved_bytes <= ((size_t)2 << 20));
+  for (int i = 0; i < 200; i++) assert_int_equal(magpie_free_async(left[i], churn_stream), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st2), MAGPIE_OK);
+  assert_int_equal(st2.in_use_bytes, st0.in_use_bytes);
+}
+
+static void test_private_metadata_heap(void **state) {
+  (void)state;
+  /* magpie's jemalloc is private: the process's malloc is still libc's. */
+  Dl_info info;
+  assert_true(dladdr((void *)&malloc, &info) != 0);
+  assert_non_null(info.dli_fname);
+  assert_non_null(strstr(info.dli_fname, "libc"));
+  assert_null(dlsym(RTLD_DEFAULT, "mallocx"));
+  assert_true(meta_arena() >= 0);
+  void *m = meta_alloc(100);
+  assert_non_null(m);
+  meta_free(m);
+}
+
+int main(void) {
+  fake_set_devices(2);
+  fake_set_capacity(1, (size_t)24 << 20);
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  if (global_init_slow(&cfg, fake_backend()) != MAGPIE_OK) return 1;
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_sizeclass),
+      cmocka_unit_test(test_sizeclass_magic_division),
+      cmocka_unit_test(test_stack_lifo_and_threads),
+      cmocka_unit_test(test_pagemap),
+      cmocka_unit_test(test_epoch_ordering),
+      cmocka_unit_test(test_same_stream_reuse),
+      cmocka_unit_test(test_cross_stream_waits_for_epoch),
+      cmocka_unit_test(test_handle_reuse),
+      cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_large_blocks),
+      cmocka_unit_test(test_memory_pressure),
+      cmocka_unit_test(test_stats_invariants),
+      cmocka_unit_test(test_thread_exit),
+      cmocka_unit_test(test_private_metadata_heap),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

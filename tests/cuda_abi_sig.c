@@ -1,0 +1,42 @@
+/* Part of cuda_abi_test: every function type in src/cuda_driver.h must be
+ * exactly cuda.h's PFN_<symbol>_v<version> for the version listed beside it,
+ * since the backend asks cuGetProcAddress for that variant and calls it
+ * through that type. Here the cudrv_ types are the real CUDA types, so the
+ * comparison is exact (parameter for parameter, not only by size). */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+typedef CUresult cudrv_result;
+typedef CUdevice cudrv_device;
+typedef CUdeviceptr cudrv_deviceptr;
+typedef CUmemGenericAllocationHandle cudrv_mem_handle;
+typedef cuuint64_t cudrv_uint64;
+typedef CUdevice_attribute cudrv_device_attr;
+typedef CUmemAllocationGranularity_flags cudrv_granularity_flags;
+typedef CUdriverProcAddressQueryResult cudrv_proc_query_result;
+typedef CUmemLocation cudrv_mem_location;
+typedef CUmemAllocationProp cudrv_mem_alloc_prop;
+typedef CUmemAccessDesc cudrv_mem_access_desc;
+#define CUDRV_EXTERNAL_TYPES
+#include "src/cuda_driver.h"
+
+#if CUDA_VERSION < 12080
+#error "cuda_abi_test needs the headers of CUDA 12.8 or newer (cuStreamGetDevice)"
+#endif
+
+#define ABI_SIG_CHECK(field, symbol, version)                                       \
+  _Static_assert(__builtin_types_compatible_p(cudrv_pfn_##field,                   \
+                                              PFN_##symbol##_v##version),          \
+                 "cudrv_pfn_" #field " differs from PFN_" #symbol "_v" #version);
+CUDRV_REQUIRED_FUNCS(ABI_SIG_CHECK)
+CUDRV_OPTIONAL_FUNCS(ABI_SIG_CHECK)
+
+_Static_assert(__builtin_types_compatible_p(cudrv_pfn_get_proc_address,
+                                            PFN_cuGetProcAddress_v12000),
+               "cudrv_pfn_get_proc_address differs from PFN_cuGetProcAddress_v12000");
+
+/* Counts the checked entry points, for the runtime report. */
+#define ABI_SIG_COUNT(field, symbol, version) +1
+int cuda_abi_sig_checked(void) {
+  return 1 CUDRV_REQUIRED_FUNCS(ABI_SIG_COUNT) CUDRV_OPTIONAL_FUNCS(ABI_SIG_COUNT);
+}

@@ -1,0 +1,233 @@
+/* cuda_abi_test: src/cuda_driver.h against the real cuda.h.
+ *
+ * The backend calls the driver through declarations of its own; a wrong
+ * size, offset or constant there would corrupt memory silently on the GPU
+ * machine. Everything is checked at compile time (_Static_assert) and again
+ * at run time so the test's output lists what was compared. The function
+ * types are compared in cuda_abi_sig.c. Needs the toolkit's headers, no GPU.
+ *
+ * Also checks that the CUDA backend fails cleanly where there is no driver
+ * (CI): init answers MAGPIE_ERR_NO_DEVICE with a reason, and every other
+ * operation answers an error instead of crashing.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <cuda.h>
+
+#include "src/backend.h"
+#include "src/cuda_driver.h"
+
+int cuda_abi_sig_checked(void); /* cuda_abi_sig.c */
+
+#define SAME_TYPE(a, b) __builtin_types_compatible_p(a, b)
+
+/* --- compile time ------------------------------------------------------ */
+
+/* Scalars and enums passed by value or through pointers. */
+_Static_assert(sizeof(cudrv_result) == sizeof(CUresult), "CUresult");
+_Static_assert(sizeof(cudrv_device) == sizeof(CUdevice), "CUdevice");
+_Static_assert(SAME_TYPE(cudrv_device, CUdevice), "CUdevice is int");
+_Static_assert(SAME_TYPE(cudrv_deviceptr, CUdeviceptr), "CUdeviceptr");
+_Static_assert(SAME_TYPE(cudrv_mem_handle, CUmemGenericAllocationHandle), "mem handle");
+_Static_assert(SAME_TYPE(cudrv_uint64, cuuint64_t), "cuuint64_t");
+_Static_assert(sizeof(cudrv_device_attr) == sizeof(CUdevice_attribute), "CUdevice_attribute");
+_Static_assert(sizeof(cudrv_granularity_flags) == sizeof(CUmemAllocationGranularity_flags),
+               "CUmemAllocationGranularity_flags");
+_Static_assert(sizeof(cudrv_proc_query_result) == sizeof(CUdriverProcAddressQueryResult),
+               "CUdriverProcAddressQueryResult");
+
+/* Handles are CUDA's own types, and magpie.h's cudaStream_t is CUstream. */
+_Static_assert(SAME_TYPE(cudrv_context, CUcontext), "CUcontext");
+_Static_assert(SAME_TYPE(cudrv_stream, CUstream), "CUstream");
+_Static_assert(SAME_TYPE(cudrv_event, CUevent), "CUevent");
+_Static_assert(SAME_TYPE(cudaStream_t, CUstream), "magpie.h cudaStream_t");
+
+/* Struct layouts. */
+#define LAYOUT(ours, theirs)                                                   \
+  _Static_assert(sizeof(ours) == sizeof(theirs), "sizeof " #theirs);           \
+  _Static_assert(_Alignof(ours) == _Alignof(theirs), "alignof " #theirs)
+#define FIELD(ours, of, theirs, tf)                                                      \
+  _Static_assert(offsetof(ours, of) == offsetof(theirs, tf), "offsetof " #theirs "." #tf); \
+  _Static_assert(sizeof(((ours *)0)->of) == sizeof(((theirs *)0)->tf),                   \
+                 "sizeof " #theirs "." #tf)
+
+LAYOUT(cudrv_mem_location, CUmemLocation);
+FIELD(cudrv_mem_location, type, CUmemLocation, type);
+FIELD(cudrv_mem_location, id, CUmemLocation, id);
+
+LAYOUT(cudrv_mem_alloc_prop, CUmemAllocationProp);
+FIELD(cudrv_mem_alloc_prop, type, CUmemAllocationProp, type);
+FIELD(cudrv_mem_alloc_prop, requested_handle_types, CUmemAllocationProp, requestedHandleTypes);
+FIELD(cudrv_mem_alloc_prop, location, CUmemAllocationProp, location);
+FIELD(cudrv_mem_alloc_prop, location.type, CUmemAllocationProp, location.type);
+FIELD(cudrv_mem_alloc_prop, location.id, CUmemAllocationProp, location.id);
+FIELD(cudrv_mem_alloc_prop, win32_handle_meta_data, CUmemAllocationProp, win32HandleMetaData);
+FIELD(cudrv_mem_alloc_prop, alloc_flags, CUmemAllocationProp, allocFlags);
+FIELD(cudrv_mem_alloc_prop, alloc_flags.compression_type, CUmemAllocationProp,
+      allocFlags.compressionType);
+FIELD(cudrv_mem_alloc_prop, alloc_flags.gpu_direct_rdma_capable, CUmemAllocationProp,
+      allocFlags.gpuDirectRDMACapable);
+FIELD(cudrv_mem_alloc_prop, alloc_flags.usage, CUmemAllocationProp, allocFlags.usage);
+FIELD(cudrv_mem_alloc_prop, alloc_flags.reserved, CUmemAllocationProp, allocFlags.reserved);
+
+LAYOUT(cudrv_mem_access_desc, CUmemAccessDesc);
+FIELD(cudrv_mem_access_desc, location, CUmemAccessDesc, location);
+FIELD(cudrv_mem_access_desc, flags, CUmemAccessDesc, flags);
+
+/* The enum-typed fields are declared int. */
+_Static_assert(sizeof(int) == sizeof(CUmemLocationType), "CUmemLocationType");
+_Static_assert(sizeof(int) == sizeof(CUmemAllocationType), "CUmemAllocationType");
+_Static_assert(sizeof(int) == sizeof(CUmemAllocationHandleType), "CUmemAllocationHandleType");
+_Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
+
+/* Constants: X(ours, theirs). */
+#define ABI_CONSTANTS(X)                                                          \
+  X(CUDRV_SUCCESS, CUDA_SUCCESS)                                                  \
+  X(CUDRV_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE)                          \
+  X(CUDRV_ERROR_OUT_OF_MEMORY, CUDA_ERROR_OUT_OF_MEMORY)                          \
+  X(CUDRV_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_INITIALIZED)                      \
+  X(CUDRV_ERROR_DEINITIALIZED, CUDA_ERROR_DEINITIALIZED)                          \
+  X(CUDRV_ERROR_STUB_LIBRARY, CUDA_ERROR_STUB_LIBRARY)                            \
+  X(CUDRV_ERROR_NO_DEVICE, CUDA_ERROR_NO_DEVICE)                                  \
+  X(CUDRV_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT)                      \
+  X(CUDRV_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)                        \
+  X(CUDRV_ERROR_NOT_FOUND, CUDA_ERROR_NOT_FOUND)                                  \
+  X(CUDRV_ERROR_NOT_READY, CUDA_ERROR_NOT_READY)                                  \
+  X(CUDRV_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_CONTEXT_IS_DESTROYED)            \
+  X(CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED,                                         \
+    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)                      \
+  X(CUDRV_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOCATION_TYPE_PINNED)              \
+  X(CUDRV_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_NONE)                          \
+  X(CUDRV_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_DEVICE)                  \
+  X(CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)    \
+  X(CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_MINIMUM)        \
+  X(CUDRV_EVENT_DISABLE_TIMING, CU_EVENT_DISABLE_TIMING)                          \
+  X(CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, CU_GET_PROC_ADDRESS_LEGACY_STREAM)      \
+  X(CUDRV_GET_PROC_ADDRESS_SUCCESS, CU_GET_PROC_ADDRESS_SUCCESS)                  \
+  X(CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND) \
+  X(CUDRV_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT,                                \
+    CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
+
+#define ABI_CONSTANT_ASSERT(ours, theirs) \
+  _Static_assert((long long)(ours) == (long long)(theirs), #ours " != " #theirs);
+ABI_CONSTANTS(ABI_CONSTANT_ASSERT)
+
+/* --- run time ---------------------------------------------------------- */
+
+static void expect_same(const char *what, long long ours, long long theirs) {
+  printf("  %-58s %8lld %8lld %s\n", what, ours, theirs, ours == theirs ? "ok" : "MISMATCH");
+  assert_int_equal(ours, theirs);
+}
+
+static void test_constants(void **state) {
+  (void)state;
+#define ABI_CONSTANT_EXPECT(ours, theirs) expect_same(#ours, (ours), (theirs));
+  ABI_CONSTANTS(ABI_CONSTANT_EXPECT)
+  expect_same("CUDRV_STREAM_LEGACY", (long long)(uintptr_t)CUDRV_STREAM_LEGACY,
+              (long long)(uintptr_t)CU_STREAM_LEGACY);
+  expect_same("CUDRV_STREAM_PER_THREAD", (long long)(uintptr_t)CUDRV_STREAM_PER_THREAD,
+              (long long)(uintptr_t)CU_STREAM_PER_THREAD);
+}
+
+static void test_layouts(void **state) {
+  (void)state;
+#define EXPECT_SIZE(ours, theirs) expect_same("sizeof " #theirs, sizeof(ours), sizeof(theirs));
+#define EXPECT_FIELD(ours, of, theirs, tf)                                    \
+  expect_same("offsetof " #theirs "." #tf, offsetof(ours, of), offsetof(theirs, tf)); \
+  expect_same("sizeof " #theirs "." #tf, sizeof(((ours *)0)->of), sizeof(((theirs *)0)->tf));
+  EXPECT_SIZE(cudrv_result, CUresult)
+  EXPECT_SIZE(cudrv_device_attr, CUdevice_attribute)
+  EXPECT_SIZE(cudrv_granularity_flags, CUmemAllocationGranularity_flags)
+  EXPECT_SIZE(cudrv_proc_query_result, CUdriverProcAddressQueryResult)
+  EXPECT_SIZE(cudrv_mem_location, CUmemLocation)
+  EXPECT_FIELD(cudrv_mem_location, type, CUmemLocation, type)
+  EXPECT_FIELD(cudrv_mem_location, id, CUmemLocation, id)
+  EXPECT_SIZE(cudrv_mem_alloc_prop, CUmemAllocationProp)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, type, CUmemAllocationProp, type)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, requested_handle_types, CUmemAllocationProp,
+               requestedHandleTypes)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, location, CUmemAllocationProp, location)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, win32_handle_meta_data, CUmemAllocationProp,
+               win32HandleMetaData)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags, CUmemAllocationProp, allocFlags)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags.usage, CUmemAllocationProp, allocFlags.usage)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags.reserved, CUmemAllocationProp,
+               allocFlags.reserved)
+  EXPECT_SIZE(cudrv_mem_access_desc, CUmemAccessDesc)
+  EXPECT_FIELD(cudrv_mem_access_desc, location, CUmemAccessDesc, location)
+  EXPECT_FIELD(cudrv_mem_access_desc, flags, CUmemAccessDesc, flags)
+}
+
+static void test_signatures(void **state) {
+  (void)state;
+  /* The comparison itself happened when cuda_abi_sig.c compiled. */
+  int n = cuda_abi_sig_checked();
+  printf("  %d driver entry point types equal cudaTypedefs.h's PFN_* types\n", n);
+  assert_true(n > 30);
+}
+
+/* Where the driver is missing (CI), init must say so and nothing may crash.
+ * Where it is present (a GPU machine), init must succeed. */
+static void test_backend_without_driver(void **state) {
+  (void)state;
+  const backend_ops *b = backend_cuda();
+  assert_string_equal(b->name, "cuda");
+  int rc = b->init();
+  if (rc == MAGPIE_OK) {
+    int n = 0;
+    assert_int_equal(b->device_count(&n), MAGPIE_OK);
+    assert_true(n >= 1);
+    printf("  driver present: %d device(s)\n", n);
+    return;
+  }
+  char detail[256];
+  snprintf(detail, sizeof detail, "%s", backend_error_detail());
+  printf("  init: %d (%s): %s\n", rc, magpie_error_string(rc), detail);
+  assert_int_equal(rc, MAGPIE_ERR_NO_DEVICE);
+  assert_true(strlen(detail) > 0);
+  /* Idempotent: the same answer and reason again. */
+  assert_int_equal(b->init(), MAGPIE_ERR_NO_DEVICE);
+  assert_string_equal(backend_error_detail(), detail);
+
+  int n = -1, sup = -1;
+  size_t sz = 0, fr = 0;
+  uintptr_t p = 0;
+  uint64_t id = 0;
+  void *ev = NULL;
+  assert_int_not_equal(b->device_count(&n), MAGPIE_OK);
+  assert_int_not_equal(b->mem_info(0, &fr, &sz), MAGPIE_OK);
+  assert_int_not_equal(b->vmm_supported(0, &sup), MAGPIE_OK);
+  assert_int_not_equal(b->granularity(0, &sz), MAGPIE_OK);
+  assert_int_not_equal(b->reserve(0, 1 << 21, &p), MAGPIE_OK);
+  assert_int_not_equal(b->unreserve(0, 1 << 21, 1 << 21), MAGPIE_OK);
+  assert_int_not_equal(b->map(0, 1 << 21, 1 << 21), MAGPIE_OK);
+  assert_int_not_equal(b->unmap(0, 1 << 21, 1 << 21), MAGPIE_OK);
+  assert_int_not_equal(b->mem_alloc(0, 256, &p), MAGPIE_OK);
+  assert_int_not_equal(b->mem_free(0, 256, 256), MAGPIE_OK);
+  assert_int_not_equal(b->event_create(0, &ev), MAGPIE_OK);
+  assert_int_not_equal(b->event_destroy(NULL), MAGPIE_OK);
+  assert_int_not_equal(b->event_record(NULL, NULL), MAGPIE_OK);
+  assert_int_not_equal(b->event_query(NULL), MAGPIE_OK);
+  assert_int_not_equal(b->event_synchronize(NULL), MAGPIE_OK);
+  assert_int_not_equal(b->stream_wait_event(NULL, NULL), MAGPIE_OK);
+  assert_int_not_equal(b->stream_id(NULL, &id), MAGPIE_OK);
+  assert_int_not_equal(b->stream_device(NULL, &n), MAGPIE_OK);
+  assert_int_not_equal(b->device_synchronize(0), MAGPIE_OK);
+  assert_true(strlen(backend_error_detail()) > 0);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_constants),
+      cmocka_unit_test(test_layouts),
+      cmocka_unit_test(test_signatures),
+      cmocka_unit_test(test_backend_without_driver),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

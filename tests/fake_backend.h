@@ -1,0 +1,34 @@
+/* A small, deterministic fake of the device layer for unit tests.
+ *
+ * Nothing runs asynchronously: an event recorded on a stream stays pending
+ * until the test completes that stream's work (fake_stream_complete), so
+ * tests decide exactly when an epoch ends and can assert what the allocator
+ * does before and after. Memory is host memory; capacity is settable. */
+#ifndef MAGPIE_TESTS_FAKE_BACKEND_H
+#define MAGPIE_TESTS_FAKE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "src/backend.h"
+
+const backend_ops *fake_backend(void);
+
+/* Streams: handles are recycled most-recently-destroyed first; ids never. */
+cudaStream_t fake_stream_create(int device);
+void fake_stream_destroy(cudaStream_t s);
+/* Complete all work enqueued on s so far (its recorded events). */
+void fake_stream_complete(cudaStream_t s);
+void fake_set_devices(int n);
+void fake_set_capacity(int device, size_t bytes);
+void fake_set_current_device(int device);
+/* While closed, device_synchronize blocks (the work is still running). */
+void fake_gate_device_sync(int closed);
+
+typedef struct fake_counters {
+  uint64_t maps, unmaps, event_records, event_queries, event_syncs, device_syncs;
+  size_t mapped_bytes[4];
+} fake_counters;
+void fake_get_counters(fake_counters *out);
+
+#endif

@@ -1,0 +1,70 @@
+"""Test targets that need the CUDA toolkit.
+
+Each macro defines nothing where the toolkit (or the part it needs) is
+missing, so the build works without CUDA. GPU tests are tagged
+["gpu", "manual"]: `bazel test //...` skips them; tools/gpu_suite.sh builds
+them and runs them on a GPU machine.
+"""
+
+load("@cuda//:defs.bzl", "HAVE_CUDA", "HAVE_CUDA_GPU_TESTS", "NVCC")
+load("//:defs.bzl", "MAGPIE_COPTS")
+load("//tests:defs.bzl", "magpie_test")
+
+GPU_TAGS = ["gpu", "manual"]
+
+def cuda_abi_test(name, srcs):
+    """A test of declarations against cuda.h: needs the headers, no GPU."""
+    if not HAVE_CUDA:
+        return
+    magpie_test(name = name, srcs = srcs, deps = ["@cuda//:headers"])
+
+def ptx_header(name, src, out, symbol):
+    """Compiles src to compute_90 PTX and embeds it as `static const char symbol[]`.
+
+    The driver JITs the PTX for the GPU at hand (sm_90 and later)."""
+    if not HAVE_CUDA_GPU_TESTS:
+        return
+    native.genrule(
+        name = name,
+        srcs = [src],
+        outs = [out],
+        cmd = " && ".join([
+            "t=$$(mktemp -d)",
+            NVCC + " -ptx -arch=compute_90 -o $$t/k.ptx $<",
+            "{ echo '/* Generated from " + src + " by nvcc -ptx: do not edit. */'" +
+            " && echo 'static const char " + symbol + "[] = {'" +
+            " && od -An -v -tx1 $$t/k.ptx | sed -e 's/ *\\([0-9a-f][0-9a-f]\\)/0x\\1,/g'" +
+            " && echo '0};'; } > $@",
+            "rm -rf $$t",
+        ]),
+        tags = GPU_TAGS,
+        testonly = True,
+    )
+
+def gpu_library(name, **kwargs):
+    """Code shared by GPU tests."""
+    if not HAVE_CUDA_GPU_TESTS:
+        return
+    native.cc_library(
+        name = name,
+        copts = MAGPIE_COPTS,
+        deps = ["//:magpie", "@cuda//:headers", "@cuda//:driver_stub", "@system_libs//:cmocka"],
+        tags = GPU_TAGS,
+        testonly = True,
+        **kwargs
+    )
+
+def gpu_test(name, srcs, deps = []):
+    """A cmocka test run on a GPU: linked against the driver stub."""
+    if not HAVE_CUDA_GPU_TESTS:
+        return
+    magpie_test(
+        name = name,
+        srcs = srcs,
+        deps = deps + ["@cuda//:headers", "@cuda//:driver_stub"],
+        size = "medium",
+        tags = GPU_TAGS,
+        # Linked statically but for cmocka and the driver (magpie_test's
+        # default), so the binary travels.
+        linkopts = ["-lpthread"],
+    )

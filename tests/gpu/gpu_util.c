@@ -1,0 +1,111 @@
+/* Helpers shared by the GPU tests (see gpu_util.h). */
+#include "tests/gpu/gpu_util.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "tests/gpu/kernels_ptx.h"
+
+const char *gpu_err(CUresult r) {
+  /* A few buffers in turn, so that one printf may show several. */
+  static _Thread_local char bufs[4][96];
+  static _Thread_local unsigned int next;
+  char *buf = bufs[next++ % 4];
+  const char *name = NULL;
+  if (cuGetErrorName(r, &name) != CUDA_SUCCESS || name == NULL)
+    name = "unknown CUDA error";
+  snprintf(buf, sizeof bufs[0], "%s (%d)", name, (int)r);
+  return buf;
+}
+
+uint64_t gpu_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+#define GPU_UTIL_TRY(call)                                              \
+  do {                                                                  \
+    CUresult try_rc = (call);                                           \
+    if (try_rc != CUDA_SUCCESS) {                                       \
+      fprintf(stderr, "gpu_env_init: %s: %s\n", #call, gpu_err(try_rc)); \
+      return -1;                                                        \
+    }                                                                   \
+  } while (0)
+
+int gpu_env_init(gpu_env *env) {
+  memset(env, 0, sizeof *env);
+  GPU_UTIL_TRY(cuInit(0));
+  GPU_UTIL_TRY(cuDriverGetVersion(&env->driver_version));
+  GPU_UTIL_TRY(cuDeviceGet(&env->device, 0));
+  GPU_UTIL_TRY(cuDeviceGetName(env->name, (int)sizeof env->name, env->device));
+  GPU_UTIL_TRY(cuDevicePrimaryCtxRetain(&env->ctx, env->device));
+  GPU_UTIL_TRY(cuCtxSetCurrent(env->ctx));
+  /* Keep the JIT's log: a PTX the driver rejects should say why. */
+  char log[4096] = "";
+  CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  void *vals[] = {log, (void *)(uintptr_t)sizeof log};
+  CUresult r = cuModuleLoadDataEx(&env->module, gpu_kernels_ptx, 2, opts, vals);
+  if (r != CUDA_SUCCESS) {
+    fprintf(stderr, "gpu_env_init: cuModuleLoadDataEx: %s\n%s\n", gpu_err(r), log);
+    return -1;
+  }
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->fill_u32, env->module, "gpu_fill_u32"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->check_u32, env->module, "gpu_check_u32"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->hold, env->module, "gpu_hold"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->stamp, env->module, "gpu_stamp"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->check_stamp, env->module, "gpu_check_stamp"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->delay, env->module, "gpu_delay"));
+  return 0;
+}
+
+CUresult gpu_env_bind(const gpu_env *env) { return cuCtxSetCurrent(env->ctx); }
+
+/* Enough blocks to cover words with 256 threads each, at most 1024 (the
+ * kernels stride over the rest). */
+static unsigned int gpu_blocks(size_t words) {
+  size_t b = (words + 255) / 256;
+  return b == 0 ? 1 : b > 1024 ? 1024 : (unsigned int)b;
+}
+
+CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
+                      unsigned int seed) {
+  unsigned long long n = words;
+  void *args[] = {&p, &n, &seed};
+  return cuLaunchKernel(env->fill_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
+}
+
+CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
+                       unsigned int seed, CUdeviceptr bad) {
+  unsigned long long n = words;
+  void *args[] = {&p, &n, &seed, &bad};
+  return cuLaunchKernel(env->check_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
+}
+
+CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block,
+                  size_t words, uint64_t tag, uint64_t timeout_ns, CUdeviceptr status) {
+  unsigned long long n = words, t = tag, to = timeout_ns;
+  void *args[] = {&flag, &block, &n, &t, &to, &status};
+  return cuLaunchKernel(env->hold, 1, 1, 1, 256, 1, 1, 0, s, args, NULL);
+}
+
+CUresult gpu_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, uint64_t tag) {
+  unsigned long long n = words, t = tag;
+  void *args[] = {&p, &n, &t};
+  return cuLaunchKernel(env->stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
+}
+
+CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
+                         uint64_t expect, uint64_t tag, int restamp, CUdeviceptr bad) {
+  unsigned long long n = words, e = expect, t = tag;
+  void *args[] = {&p, &n, &e, &t, &restamp, &bad};
+  return cuLaunchKernel(env->check_stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args,
+                        NULL);
+}
+
+CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns) {
+  unsigned long long t = ns;
+  void *args[] = {&t};
+  return cuLaunchKernel(env->delay, 1, 1, 1, 1, 1, 1, 0, s, args, NULL);
+}

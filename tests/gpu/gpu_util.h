@@ -1,0 +1,60 @@
+/* Helpers shared by the GPU tests: the device's primary context, the test
+ * kernels (tests/gpu/kernels.cu, embedded as PTX) and their launches.
+ *
+ * The tests call the driver API directly (linked against the toolkit's
+ * libcuda stub; the real driver answers at run time) and magpie through its
+ * public or backend interface. */
+#ifndef MAGPIE_TESTS_GPU_UTIL_H
+#define MAGPIE_TESTS_GPU_UTIL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda.h>
+
+typedef struct gpu_env {
+  CUdevice device;
+  CUcontext ctx; /* device 0's primary context, shared with magpie */
+  CUmodule module;
+  CUfunction fill_u32, check_u32, hold, stamp, check_stamp, delay;
+  char name[128];
+  int driver_version;
+} gpu_env;
+
+/* Initialises the driver, makes device 0's primary context current on the
+ * calling thread and loads the kernels. 0 on success; else prints why. */
+int gpu_env_init(gpu_env *env);
+/* Makes env's context current on the calling thread (each new thread). */
+CUresult gpu_env_bind(const gpu_env *env);
+
+/* "CUDA_ERROR_X (n)" for r, in one of 4 thread-local buffers used in turn. */
+const char *gpu_err(CUresult r);
+
+/* Fails the running cmocka test when call does not return CUDA_SUCCESS
+ * (main test thread only: cmocka's failures do not cross threads). */
+#define GPU_CHECK(call)                                                  \
+  do {                                                                   \
+    CUresult gpu_check_rc = (call);                                      \
+    if (gpu_check_rc != CUDA_SUCCESS)                                    \
+      fail_msg("%s: %s", #call, gpu_err(gpu_check_rc));                  \
+  } while (0)
+
+/* Launches (asynchronous; the result is the launch's). */
+CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
+                      unsigned int seed);
+CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
+                       unsigned int seed, CUdeviceptr bad);
+/* One block writing tag over the block until *flag != 0 or timeout_ns;
+ * flag and status are device pointers of host-mapped memory. */
+CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block,
+                  size_t words, uint64_t tag, uint64_t timeout_ns, CUdeviceptr status);
+CUresult gpu_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, uint64_t tag);
+/* Counts words != expect into *bad, then writes tag if restamp. */
+CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
+                         uint64_t expect, uint64_t tag, int restamp, CUdeviceptr bad);
+CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns);
+
+/* Monotonic wall clock, nanoseconds. */
+uint64_t gpu_now_ns(void);
+
+#endif /* MAGPIE_TESTS_GPU_UTIL_H */

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
+# bazel-bootstrap, used offline), cmocka, jemalloc, clang (for the
+# sanitizer builds). Safe to run repeatedly.
+set -euo pipefail
+need=()
+command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
+[ -e /usr/include/cmocka.h ] || need+=(libcmocka-dev)
+[ -e /usr/include/jemalloc/jemalloc.h ] || need+=(libjemalloc-dev)
+command -v clang >/dev/null 2>&1 || need+=(clang)
+command -v gcc >/dev/null 2>&1 || need+=(build-essential)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  echo "installing: ${need[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
