@@ -103,10 +103,9 @@ struct sim_stream {
  *   (relaxed), published with an exchange to the stream (release); cleared
  *   by the dying worker with an exchange to NULL (release), after all its
  *   work ran. Read (acquire) only by device synchronize of this device.
- *   Every write is a read-modify-write, so the value a reader sees carries
- *   the release sequence of every earlier worker that cleared the entry:
- *   one acquire load orders all finished work of all streams that ever
- *   used the entry before the device synchronize, as CUDA does.
+ *   The edge from workers that already finished comes from
+ *   sim_device.retired, not from this entry (a creator's later claim
+ *   would have to carry it through a release sequence).
  * pins: incremented (relaxed) and decremented (release) by a thread that
  *   pushes onto a stream it found here (device synchronize) or is
  *   destroying; the dying worker reads it (acquire) and frees its stream
