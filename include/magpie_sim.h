@@ -21,10 +21,25 @@
  * MAGPIE_SIM_STREAM_PER_THREAD (a different stream in each thread, like
  * cudaStreamPerThread) are always valid.
  *
+ * Closures must not call magpie_sim_* functions (CUDA host functions may not
+ * call CUDA either): doing so would add edges CUDA does not have. Host
+ * threads that use the same stream, event or handle table through these
+ * functions may become ordered with each other (the CUDA driver's own locks
+ * do the same); a stream's work is never ordered before anything except
+ * through the edges above. Events belong to the current device when they
+ * are created and may only be recorded on streams of that device; waiting
+ * on an event never recorded is a no-op; a destroyed event or stream handle
+ * is reported as invalid until it is reused. Limits: 16 devices, 16384
+ * stream handles at once, 4096 streams per device at once.
+ *
  * Memory capacity: MAGPIE_SIM_MEMORY=bytes (suffixes k, m, g), default 4 GiB
  * (address space only: pages are touched as the allocator uses them).
  * Devices: MAGPIE_SIM_DEVICES=n (default 1); magpie_sim_set_device picks the
  * calling thread's current device, on which new streams are created.
+ * MAGPIE_SIM_VMM=0 makes the device report no virtual memory management, so
+ * magpie's fallback path (whole-slab allocations) runs on it. The
+ * environment is read once, at first use; a malformed value makes every
+ * call fail with MAGPIE_ERR_CONFIG and a message naming the variable.
  */
 #ifndef MAGPIE_SIM_H
 #define MAGPIE_SIM_H

@@ -22,15 +22,11 @@
  * together; nothing else is locked under either. Workers take neither.
  */
 #include <errno.h>
-#include <limits.h>
-#include <linux/futex.h>
 #include <pthread.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "backend.h"
 #include "sim_internal.h"
@@ -57,15 +53,7 @@ struct sim_cell {
   struct sim_cell *reap_next; /* written by the last dropper before its push */
 };
 
-static void sim_futex_wait(_Atomic uint32_t *word, uint32_t expected) {
-  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
-}
-
-static void sim_futex_wake_all(_Atomic uint32_t *word) {
-  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-}
-
-struct sim_cell *sim_cell_new(uint32_t refs) {
+struct sim_cell *sim_event_cell_new(uint32_t refs) {
   struct sim_cell *c = malloc(sizeof *c);
   if (c == NULL) return NULL;
   atomic_init(&c->state, SIM_CELL_PENDING);
@@ -74,20 +62,20 @@ struct sim_cell *sim_cell_new(uint32_t refs) {
   return c;
 }
 
-void sim_cell_ref(struct sim_cell *c) {
+void sim_event_cell_ref(struct sim_cell *c) {
   atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
 }
 
-void sim_cell_complete(struct sim_cell *c) {
+void sim_event_cell_complete(struct sim_cell *c) {
   uint32_t old = atomic_exchange_explicit(&c->state, SIM_CELL_DONE, memory_order_release);
   if (old == SIM_CELL_SLEEPERS) sim_futex_wake_all(&c->state);
 }
 
-int sim_cell_is_complete(struct sim_cell *c) {
+int sim_event_cell_is_complete(struct sim_cell *c) {
   return atomic_load_explicit(&c->state, memory_order_acquire) == SIM_CELL_DONE;
 }
 
-void sim_cell_wait(struct sim_cell *c) {
+void sim_event_cell_wait(struct sim_cell *c) {
   for (;;) {
     uint32_t v = atomic_load_explicit(&c->state, memory_order_acquire);
     if (v == SIM_CELL_DONE) return;
@@ -117,7 +105,7 @@ static sem_t sim_reap_sem;
  * are never freed: a leak rather than a failure. */
 static int sim_reaper_running;
 
-static void *sim_reaper(void *arg) {
+static void *sim_event_reaper(void *arg) {
   (void)arg;
   for (;;) {
     while (sem_wait(&sim_reap_sem) != 0) {
@@ -144,13 +132,13 @@ void sim_event_start_reaper(void) {
   if (pthread_attr_init(&attr) != 0) return;
   pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
   pthread_sigmask(SIG_BLOCK, &all, &old);
-  int err = pthread_create(&tid, &attr, sim_reaper, NULL);
+  int err = pthread_create(&tid, &attr, sim_event_reaper, NULL);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   pthread_attr_destroy(&attr);
   sim_reaper_running = err == 0;
 }
 
-void sim_cell_unref(struct sim_cell *c) {
+void sim_event_cell_unref(struct sim_cell *c) {
   if (c == NULL) return;
   if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_release) != 1) return;
   if (!sim_reaper_running) return;
@@ -231,7 +219,7 @@ int sim_event_destroy(magpie_sim_event e) {
   e->cell = NULL;
   e->live = 0;
   pthread_mutex_unlock(&e->lock);
-  sim_cell_unref(c); /* pending work still completes the cell; waits keep theirs */
+  sim_event_cell_unref(c); /* pending work still completes the cell; waits keep theirs */
   pthread_mutex_lock(&sim_event_pool_lock);
   e->next_free = sim_event_free;
   sim_event_free = e;
@@ -252,7 +240,7 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
                     "event of device %d recorded on a stream of device %d", ed,
                     sim_stream_device(s));
   }
-  struct sim_cell *c = sim_cell_new(2); /* the event's and the marker's */
+  struct sim_cell *c = sim_event_cell_new(2); /* the event's and the marker's */
   if (c == NULL) {
     pthread_mutex_unlock(&e->lock);
     return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for an event record");
@@ -260,14 +248,14 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
   rc = sim_stream_enqueue_marker(s, c);
   if (rc != MAGPIE_OK) {
     pthread_mutex_unlock(&e->lock);
-    sim_cell_unref(c);
-    sim_cell_unref(c);
+    sim_event_cell_unref(c);
+    sim_event_cell_unref(c);
     return rc;
   }
   struct sim_cell *old = e->cell;
   e->cell = c;
   pthread_mutex_unlock(&e->lock);
-  sim_cell_unref(old);
+  sim_event_cell_unref(old);
   return MAGPIE_OK;
 }
 
@@ -275,7 +263,7 @@ int sim_event_query(magpie_sim_event e) {
   int rc = sim_event_lock(e);
   if (rc != MAGPIE_OK) return rc;
   /* Never recorded: complete, as in CUDA. */
-  rc = e->cell == NULL || sim_cell_is_complete(e->cell) ? MAGPIE_OK : MAGPIE_SIM_NOT_READY;
+  rc = e->cell == NULL || sim_event_cell_is_complete(e->cell) ? MAGPIE_OK : MAGPIE_SIM_NOT_READY;
   pthread_mutex_unlock(&e->lock);
   return rc;
 }
@@ -286,7 +274,7 @@ static int sim_event_take_cell(magpie_sim_event e, struct sim_cell **out) {
   int rc = sim_event_lock(e);
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c = e->cell;
-  if (c != NULL) sim_cell_ref(c);
+  if (c != NULL) sim_event_cell_ref(c);
   pthread_mutex_unlock(&e->lock);
   *out = c;
   return MAGPIE_OK;
@@ -296,8 +284,8 @@ int sim_event_synchronize(magpie_sim_event e) {
   struct sim_cell *c;
   int rc = sim_event_take_cell(e, &c);
   if (rc != MAGPIE_OK || c == NULL) return rc;
-  sim_cell_wait(c);
-  sim_cell_unref(c);
+  sim_event_cell_wait(c);
+  sim_event_cell_unref(c);
   return MAGPIE_OK;
 }
 
@@ -309,7 +297,7 @@ int sim_event_stream_wait(cudaStream_t h, magpie_sim_event e) {
   rc = sim_event_take_cell(e, &c);
   if (rc != MAGPIE_OK || c == NULL) return rc; /* never recorded: nothing to wait for */
   rc = sim_stream_enqueue_wait(s, c);
-  if (rc != MAGPIE_OK) sim_cell_unref(c);
+  if (rc != MAGPIE_OK) sim_event_cell_unref(c);
   return rc;
 }
 

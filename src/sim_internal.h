@@ -8,7 +8,7 @@
  * record, stream synchronize, stream waits) and device synchronize. The
  * consequences for the data structures:
  *   - stream queues are lock-free MPSC queues: producers release, the worker
- *     acquires; the wake-up (a semaphore) is posted by producers only;
+ *     acquires, one edge per enqueued node; the wake-up adds no edge;
  *   - objects touched by a worker and by other threads are freed by the
  *     thread that already holds every edge (the worker itself for its
  *     stream, the reaper thread for completion cells), never by whichever
@@ -20,9 +20,13 @@
 #ifndef MAGPIE_SIM_INTERNAL_H
 #define MAGPIE_SIM_INTERNAL_H
 
+#include <limits.h>
+#include <linux/futex.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "magpie.h"
 #include "magpie_sim.h"
@@ -36,6 +40,22 @@
 /* Streams per device that can exist at once, counting destroyed streams
  * whose workers are still draining, default and per-thread streams. */
 #define SIM_MAX_STREAMS 4096
+
+/* Futex wait and wake on a 32-bit atomic. ThreadSanitizer does not see
+ * these system calls, so they add no happens-before edge: the atomics around
+ * them carry exactly the edges the simulator means. Spurious returns are
+ * allowed; callers re-check. */
+static inline void sim_futex_wait(_Atomic uint32_t *word, uint32_t expected) {
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+}
+
+static inline void sim_futex_wake_one(_Atomic uint32_t *word) {
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+static inline void sim_futex_wake_all(_Atomic uint32_t *word) {
+  syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
 
 /* ---- configuration, start-up, errors (sim_stream.c) ---- */
 
@@ -100,9 +120,9 @@ uint64_t sim_stream_id_slow(cudaStream_t h);
  * stream's handle; special handles take the (still lock-free once created)
  * slow path. 0 means invalid (destroyed, or not a handle). */
 static inline uint64_t sim_stream_id(cudaStream_t h) {
-  uintptr_t off = (uintptr_t)h - (uintptr_t)sim_slots;
-  if (off < sizeof sim_slots && off % sizeof(struct sim_slot) == 0)
-    return atomic_load_explicit(&sim_slots[off / sizeof(struct sim_slot)].id,
+  uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
+  if (p >= base && p - base < sizeof sim_slots && (p - base) % sizeof(struct sim_slot) == 0)
+    return atomic_load_explicit(&sim_slots[(p - base) / sizeof(struct sim_slot)].id,
                                 memory_order_relaxed);
   return sim_stream_id_slow(h);
 }
@@ -134,16 +154,16 @@ int sim_stream_enqueue_wait(struct sim_stream *s, struct sim_cell *c);
 /* A cell is one point on one stream: it completes when the marker that was
  * enqueued for it runs. Reference-counted; the last reference hands it to
  * the reaper thread, which frees it. NULL when out of host memory. */
-struct sim_cell *sim_cell_new(uint32_t refs);
-void sim_cell_ref(struct sim_cell *c);
-void sim_cell_unref(struct sim_cell *c);
+struct sim_cell *sim_event_cell_new(uint32_t refs);
+void sim_event_cell_ref(struct sim_cell *c);
+void sim_event_cell_unref(struct sim_cell *c);
 /* Marks c complete (release) and wakes its waiters; called by the worker
  * running the marker. */
-void sim_cell_complete(struct sim_cell *c);
+void sim_event_cell_complete(struct sim_cell *c);
 /* 1 if complete (acquire: the marked work happens before the caller). */
-int sim_cell_is_complete(struct sim_cell *c);
+int sim_event_cell_is_complete(struct sim_cell *c);
 /* Blocks until complete (acquire). */
-void sim_cell_wait(struct sim_cell *c);
+void sim_event_cell_wait(struct sim_cell *c);
 /* Starts the reaper thread; called once by sim_init. */
 void sim_event_start_reaper(void);
 

@@ -13,7 +13,7 @@
  * unmapped one, freeing an unknown pointer or unreserving a range that is
  * still mapped is reported as an error instead of corrupting the count.
  *
- * Lock order: one lock per device (sim_mem_devices[d].lock), never two at
+ * Lock order: one lock per device (sim_memory_devices[d].lock), never two at
  * once, nothing else taken under it.
  */
 #include <errno.h>
@@ -45,7 +45,7 @@ struct sim_region {
  * reservations) and size (for allocations), except transiently: map and
  * alloc take capacity before adding to a region, free gives it back after
  * the region is gone, so used never undercounts. */
-struct sim_mem_device {
+struct sim_memory_device {
   pthread_mutex_t lock; /* guards regions and every region's fields */
   struct sim_region *regions;
   /* Bytes mapped or allocated. Increased only under lock (a CAS bounded
@@ -58,10 +58,10 @@ struct sim_mem_device {
   _Atomic size_t capacity;
 };
 
-static struct sim_mem_device sim_mem_devices[SIM_MAX_DEVICES];
+static struct sim_memory_device sim_memory_devices[SIM_MAX_DEVICES];
 /* MAGPIE_SIM_VMM: written by configuration (inside sim_init's once) and by
  * sim_memory_set_vmm (tests); read relaxed. */
-static _Atomic int sim_mem_vmm = 1;
+static _Atomic int sim_memory_vmm = 1;
 
 int sim_memory_configure(char *detail, size_t detail_len) {
   size_t capacity = SIM_DEFAULT_CAPACITY;
@@ -83,45 +83,45 @@ int sim_memory_configure(char *detail, size_t detail_len) {
       snprintf(detail, detail_len, "MAGPIE_SIM_VMM=\"%s\" is not 0 or 1", v);
       return MAGPIE_ERR_CONFIG;
     }
-    atomic_store_explicit(&sim_mem_vmm, v[0] == '1', memory_order_relaxed);
+    atomic_store_explicit(&sim_memory_vmm, v[0] == '1', memory_order_relaxed);
   }
   for (int d = 0; d < SIM_MAX_DEVICES; d++) {
-    pthread_mutex_init(&sim_mem_devices[d].lock, NULL);
-    atomic_store_explicit(&sim_mem_devices[d].capacity, capacity, memory_order_relaxed);
+    pthread_mutex_init(&sim_memory_devices[d].lock, NULL);
+    atomic_store_explicit(&sim_memory_devices[d].capacity, capacity, memory_order_relaxed);
   }
   return MAGPIE_OK;
 }
 
 int sim_memory_vmm_supported(void) {
-  return atomic_load_explicit(&sim_mem_vmm, memory_order_relaxed);
+  return atomic_load_explicit(&sim_memory_vmm, memory_order_relaxed);
 }
 
 void sim_memory_set_vmm(int supported) {
-  atomic_store_explicit(&sim_mem_vmm, supported != 0, memory_order_relaxed);
+  atomic_store_explicit(&sim_memory_vmm, supported != 0, memory_order_relaxed);
 }
 
 /* Checks the device and that sim_init succeeded (it initialises the locks). */
-static int sim_mem_device(int device, struct sim_mem_device **out) {
+static int sim_memory_device(int device, struct sim_memory_device **out) {
   int rc = sim_init();
   if (rc != MAGPIE_OK) return rc;
   if (device < 0 || device >= sim_device_count())
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
                     device, sim_device_count());
-  *out = &sim_mem_devices[device];
+  *out = &sim_memory_devices[device];
   return MAGPIE_OK;
 }
 
 int sim_memory_set_capacity(int device, size_t bytes) {
-  struct sim_mem_device *d;
-  int rc = sim_mem_device(device, &d);
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   atomic_store_explicit(&d->capacity, bytes, memory_order_relaxed);
   return MAGPIE_OK;
 }
 
 int sim_memory_info(int device, size_t *free_bytes, size_t *total_bytes) {
-  struct sim_mem_device *d;
-  int rc = sim_mem_device(device, &d);
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   size_t cap = atomic_load_explicit(&d->capacity, memory_order_relaxed);
   size_t used = atomic_load_explicit(&d->used, memory_order_relaxed);
@@ -131,7 +131,7 @@ int sim_memory_info(int device, size_t *free_bytes, size_t *total_bytes) {
 }
 
 /* Takes bytes of capacity, or fails leaving everything as it was. */
-static int sim_mem_take(struct sim_mem_device *d, int device, size_t bytes) {
+static int sim_memory_take(struct sim_memory_device *d, int device, size_t bytes) {
   size_t used = atomic_load_explicit(&d->used, memory_order_relaxed);
   do {
     size_t cap = atomic_load_explicit(&d->capacity, memory_order_relaxed);
@@ -144,23 +144,23 @@ static int sim_mem_take(struct sim_mem_device *d, int device, size_t bytes) {
   return MAGPIE_OK;
 }
 
-static void sim_mem_give(struct sim_mem_device *d, size_t bytes) {
+static void sim_memory_give(struct sim_memory_device *d, size_t bytes) {
   atomic_fetch_sub_explicit(&d->used, bytes, memory_order_relaxed);
 }
 
-static int sim_mem_check_range(uintptr_t addr, size_t size) {
+static int sim_memory_check_range(uintptr_t addr, size_t size) {
   if (size == 0 || size % SIM_GRANULARITY != 0 || addr % SIM_GRANULARITY != 0)
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
                     "range %#lx+%zu is not a nonzero multiple of the %zu-byte granularity",
                     (unsigned long)addr, size, SIM_GRANULARITY);
-  if (addr + size < addr)
+  if (size > UINTPTR_MAX - addr)
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "range %#lx+%zu wraps around",
                     (unsigned long)addr, size);
   return MAGPIE_OK;
 }
 
 /* size bytes of fresh address space aligned to the granularity. */
-static int sim_mem_mmap_aligned(size_t size, int prot, uintptr_t *out) {
+static int sim_memory_mmap_aligned(size_t size, int prot, uintptr_t *out) {
   if (size > SIZE_MAX - SIM_GRANULARITY)
     return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "%zu bytes of address space is too much", size);
   size_t span = size + SIM_GRANULARITY;
@@ -178,14 +178,15 @@ static int sim_mem_mmap_aligned(size_t size, int prot, uintptr_t *out) {
 }
 
 /* The region of d holding [addr, addr+size) entirely, under d->lock. */
-static struct sim_region *sim_mem_find(struct sim_mem_device *d, uintptr_t addr, size_t size) {
+static struct sim_region *sim_memory_find(struct sim_memory_device *d, uintptr_t addr,
+                                          size_t size) {
   for (struct sim_region *r = d->regions; r != NULL; r = r->next)
     if (addr >= r->base && addr - r->base <= r->size && size <= r->size - (addr - r->base))
       return r;
   return NULL;
 }
 
-static void sim_mem_unlink(struct sim_mem_device *d, struct sim_region *r) {
+static void sim_memory_unlink(struct sim_memory_device *d, struct sim_region *r) {
   for (struct sim_region **p = &d->regions; *p != NULL; p = &(*p)->next)
     if (*p == r) {
       *p = r->next;
@@ -194,8 +195,8 @@ static void sim_mem_unlink(struct sim_mem_device *d, struct sim_region *r) {
 }
 
 int sim_memory_reserve(int device, size_t size, uintptr_t *base) {
-  struct sim_mem_device *d;
-  int rc = sim_mem_device(device, &d);
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   if (size == 0 || size % SIM_GRANULARITY != 0)
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
@@ -209,7 +210,7 @@ int sim_memory_reserve(int device, size_t size, uintptr_t *base) {
     free(bits);
     return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory for a reservation's map");
   }
-  rc = sim_mem_mmap_aligned(size, PROT_NONE, &r->base);
+  rc = sim_memory_mmap_aligned(size, PROT_NONE, &r->base);
   if (rc != MAGPIE_OK) {
     free(r);
     free(bits);
@@ -227,11 +228,11 @@ int sim_memory_reserve(int device, size_t size, uintptr_t *base) {
 }
 
 int sim_memory_unreserve(int device, uintptr_t base, size_t size) {
-  struct sim_mem_device *d;
-  int rc = sim_mem_device(device, &d);
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
-  struct sim_region *r = sim_mem_find(d, base, size);
+  struct sim_region *r = sim_memory_find(d, base, size);
   if (r == NULL || r->kind != SIM_REGION_RESERVED || r->base != base || r->size != size) {
     pthread_mutex_unlock(&d->lock);
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
@@ -245,7 +246,7 @@ int sim_memory_unreserve(int device, uintptr_t base, size_t size) {
                     "reservation %#lx still has %zu bytes mapped: unmap them first",
                     (unsigned long)base, mapped);
   }
-  sim_mem_unlink(d, r);
+  sim_memory_unlink(d, r);
   pthread_mutex_unlock(&d->lock);
   munmap((void *)r->base, r->size);
   free(r->mapped);
@@ -255,13 +256,13 @@ int sim_memory_unreserve(int device, uintptr_t base, size_t size) {
 
 /* Whether granules [first, first+count) of r are all mapped (want 1) or all
  * unmapped (want 0). */
-static int sim_mem_bits_all(const struct sim_region *r, size_t first, size_t count, int want) {
+static int sim_memory_bits_all(const struct sim_region *r, size_t first, size_t count, int want) {
   for (size_t g = first; g < first + count; g++)
     if ((int)((r->mapped[g / 64] >> (g % 64)) & 1) != want) return 0;
   return 1;
 }
 
-static void sim_mem_bits_set(struct sim_region *r, size_t first, size_t count, int on) {
+static void sim_memory_bits_set(struct sim_region *r, size_t first, size_t count, int on) {
   for (size_t g = first; g < first + count; g++) {
     if (on)
       r->mapped[g / 64] |= (uint64_t)1 << (g % 64);
@@ -271,12 +272,12 @@ static void sim_mem_bits_set(struct sim_region *r, size_t first, size_t count, i
 }
 
 /* Locks d and finds the reservation holding the range (or fails unlocked). */
-static int sim_mem_lock_reserved(struct sim_mem_device *d, int device, uintptr_t addr,
+static int sim_memory_lock_reserved(struct sim_memory_device *d, int device, uintptr_t addr,
                                  size_t size, struct sim_region **out) {
-  int rc = sim_mem_check_range(addr, size);
+  int rc = sim_memory_check_range(addr, size);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
-  struct sim_region *r = sim_mem_find(d, addr, size);
+  struct sim_region *r = sim_memory_find(d, addr, size);
   if (r == NULL || r->kind != SIM_REGION_RESERVED) {
     pthread_mutex_unlock(&d->lock);
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
@@ -288,25 +289,25 @@ static int sim_mem_lock_reserved(struct sim_mem_device *d, int device, uintptr_t
 }
 
 int sim_memory_map(int device, uintptr_t addr, size_t size) {
-  struct sim_mem_device *d;
+  struct sim_memory_device *d;
   struct sim_region *r;
-  int rc = sim_mem_device(device, &d);
-  if (rc == MAGPIE_OK) rc = sim_mem_lock_reserved(d, device, addr, size, &r);
+  int rc = sim_memory_device(device, &d);
+  if (rc == MAGPIE_OK) rc = sim_memory_lock_reserved(d, device, addr, size, &r);
   if (rc != MAGPIE_OK) return rc;
   size_t first = (addr - r->base) / SIM_GRANULARITY, count = size / SIM_GRANULARITY;
-  if (!sim_mem_bits_all(r, first, count, 0)) {
+  if (!sim_memory_bits_all(r, first, count, 0)) {
     rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is already (partly) mapped",
                   (unsigned long)addr, size);
   } else {
-    rc = sim_mem_take(d, device, size);
+    rc = sim_memory_take(d, device, size);
   }
   if (rc == MAGPIE_OK && mprotect((void *)addr, size, PROT_READ | PROT_WRITE) != 0) {
     rc = sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "mprotect(read/write) of %zu bytes: %s", size,
                   strerror(errno));
-    sim_mem_give(d, size);
+    sim_memory_give(d, size);
   }
   if (rc == MAGPIE_OK) {
-    sim_mem_bits_set(r, first, count, 1);
+    sim_memory_bits_set(r, first, count, 1);
     r->mapped_bytes += size;
   }
   pthread_mutex_unlock(&d->lock);
@@ -314,30 +315,30 @@ int sim_memory_map(int device, uintptr_t addr, size_t size) {
 }
 
 int sim_memory_unmap(int device, uintptr_t addr, size_t size) {
-  struct sim_mem_device *d;
+  struct sim_memory_device *d;
   struct sim_region *r;
-  int rc = sim_mem_device(device, &d);
-  if (rc == MAGPIE_OK) rc = sim_mem_lock_reserved(d, device, addr, size, &r);
+  int rc = sim_memory_device(device, &d);
+  if (rc == MAGPIE_OK) rc = sim_memory_lock_reserved(d, device, addr, size, &r);
   if (rc != MAGPIE_OK) return rc;
   size_t first = (addr - r->base) / SIM_GRANULARITY, count = size / SIM_GRANULARITY;
-  if (!sim_mem_bits_all(r, first, count, 1)) {
+  if (!sim_memory_bits_all(r, first, count, 1)) {
     rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not (wholly) mapped",
                   (unsigned long)addr, size);
   } else if (madvise((void *)addr, size, MADV_DONTNEED) != 0 ||
              mprotect((void *)addr, size, PROT_NONE) != 0) {
     rc = sim_fail(MAGPIE_ERR_BACKEND, "unmapping %zu bytes: %s", size, strerror(errno));
   } else {
-    sim_mem_bits_set(r, first, count, 0);
+    sim_memory_bits_set(r, first, count, 0);
     r->mapped_bytes -= size;
-    sim_mem_give(d, size);
+    sim_memory_give(d, size);
   }
   pthread_mutex_unlock(&d->lock);
   return rc;
 }
 
 int sim_memory_alloc(int device, size_t size, uintptr_t *out) {
-  struct sim_mem_device *d;
-  int rc = sim_mem_device(device, &d);
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   if (size == 0) return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "allocation of 0 bytes");
   if (size > SIZE_MAX - (SIM_GRANULARITY - 1))
@@ -346,10 +347,10 @@ int sim_memory_alloc(int device, size_t size, uintptr_t *out) {
   struct sim_region *r = calloc(1, sizeof *r);
   if (r == NULL) return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory for a region");
   pthread_mutex_lock(&d->lock);
-  rc = sim_mem_take(d, device, rounded);
+  rc = sim_memory_take(d, device, rounded);
   if (rc == MAGPIE_OK) {
-    rc = sim_mem_mmap_aligned(rounded, PROT_READ | PROT_WRITE, &r->base);
-    if (rc != MAGPIE_OK) sim_mem_give(d, rounded);
+    rc = sim_memory_mmap_aligned(rounded, PROT_READ | PROT_WRITE, &r->base);
+    if (rc != MAGPIE_OK) sim_memory_give(d, rounded);
   }
   if (rc == MAGPIE_OK) {
     r->size = rounded;
@@ -364,11 +365,11 @@ int sim_memory_alloc(int device, size_t size, uintptr_t *out) {
 }
 
 int sim_memory_free(int device, uintptr_t ptr, size_t size) {
-  struct sim_mem_device *d;
-  int rc = sim_mem_device(device, &d);
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
-  struct sim_region *r = sim_mem_find(d, ptr, 0);
+  struct sim_region *r = sim_memory_find(d, ptr, 0);
   if (r == NULL || r->kind != SIM_REGION_ALLOCATED || r->base != ptr) {
     pthread_mutex_unlock(&d->lock);
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx is not an allocation of device %d",
@@ -381,10 +382,10 @@ int sim_memory_free(int device, uintptr_t ptr, size_t size) {
                     "freeing %zu bytes at %#lx, but the allocation has %zu", size,
                     (unsigned long)ptr, have);
   }
-  sim_mem_unlink(d, r);
+  sim_memory_unlink(d, r);
   pthread_mutex_unlock(&d->lock);
   munmap((void *)r->base, r->size);
-  sim_mem_give(d, r->size); /* after the memory is really gone */
+  sim_memory_give(d, r->size); /* after the memory is really gone */
   free(r);
   return MAGPIE_OK;
 }

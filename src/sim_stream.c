@@ -4,8 +4,12 @@
  * simulator's start-up (environment) and devices.
  *
  * Happens-before edges made here (see sim_internal.h for the rule):
- *   host -> worker: a push (release) read by the worker (acquire), and the
- *     wake-up semaphore, which only producers post;
+ *   host -> worker: exactly one per closure, the push (release) of its node
+ *     read by the worker (acquire). The wake-up is a futex-based token whose
+ *     atomics are relaxed (ordered with fences, which ThreadSanitizer does
+ *     not model): a semaphore would hand the worker the poster's latest
+ *     state, including what the host learned from other streams after
+ *     enqueueing the closure, and so hide races between streams;
  *   worker -> others: only through completion cells (sim_event.c) and the
  *     registry entry a dying worker clears, which only device synchronize
  *     of the same device reads.
@@ -15,10 +19,8 @@
  * (a worker unlocking a lock that a host then locks would order the
  * stream's work before the host).
  */
-#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
-#include <semaphore.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -81,7 +83,15 @@ struct sim_stream {
    * never touches it, so no producer acquires anything from a worker. */
   _Atomic(struct sim_node *) tail;
   struct sim_node *head; /* the worker's end: worker only */
-  sem_t wake;            /* posted by producers after a push; waited by the worker */
+  /* Wake-up token, also the futex word: SIM_WAKE_NONE, SIM_WAKE_TOKEN
+   * (work was pushed since the worker last looked), SIM_WAKE_SLEEPING (the
+   * worker sleeps, no token). Producers exchange in TOKEN after a push; the
+   * worker exchanges it out, or CASes NONE -> SLEEPING before sleeping.
+   * All relaxed RMWs on this one word, so no wake-up is lost; a release
+   * fence before the producer's exchange and an acquire fence after the
+   * worker's make the pushed links visible. Deliberately invisible to
+   * ThreadSanitizer (see the top of this file). */
+  _Atomic uint32_t wake;
   struct sim_node *exit_node; /* preallocated so destroy cannot fail */
 };
 
@@ -93,10 +103,9 @@ struct sim_stream {
  *   (relaxed), published with an exchange to the stream (release); cleared
  *   by the dying worker with an exchange to NULL (release), after all its
  *   work ran. Read (acquire) only by device synchronize of this device.
- *   Every write is a read-modify-write, so the value a reader sees carries
- *   the release sequence of every earlier worker that cleared the entry:
- *   one acquire load orders all finished work of all streams that ever
- *   used the entry before the device synchronize, as CUDA does.
+ *   The edge from workers that already finished comes from
+ *   sim_device.retired, not from this entry (a creator's later claim
+ *   would have to carry it through a release sequence).
  * pins: incremented (relaxed) and decremented (release) by a thread that
  *   pushes onto a stream it found here (device synchronize) or is
  *   destroying; the dying worker reads it (acquire) and frees its stream
@@ -163,7 +172,7 @@ static int sim_init_status;
 static char sim_init_detail[256];
 static int sim_ndevices = 1;
 
-static void sim_thread_exit(void *arg);
+static void sim_stream_thread_exit(void *arg);
 
 int sim_parse_size(const char *text, int allow_suffix, uint64_t *out) {
   const char *p = text;
@@ -208,7 +217,7 @@ static void sim_init_once(void) {
     sim_init_status = rc;
     return;
   }
-  if (pthread_key_create(&sim_thread_key, sim_thread_exit) != 0) {
+  if (pthread_key_create(&sim_thread_key, sim_stream_thread_exit) != 0) {
     sim_init_status = MAGPIE_ERR_BACKEND;
     snprintf(sim_init_detail, sizeof sim_init_detail,
              "cannot create the simulator's thread key");
@@ -240,11 +249,31 @@ int sim_set_current_device(int device) {
 
 /* ---------------------------------------------------------------- workers */
 
+enum { SIM_WAKE_NONE = 0, SIM_WAKE_TOKEN = 1, SIM_WAKE_SLEEPING = 2 };
+
 static void sim_stream_push(struct sim_stream *s, struct sim_node *n) {
   atomic_store_explicit(&n->next, NULL, memory_order_relaxed);
   struct sim_node *prev = atomic_exchange_explicit(&s->tail, n, memory_order_acq_rel);
   atomic_store_explicit(&prev->next, n, memory_order_release);
-  sem_post(&s->wake);
+  atomic_thread_fence(memory_order_release);
+  if (atomic_exchange_explicit(&s->wake, SIM_WAKE_TOKEN, memory_order_relaxed) ==
+      SIM_WAKE_SLEEPING)
+    sim_futex_wake_one(&s->wake);
+}
+
+/* Worker only: returns once a push happened since the last return. */
+static void sim_stream_sleep(struct sim_stream *s) {
+  for (;;) {
+    if (atomic_exchange_explicit(&s->wake, SIM_WAKE_NONE, memory_order_relaxed) ==
+        SIM_WAKE_TOKEN)
+      break;
+    uint32_t expected = SIM_WAKE_NONE;
+    if (atomic_compare_exchange_strong_explicit(&s->wake, &expected, SIM_WAKE_SLEEPING,
+                                                memory_order_relaxed, memory_order_relaxed))
+      sim_futex_wait(&s->wake, SIM_WAKE_SLEEPING);
+    /* else a token arrived meanwhile: take it on the next turn */
+  }
+  atomic_thread_fence(memory_order_acquire);
 }
 
 /* Worker only. The returned node becomes the stub; its payload is valid. */
@@ -264,12 +293,12 @@ static int sim_stream_run(struct sim_node *n) {
       n->fn(n->arg);
       return 0;
     case SIM_NODE_MARKER:
-      sim_cell_complete(n->cell);
-      sim_cell_unref(n->cell);
+      sim_event_cell_complete(n->cell);
+      sim_event_cell_unref(n->cell);
       return 0;
     case SIM_NODE_WAIT:
-      sim_cell_wait(n->cell);
-      sim_cell_unref(n->cell);
+      sim_event_cell_wait(n->cell);
+      sim_event_cell_unref(n->cell);
       return 0;
     case SIM_NODE_EXIT:
       return 1;
@@ -293,7 +322,6 @@ static void sim_stream_finish(struct sim_stream *s) {
   while ((n = sim_stream_pop(s)) != NULL) sim_stream_run(n);
   atomic_fetch_add_explicit(&sim_devices[s->device].retired, 1, memory_order_release);
   free(s->head);
-  sem_destroy(&s->wake);
   free(s);
 }
 
@@ -301,9 +329,7 @@ static void *sim_stream_worker(void *arg) {
   struct sim_stream *s = arg;
   int exiting = 0;
   while (!exiting) {
-    while (sem_wait(&s->wake) != 0) {
-      /* EINTR only: retry */
-    }
+    sim_stream_sleep(s);
     struct sim_node *n;
     while ((n = sim_stream_pop(s)) != NULL)
       if (sim_stream_run(n)) exiting = 1;
@@ -314,7 +340,7 @@ static void *sim_stream_worker(void *arg) {
 
 /* ---------------------------------------------------------------- creation */
 
-static int sim_reg_claim(int device, uint32_t *index) {
+static int sim_stream_reg_claim(int device, uint32_t *index) {
   struct sim_device *d = &sim_devices[device];
   for (uint32_t i = 0; i < SIM_MAX_STREAMS; i++) {
     struct sim_stream *expected = NULL;
@@ -353,12 +379,9 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   atomic_init(&s->tail, stub);
   exit_node->kind = SIM_NODE_EXIT;
   s->exit_node = exit_node;
-  int rc = sim_reg_claim(device, &s->reg_index);
+  atomic_init(&s->wake, SIM_WAKE_NONE);
+  int rc = sim_stream_reg_claim(device, &s->reg_index);
   if (rc != MAGPIE_OK) goto fail_reg;
-  if (sem_init(&s->wake, 0, 0) != 0) {
-    rc = sim_fail(MAGPIE_ERR_BACKEND, "sem_init: %s", strerror(errno));
-    goto fail_sem;
-  }
 
   /* Workers get no asynchronous signals: those belong to the user's threads. */
   sigset_t all, old;
@@ -383,8 +406,6 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   return MAGPIE_OK;
 
 fail_thread:
-  sem_destroy(&s->wake);
-fail_sem:
   atomic_exchange_explicit(&sim_stream_entry(s)->stream, NULL, memory_order_release);
 fail_reg:
   free(exit_node);
@@ -394,7 +415,7 @@ fail_reg:
 }
 
 /* Enqueues EXIT: pending work still runs, then the worker frees the stream.
- * The pin keeps the worker from freeing the stream before our sem_post
+ * The pin keeps the worker from freeing the stream before our wake-up
  * returned. */
 static void sim_stream_retire(struct sim_stream *s) {
   struct sim_reg_entry *e = sim_stream_entry(s);
@@ -441,7 +462,7 @@ static int sim_stream_per_thread(int device, struct sim_stream **out) {
 
 /* Thread exit: retire the thread's per-thread streams (their pending work
  * still runs). */
-static void sim_thread_exit(void *arg) {
+static void sim_stream_thread_exit(void *arg) {
   struct sim_thread *t = arg;
   for (int d = 0; d < SIM_MAX_DEVICES; d++)
     if (t->per_thread[d] != NULL) sim_stream_retire(t->per_thread[d]);
@@ -451,19 +472,21 @@ static void sim_thread_exit(void *arg) {
 
 /* ---------------------------------------------------------------- handles */
 
-static struct sim_slot *sim_slot_of(cudaStream_t h) {
-  uintptr_t off = (uintptr_t)h - (uintptr_t)sim_slots;
-  if (off < sizeof sim_slots && off % sizeof(struct sim_slot) == 0)
-    return &sim_slots[off / sizeof(struct sim_slot)];
+static struct sim_slot *sim_stream_slot_of(cudaStream_t h) {
+  uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
+  /* Two comparisons rather than one wrapping subtraction: clean under
+   * -fsanitize=unsigned-integer-overflow. */
+  if (p >= base && p - base < sizeof sim_slots && (p - base) % sizeof(struct sim_slot) == 0)
+    return &sim_slots[(p - base) / sizeof(struct sim_slot)];
   return NULL;
 }
 
-static int sim_is_special(cudaStream_t h) {
+static int sim_stream_is_special(cudaStream_t h) {
   return h == NULL || h == (cudaStream_t)1 || h == MAGPIE_SIM_STREAM_PER_THREAD;
 }
 
 int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
-  struct sim_slot *slot = sim_slot_of(h);
+  struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot != NULL) {
     if (atomic_load_explicit(&slot->id, memory_order_acquire) != 0) {
       struct sim_stream *s = atomic_load_explicit(&slot->stream, memory_order_relaxed);
@@ -474,7 +497,7 @@ int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
     }
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)h);
   }
-  if (!sim_is_special(h))
+  if (!sim_stream_is_special(h))
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
                     (void *)h);
   int rc = sim_init();
@@ -486,19 +509,19 @@ int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
 
 uint64_t sim_stream_id_slow(cudaStream_t h) {
   struct sim_stream *s;
-  if (!sim_is_special(h) || sim_stream_resolve(h, &s) != MAGPIE_OK) return 0;
+  if (!sim_stream_is_special(h) || sim_stream_resolve(h, &s) != MAGPIE_OK) return 0;
   return s->id;
 }
 
 int sim_stream_device(const struct sim_stream *s) { return s->device; }
 
 int sim_stream_device_of_handle(cudaStream_t h) {
-  struct sim_slot *slot = sim_slot_of(h);
+  struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot != NULL) {
     if (atomic_load_explicit(&slot->id, memory_order_acquire) == 0) return -1;
     return atomic_load_explicit(&slot->device, memory_order_relaxed);
   }
-  if (!sim_is_special(h) || sim_init() != MAGPIE_OK) return -1;
+  if (!sim_stream_is_special(h) || sim_init() != MAGPIE_OK) return -1;
   return sim_tls_device;
 }
 
@@ -539,9 +562,9 @@ int sim_stream_create(cudaStream_t *out) {
 }
 
 int sim_stream_destroy(cudaStream_t h) {
-  struct sim_slot *slot = sim_slot_of(h);
+  struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot == NULL) {
-    if (sim_is_special(h))
+    if (sim_stream_is_special(h))
       return sim_fail(MAGPIE_ERR_INVALID_STREAM,
                       "the default and per-thread streams cannot be destroyed");
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
@@ -565,7 +588,7 @@ int sim_stream_destroy(cudaStream_t h) {
 
 /* ---------------------------------------------------------------- work */
 
-static struct sim_node *sim_node_new(enum sim_node_kind kind, void (*fn)(void *), void *arg,
+static struct sim_node *sim_stream_node_new(enum sim_node_kind kind, void (*fn)(void *), void *arg,
                                      struct sim_cell *c) {
   struct sim_node *n = malloc(sizeof *n);
   if (n == NULL) return NULL;
@@ -579,7 +602,7 @@ static struct sim_node *sim_node_new(enum sim_node_kind kind, void (*fn)(void *)
 
 static int sim_stream_enqueue(struct sim_stream *s, enum sim_node_kind kind,
                               void (*fn)(void *), void *arg, struct sim_cell *c) {
-  struct sim_node *n = sim_node_new(kind, fn, arg, c);
+  struct sim_node *n = sim_stream_node_new(kind, fn, arg, c);
   if (n == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream's work");
   sim_stream_push(s, n);
   return MAGPIE_OK;
@@ -607,16 +630,16 @@ int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited) {
   if (rc == MAGPIE_OK) rc = sim_stream_resolve(waited, &b);
   if (rc != MAGPIE_OK) return rc;
   if (a == b) return MAGPIE_OK; /* a stream is already ordered with itself */
-  struct sim_cell *c = sim_cell_new(2);
+  struct sim_cell *c = sim_event_cell_new(2);
   if (c == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream wait");
   /* Both nodes exist before either is pushed: a failure leaves no half wait. */
-  struct sim_node *marker = sim_node_new(SIM_NODE_MARKER, NULL, NULL, c);
-  struct sim_node *wait = sim_node_new(SIM_NODE_WAIT, NULL, NULL, c);
+  struct sim_node *marker = sim_stream_node_new(SIM_NODE_MARKER, NULL, NULL, c);
+  struct sim_node *wait = sim_stream_node_new(SIM_NODE_WAIT, NULL, NULL, c);
   if (marker == NULL || wait == NULL) {
     free(marker);
     free(wait);
-    sim_cell_unref(c);
-    sim_cell_unref(c);
+    sim_event_cell_unref(c);
+    sim_event_cell_unref(c);
     return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream wait");
   }
   sim_stream_push(b, marker);
@@ -628,16 +651,16 @@ int sim_stream_synchronize(cudaStream_t h) {
   struct sim_stream *s;
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;
-  struct sim_cell *c = sim_cell_new(2);
+  struct sim_cell *c = sim_event_cell_new(2);
   if (c == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a synchronize");
   rc = sim_stream_enqueue_marker(s, c);
   if (rc != MAGPIE_OK) {
-    sim_cell_unref(c);
-    sim_cell_unref(c);
+    sim_event_cell_unref(c);
+    sim_event_cell_unref(c);
     return rc;
   }
-  sim_cell_wait(c);
-  sim_cell_unref(c);
+  sim_event_cell_wait(c);
+  sim_event_cell_unref(c);
   return MAGPIE_OK;
 }
 
@@ -667,7 +690,7 @@ int sim_stream_device_synchronize(int device) {
           cap = ncap;
         }
       }
-      struct sim_cell *c = rc == MAGPIE_OK ? sim_cell_new(2) : NULL;
+      struct sim_cell *c = rc == MAGPIE_OK ? sim_event_cell_new(2) : NULL;
       if (rc == MAGPIE_OK && c == NULL)
         rc = sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a device synchronize");
       if (c != NULL) {
@@ -675,8 +698,8 @@ int sim_stream_device_synchronize(int device) {
         if (rc == MAGPIE_OK) {
           cells[ncells++] = c;
         } else {
-          sim_cell_unref(c);
-          sim_cell_unref(c);
+          sim_event_cell_unref(c);
+          sim_event_cell_unref(c);
         }
       }
     }
@@ -684,8 +707,8 @@ int sim_stream_device_synchronize(int device) {
   }
   /* Even after a failure, wait for what was enqueued: nothing half done. */
   for (size_t k = 0; k < ncells; k++) {
-    sim_cell_wait(cells[k]);
-    sim_cell_unref(cells[k]);
+    sim_event_cell_wait(cells[k]);
+    sim_event_cell_unref(cells[k]);
   }
   free(cells);
   /* Destroyed streams whose workers already finished: their work is done,
@@ -742,9 +765,9 @@ MAGPIE_API int magpie_sim_device_synchronize(void) {
 MAGPIE_API uint64_t magpie_sim_stream_id(cudaStream_t s) {
   uint64_t id = sim_stream_id(s);
   if (id == 0) {
-    if (sim_slot_of(s) != NULL)
+    if (sim_stream_slot_of(s) != NULL)
       sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)s);
-    else if (!sim_is_special(s))
+    else if (!sim_stream_is_special(s))
       sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
                (void *)s);
     sim_public_result("magpie_sim_stream_id", MAGPIE_ERR_INVALID_STREAM);

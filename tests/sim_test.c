@@ -15,6 +15,8 @@
 #include <cmocka.h>
 #include <errno.h>
 #include <pthread.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <semaphore.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -573,6 +575,51 @@ static void test_many_producers_one_stream(void **state) {
   magpie_sim_stream_destroy(s);
 }
 
+/* Streams created, used and destroyed with work pending on several
+ * threads, while the main thread synchronizes the device: exercises the
+ * registry pins and the dying workers' hand-over. Every counted closure ran
+ * once the device synchronize after the churn returns. */
+enum { CHURNERS = 3, CHURN_ROUNDS = 60 };
+struct churn {
+  atomic_int ran;
+  atomic_int launched;
+  atomic_int failures;
+};
+
+static void churn_count(void *arg) { atomic_fetch_add(&((struct churn *)arg)->ran, 1); }
+
+static void *churn_main(void *arg) {
+  struct churn *c = arg;
+  for (int r = 0; r < CHURN_ROUNDS; r++) {
+    cudaStream_t s = magpie_sim_stream_create();
+    if (s == NULL) {
+      atomic_fetch_add(&c->failures, 1);
+      continue;
+    }
+    for (int k = 0; k < 3; k++)
+      if (magpie_sim_launch(s, churn_count, c) == MAGPIE_OK) atomic_fetch_add(&c->launched, 1);
+    if (r % 4 == 0) magpie_sim_stream_synchronize(s);
+    if (magpie_sim_launch(MAGPIE_SIM_STREAM_PER_THREAD, churn_count, c) == MAGPIE_OK)
+      atomic_fetch_add(&c->launched, 1);
+    if (magpie_sim_stream_destroy(s) != MAGPIE_OK) atomic_fetch_add(&c->failures, 1);
+  }
+  return NULL;
+}
+
+static void test_churn_with_device_synchronize(void **state) {
+  (void)state;
+  struct churn c = {0};
+  pthread_t th[CHURNERS];
+  for (int t = 0; t < CHURNERS; t++)
+    assert_int_equal(pthread_create(&th[t], NULL, churn_main, &c), 0);
+  for (int i = 0; i < 50; i++) assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  for (int t = 0; t < CHURNERS; t++) pthread_join(th[t], NULL);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(atomic_load(&c.failures), 0);
+  assert_int_equal(atomic_load(&c.launched), CHURNERS * CHURN_ROUNDS * 4);
+  assert_int_equal(atomic_load(&c.ran), atomic_load(&c.launched));
+}
+
 /* ---------------------------------------------------------------- memory */
 
 static void test_memory_reserve_map_unmap(void **state) {
@@ -693,6 +740,58 @@ static void test_config_parsing(void **state) {
   assert_int_equal(sim_parse_size(NULL, 1, &v), -1);
 }
 
+/* A malformed variable is reported, not fatal. The environment is read once
+ * per process, so each case runs in a fresh copy of this program (see
+ * config_child in main). */
+extern char **environ;
+
+static int run_config_child(const char *assignment, const char *variable) {
+  char *argv[] = {"sim_test", "--config-child", (char *)variable, NULL};
+  size_t n = 0;
+  while (environ[n] != NULL) n++;
+  char **envp = calloc(n + 2, sizeof *envp);
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++)
+    if (strncmp(environ[i], "MAGPIE_SIM_", 11) != 0) envp[k++] = environ[i];
+  envp[k++] = (char *)assignment;
+  envp[k] = NULL;
+  pid_t pid;
+  int rc = posix_spawn(&pid, "/proc/self/exe", NULL, NULL, argv, envp);
+  free(envp);
+  if (rc != 0) return -1;
+  int status;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* In the child: every entry point fails with MAGPIE_ERR_CONFIG naming the
+ * variable; exit 0 if so. */
+static int config_child(const char *variable) {
+  int ok = 1;
+  ok &= magpie_sim_stream_create() == NULL;
+  ok &= magpie_last_error() == MAGPIE_ERR_CONFIG;
+  ok &= strstr(magpie_last_error_message(), variable) != NULL;
+  static int flag;
+  ok &= magpie_sim_launch(NULL, set_flag, &flag) == MAGPIE_ERR_CONFIG;
+  ok &= magpie_sim_device_count() == 0;
+  ok &= backend_sim()->init() == MAGPIE_ERR_CONFIG;
+  ok &= strstr(backend_error_detail(), variable) != NULL;
+  size_t f, t;
+  ok &= magpie_sim_mem_info(0, &f, &t) == MAGPIE_ERR_CONFIG;
+  return ok ? 0 : 1;
+}
+
+static void test_bad_environment_is_reported(void **state) {
+  (void)state;
+  assert_int_equal(run_config_child("MAGPIE_SIM_MEMORY=12x", "MAGPIE_SIM_MEMORY"), 0);
+  assert_int_equal(run_config_child("MAGPIE_SIM_MEMORY=0", "MAGPIE_SIM_MEMORY"), 0);
+  assert_int_equal(run_config_child("MAGPIE_SIM_DEVICES=17", "MAGPIE_SIM_DEVICES"), 0);
+  assert_int_equal(run_config_child("MAGPIE_SIM_DEVICES=two", "MAGPIE_SIM_DEVICES"), 0);
+  assert_int_equal(run_config_child("MAGPIE_SIM_VMM=yes", "MAGPIE_SIM_VMM"), 0);
+  /* The check can fail: a good value is not reported. */
+  assert_int_equal(run_config_child("MAGPIE_SIM_MEMORY=64m", "MAGPIE_SIM_MEMORY"), 1);
+}
+
 /* ---------------------------------------------------------------- backend */
 
 static void test_backend_table(void **state) {
@@ -777,7 +876,8 @@ static void test_backend_table(void **state) {
   gated_fini(&o.g);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc == 3 && strcmp(argv[1], "--config-child") == 0) return config_child(argv[2]);
   /* Before the simulator's first use: it reads the environment once. */
   setenv("MAGPIE_SIM_DEVICES", "3", 1);
   unsetenv("MAGPIE_SIM_MEMORY");
@@ -798,10 +898,12 @@ int main(void) {
       cmocka_unit_test(test_events),
       cmocka_unit_test(test_stream_wait_event_orders_work),
       cmocka_unit_test(test_many_producers_one_stream),
+      cmocka_unit_test(test_churn_with_device_synchronize),
       cmocka_unit_test(test_memory_reserve_map_unmap),
       cmocka_unit_test(test_memory_over_capacity),
       cmocka_unit_test(test_memory_alloc_free),
       cmocka_unit_test(test_config_parsing),
+      cmocka_unit_test(test_bad_environment_is_reported),
       cmocka_unit_test(test_backend_table),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
