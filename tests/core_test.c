@@ -15,7 +15,9 @@
 #include <cmocka.h>
 
 #include "magpie.h"
+#include "src/depot.h"
 #include "src/epoch.h"
+#include "src/magazine.h"
 #include "src/heap.h"
 #include "src/init.h"
 #include "src/meta.h"
@@ -187,6 +189,53 @@ static void test_epoch_ordering(void **state) {
   int64_t live = atomic_load(&h->epochs.live_records);
   epoch_stream_release(r);
   assert_int_equal(atomic_load(&h->epochs.live_records), live - 1);
+}
+
+
+/* Magazines: capacity by class, empties recycled. The depot: a magazine
+ * sealed by stream A is pending; A takes it back at once, another stream
+ * only after A's epoch completed; an unsealed one goes to anyone. */
+static void test_magazine_and_depot(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  unsigned cls = sizeclass_of(200000); /* a class no other test uses */
+  magazine *m = magazine_get_empty(h, cls);
+  assert_non_null(m);
+  assert_int_equal(m->count, 0);
+  assert_int_equal(m->cap, sizeclass_table[cls].mag_cap);
+  assert_int_equal(m->cls, cls);
+  magazine_put_empty(m);
+  magazine *again = magazine_get_empty(h, cls);
+  assert_ptr_equal(again, m); /* LIFO reuse of empties */
+
+  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
+  uint64_t ida = 0, idb = 0;
+  assert_int_equal(fake_backend()->stream_id(a, &ida), MAGPIE_OK);
+  assert_int_equal(fake_backend()->stream_id(b, &idb), MAGPIE_OK);
+  stream_rec *ra = epoch_stream_acquire(&h->epochs, ida);
+  m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
+  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  assert_null(depot_take(h, cls, idb));       /* A's work may be running */
+  assert_ptr_equal(depot_take(h, cls, ida), m); /* A itself: at once */
+  assert_null(m->ticket.rec);                  /* handed over without a ticket */
+
+  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  fake_stream_complete(a);
+  assert_ptr_equal(depot_take(h, cls, idb), m); /* A completed: B may */
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.cross_stream_migrations, st0.cross_stream_migrations + 1);
+
+  depot_put(h, m); /* no ticket: ready for anyone */
+  assert_ptr_equal(depot_take(h, cls, EPOCH_NO_STREAM), m);
+  assert_null(depot_take(h, cls, idb));
+  m->count = 0;
+  magazine_put_empty(m);
+  epoch_stream_release(ra);
 }
 
 static void test_same_stream_reuse(void **state) {
@@ -461,6 +510,7 @@ int main(void) {
       cmocka_unit_test(test_stack_lifo_and_threads),
       cmocka_unit_test(test_pagemap),
       cmocka_unit_test(test_epoch_ordering),
+      cmocka_unit_test(test_magazine_and_depot),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),
