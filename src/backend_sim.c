@@ -17,24 +17,16 @@ static int backend_sim_mem_info(int device, size_t *free_bytes, size_t *total_by
   return sim_memory_info(device, free_bytes, total_bytes);
 }
 
-static int backend_sim_check_device(int device) {
-  int rc = sim_init();
-  if (rc != MAGPIE_OK) return rc;
-  if (device < 0 || device >= sim_device_count())
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
-                    device, sim_device_count());
-  return MAGPIE_OK;
-}
 
 static int backend_sim_vmm_supported(int device, int *supported) {
-  int rc = backend_sim_check_device(device);
+  int rc = sim_check_device(device);
   if (rc != MAGPIE_OK) return rc;
   *supported = sim_memory_vmm_supported();
   return MAGPIE_OK;
 }
 
 static int backend_sim_granularity(int device, size_t *bytes) {
-  int rc = backend_sim_check_device(device);
+  int rc = sim_check_device(device);
   if (rc != MAGPIE_OK) return rc;
   *bytes = SIM_GRANULARITY;
   return MAGPIE_OK;

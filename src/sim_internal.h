@@ -71,6 +71,16 @@ int sim_public_result(const char *fn, int rc);
 int sim_init(void);
 /* Number of simulated devices (valid after sim_init succeeded). */
 int sim_device_count(void);
+/* sim_init, then: is `device` one of the simulated devices? MAGPIE_OK or
+ * the error (set with sim_fail). */
+static inline int sim_check_device(int device) {
+  int rc = sim_init();
+  if (rc != MAGPIE_OK) return rc;
+  if (device < 0 || device >= sim_device_count())
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
+                    device, sim_device_count());
+  return MAGPIE_OK;
+}
 /* The calling thread's current device. */
 int sim_current_device(void);
 int sim_set_current_device(int device);

@@ -102,13 +102,9 @@ void sim_memory_set_vmm(int supported) {
 
 /* Checks the device and that sim_init succeeded (it initialises the locks). */
 static int sim_memory_device(int device, struct sim_memory_device **out) {
-  int rc = sim_init();
-  if (rc != MAGPIE_OK) return rc;
-  if (device < 0 || device >= sim_device_count())
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
-                    device, sim_device_count());
-  *out = &sim_memory_devices[device];
-  return MAGPIE_OK;
+  int rc = sim_check_device(device);
+  if (rc == MAGPIE_OK) *out = &sim_memory_devices[device];
+  return rc;
 }
 
 int sim_memory_set_capacity(int device, size_t bytes) {
