@@ -15,14 +15,13 @@ void magazine_module_init(void) {
   stack_init(&magazine_empties);
 }
 
-magazine *magazine_get_empty(struct heap *h, unsigned cls) {
+magazine *magazine_get_empty(unsigned cls) {
   magazine *m = (magazine *)stack_pop(&magazine_empties, &magazine_registry);
   if (m == NULL) m = registry_new(&magazine_registry);
   if (m == NULL) return NULL;
   m->count = 0;
   m->cap = sizeclass_table[cls].mag_cap;
   m->cls = cls;
-  m->heap = h;
   m->ticket = (epoch_ticket){0};
   return m;
 }

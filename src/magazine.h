@@ -40,7 +40,6 @@ typedef struct magazine {
   uint32_t count;
   uint32_t cap;
   uint32_t cls;
-  struct heap *heap;
   epoch_ticket ticket;
   void *slots[MAGAZINE_MAX];
 } magazine;
@@ -56,9 +55,9 @@ static inline int magazine_is_real(const magazine *m) { return m != &magazine_se
 extern registry magazine_registry;
 
 void magazine_module_init(void);
-/* An empty magazine for class cls of heap h (reused or new); NULL if the
- * host is out of memory. */
-magazine *magazine_get_empty(struct heap *h, unsigned cls);
+/* An empty magazine for class cls (reused or new); NULL if the host is out
+ * of memory. */
+magazine *magazine_get_empty(unsigned cls);
 /* Give an empty magazine back for reuse. */
 void magazine_put_empty(magazine *m);
 

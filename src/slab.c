@@ -72,7 +72,7 @@ int slab_carve(struct heap *h, unsigned cls, magazine **out) {
   magazine *first = NULL;
   uint32_t next = 0;
   while (next < s->nblocks) {
-    magazine *m = magazine_get_empty(h, cls);
+    magazine *m = magazine_get_empty(cls);
     /* Out of host memory: the blocks not yet in a magazine stay unused in
      * the slab (device memory kept, nothing handed out twice). */
     if (m == NULL) break;

@@ -32,14 +32,12 @@ void stats_describe(heap *h, char *buf, size_t n) {
   stats_collect(h, &s);
   size_t dev_free = 0, dev_total = 0;
   h->ops->mem_info(h->device, &dev_free, &dev_total);
+  size_t large = atomic_load_relaxed(&h->large.cached_bytes);
+  size_t small = s.cached_bytes > large ? s.cached_bytes - large : 0;
   snprintf(buf, n,
            "device free %zu of %zu bytes; magpie reserved %zu, in use %zu, cached %zu "
-           "(large blocks cached %zu, small blocks in magazines %zu)",
-           dev_free, dev_total, s.reserved_bytes, s.in_use_bytes, s.cached_bytes,
-           (size_t)atomic_load_relaxed(&h->large.cached_bytes),
-           s.cached_bytes - (size_t)atomic_load_relaxed(&h->large.cached_bytes) < s.cached_bytes
-               ? s.cached_bytes - (size_t)atomic_load_relaxed(&h->large.cached_bytes)
-               : 0);
+           "(large blocks cached %zu, small blocks in magazines and slab tails %zu)",
+           dev_free, dev_total, s.reserved_bytes, s.in_use_bytes, s.cached_bytes, large, small);
 }
 
 void stats_print(int device, FILE *out) {

@@ -292,7 +292,7 @@ int tcache_free_slow(void *p, cudaStream_t s) {
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = pv;
     } else {
-      magazine *e = magazine_get_empty(ts->heap, c);
+      magazine *e = magazine_get_empty(c);
       if (e == NULL) {
         if (tc->check) slab_mark_used(sl, bi);
         return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory for a magazine; "

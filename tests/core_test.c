@@ -200,13 +200,13 @@ static void test_magazine_and_depot(void **state) {
   heap *h = heap_get(0);
   assert_non_null(h);
   unsigned cls = sizeclass_of(200000); /* a class no other test uses */
-  magazine *m = magazine_get_empty(h, cls);
+  magazine *m = magazine_get_empty(cls);
   assert_non_null(m);
   assert_int_equal(m->count, 0);
   assert_int_equal(m->cap, sizeclass_table[cls].mag_cap);
   assert_int_equal(m->cls, cls);
   magazine_put_empty(m);
-  magazine *again = magazine_get_empty(h, cls);
+  magazine *again = magazine_get_empty(cls);
   assert_ptr_equal(again, m); /* LIFO reuse of empties */
 
   cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
