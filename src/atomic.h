@@ -51,6 +51,15 @@ static inline void atomic_max_size_relaxed(_Atomic size_t *p, size_t v) {
   }
 }
 
+/* For arithmetic meant to wrap (hashes): exempt from clang's
+ * -fsanitize=unsigned-integer-overflow, which the sanitizer build enables to
+ * catch unintended wrap-around in size rounding. */
+#if defined(__clang__)
+#define MAGPIE_WRAPS __attribute__((no_sanitize("unsigned-integer-overflow")))
+#else
+#define MAGPIE_WRAPS
+#endif
+
 #define likely(x) __builtin_expect(!!(x), 1)
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #define MAGPIE_NOINLINE __attribute__((noinline))

@@ -19,7 +19,7 @@ int epoch_table_init(epoch_table *t, int device, const backend_ops *ops) {
   return MAGPIE_OK;
 }
 
-static inline unsigned epoch_bucket(uint64_t id) {
+MAGPIE_WRAPS static inline unsigned epoch_bucket(uint64_t id) {
   return (unsigned)((id * 0x9E3779B97F4A7C15ull) >> 56) & (EPOCH_BUCKETS - 1);
 }
 

@@ -68,8 +68,8 @@ static inline int tcache_special_handle(cudaStream_t s) { return (uintptr_t)s <=
 
 static inline void *tcache_alloc(size_t size, cudaStream_t stream) {
   tcache *tc = tcache_tls;
-  /* size - 1 wraps for size 0, which the slow path handles. */
-  if (likely(tc != NULL && size - 1 < SIZECLASS_MAX_SIZE)) {
+  /* Size 0 goes to the slow path (a unique minimum block). */
+  if (likely(tc != NULL && size != 0 && size <= SIZECLASS_MAX_SIZE)) {
     tslot *ts = tc->last;
     uint64_t id;
     if (likely(tc->ops->stream_id(stream, &id) == MAGPIE_OK && id == ts->id)) {

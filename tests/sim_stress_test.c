@@ -65,7 +65,8 @@ static pthread_mutex_t track_mu = PTHREAD_MUTEX_INITIALIZER;
 static track tracks[TRACK_BUCKETS]; /* open addressing; under track_mu */
 
 static track *track_find(void *p, int create) {
-  size_t h = ((uintptr_t)p >> 8) * 0x9E3779B97F4A7C15ull >> 48;
+  uintptr_t a = (uintptr_t)p >> 8; /* blocks are 256-byte aligned */
+  size_t h = (size_t)(a ^ (a >> 16) ^ (a >> 32));
   for (size_t i = 0; i < TRACK_BUCKETS; i++) {
     track *t = &tracks[(h + i) & (TRACK_BUCKETS - 1)];
     if (t->p == p) return t;
