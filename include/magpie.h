@@ -19,6 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h> /* ssize_t, for the PyTorch entry points */
 
 #ifdef __cplusplus
 extern "C" {
@@ -114,6 +115,15 @@ MAGPIE_API int magpie_stats_get(int device, magpie_stats *out);
 MAGPIE_API int magpie_last_error(void);
 MAGPIE_API const char *magpie_last_error_message(void); /* detail for this thread */
 MAGPIE_API const char *magpie_error_string(int code);
+
+/* PyTorch's pluggable allocator interface
+ * (torch.cuda.memory.CUDAPluggableAllocator loads these two by name from
+ * libmagpie.so). PyTorch passes the stream the block was allocated on to
+ * the free, so a block used on another stream must have been ordered after
+ * that use by the application (as with PyTorch's own allocator without
+ * record_stream). device is implied by the stream and not otherwise used. */
+MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream);
+MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 
 /* Version. */
 MAGPIE_API const char *magpie_version(void);

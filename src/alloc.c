@@ -17,3 +17,18 @@ MAGPIE_API size_t magpie_usable_size(const void *ptr) {
   if (sl == NULL || !slab_block_index(sl, (uintptr_t)ptr, &i)) return 0;
   return sl->bsize;
 }
+
+MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream) {
+  (void)device;
+  if (size < 0) {
+    error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_torch_malloc: negative size %zd", size);
+    return NULL;
+  }
+  return tcache_alloc((size_t)size, stream);
+}
+
+MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
+  (void)size;
+  (void)device;
+  tcache_free(ptr, stream); /* errors are kept in magpie_last_error */
+}

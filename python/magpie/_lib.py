@@ -1,0 +1,68 @@
+"""Loads libmagpie.so and declares the C functions used from Python."""
+import ctypes
+import os
+
+_SEARCH = (
+    os.environ.get("MAGPIE_LIB", ""),
+    os.path.join(os.path.dirname(__file__), "libmagpie.so"),
+    os.path.join(os.path.dirname(__file__), "..", "..", "bazel-bin", "libmagpie.so"),
+    "libmagpie.so",
+)
+
+
+def library_path():
+    """The libmagpie.so that will be used: $MAGPIE_LIB, next to this package,
+    the repository's bazel-bin, or the system search path."""
+    for p in _SEARCH:
+        if p and os.path.isfile(p):
+            return os.path.abspath(p)
+    return "libmagpie.so"
+
+
+class Stats(ctypes.Structure):
+    """magpie_stats (include/magpie.h), field for field."""
+
+    _fields_ = [
+        ("in_use_bytes", ctypes.c_size_t),
+        ("reserved_bytes", ctypes.c_size_t),
+        ("peak_in_use_bytes", ctypes.c_size_t),
+        ("peak_reserved_bytes", ctypes.c_size_t),
+        ("cached_bytes", ctypes.c_size_t),
+        ("large_in_use_bytes", ctypes.c_size_t),
+        ("slab_count", ctypes.c_uint64),
+        ("depot_exchanges", ctypes.c_uint64),
+        ("events_recorded", ctypes.c_uint64),
+        ("cross_stream_migrations", ctypes.c_uint64),
+        ("same_stream_reuses", ctypes.c_uint64),
+        ("limbo_magazines", ctypes.c_uint64),
+    ]
+
+    def as_dict(self):
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+_lib = None
+
+
+def lib():
+    """The loaded library (loaded once)."""
+    global _lib
+    if _lib is None:
+        try:
+            _lib = ctypes.CDLL(library_path())
+        except OSError as e:
+            if "static TLS" in str(e):
+                raise OSError(
+                    f"{e}. libmagpie.so embeds jemalloc, whose thread-local state "
+                    "uses the initial-exec TLS model (about 2.6 KiB); loading it "
+                    "after start-up needs more static TLS than glibc reserves by "
+                    "default. Start Python with "
+                    "GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384, or "
+                    "preload the library with LD_PRELOAD."
+                ) from e
+            raise
+        _lib.magpie_stats_get.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
+        _lib.magpie_stats_get.restype = ctypes.c_int
+        _lib.magpie_last_error_message.restype = ctypes.c_char_p
+        _lib.magpie_version.restype = ctypes.c_char_p
+    return _lib
