@@ -267,10 +267,14 @@ static void sim_memory_bits_set(struct sim_region *r, size_t first, size_t count
   }
 }
 
-/* Locks d and finds the reservation holding the range (or fails unlocked). */
-static int sim_memory_lock_reserved(struct sim_memory_device *d, int device, uintptr_t addr,
-                                 size_t size, struct sim_region **out) {
-  int rc = sim_memory_check_range(addr, size);
+/* Locks the device's memory and finds the reservation holding the range
+ * (or fails, unlocked); *first and *count name its granules there. */
+static int sim_memory_lock_reserved(int device, uintptr_t addr, size_t size,
+                                    struct sim_memory_device **dout, struct sim_region **out,
+                                    size_t *first, size_t *count) {
+  struct sim_memory_device *d;
+  int rc = sim_memory_device(device, &d);
+  if (rc == MAGPIE_OK) rc = sim_memory_check_range(addr, size);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
   struct sim_region *r = sim_memory_find(d, addr, size);
@@ -280,17 +284,19 @@ static int sim_memory_lock_reserved(struct sim_memory_device *d, int device, uin
                     "%#lx+%zu is not inside a reservation of device %d", (unsigned long)addr,
                     size, device);
   }
+  *dout = d;
   *out = r;
+  *first = (addr - r->base) / SIM_GRANULARITY;
+  *count = size / SIM_GRANULARITY;
   return MAGPIE_OK;
 }
 
 int sim_memory_map(int device, uintptr_t addr, size_t size) {
   struct sim_memory_device *d;
   struct sim_region *r;
-  int rc = sim_memory_device(device, &d);
-  if (rc == MAGPIE_OK) rc = sim_memory_lock_reserved(d, device, addr, size, &r);
+  size_t first, count;
+  int rc = sim_memory_lock_reserved(device, addr, size, &d, &r, &first, &count);
   if (rc != MAGPIE_OK) return rc;
-  size_t first = (addr - r->base) / SIM_GRANULARITY, count = size / SIM_GRANULARITY;
   if (!sim_memory_bits_all(r, first, count, 0)) {
     rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is already (partly) mapped",
                   (unsigned long)addr, size);
@@ -313,10 +319,9 @@ int sim_memory_map(int device, uintptr_t addr, size_t size) {
 int sim_memory_unmap(int device, uintptr_t addr, size_t size) {
   struct sim_memory_device *d;
   struct sim_region *r;
-  int rc = sim_memory_device(device, &d);
-  if (rc == MAGPIE_OK) rc = sim_memory_lock_reserved(d, device, addr, size, &r);
+  size_t first, count;
+  int rc = sim_memory_lock_reserved(device, addr, size, &d, &r, &first, &count);
   if (rc != MAGPIE_OK) return rc;
-  size_t first = (addr - r->base) / SIM_GRANULARITY, count = size / SIM_GRANULARITY;
   if (!sim_memory_bits_all(r, first, count, 1)) {
     rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not (wholly) mapped",
                   (unsigned long)addr, size);
