@@ -114,6 +114,13 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   return MAGPIE_ERR_OUT_OF_MEMORY;
 }
 
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, slab **out) {
+  int rc = large_alloc(h, size, stream_id, out);
+  for (int wait = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && wait < 2; wait++)
+    if (large_release_cached(h, wait) > 0) rc = large_alloc(h, size, stream_id, out);
+  return rc;
+}
+
 /* ---- limbo and its reaper ---- */
 
 static pthread_mutex_t reaper_lock = PTHREAD_MUTEX_INITIALIZER;

@@ -63,6 +63,11 @@ void heap_slab_added(heap *h, slab *s);
  * large blocks before failing with MAGPIE_ERR_OUT_OF_MEMORY. */
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out);
 
+/* A large block of at least size bytes usable by stream_id now; under
+ * pressure, gives back cached large blocks (completed ones first, then
+ * waiting for the rest) before failing with MAGPIE_ERR_OUT_OF_MEMORY. */
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, slab **out);
+
 /* A non-empty magazine whose stream can no longer be sealed (destroyed):
  * reusable only after a device synchronisation, done off the allocation
  * path by the reaper thread. */

@@ -177,10 +177,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id)
     return NULL;
   }
   slab *sl = NULL;
-  int rc = large_alloc(h, size, id, &sl);
-  for (int wait = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && wait < 2; wait++) {
-    if (large_release_cached(h, wait) > 0) rc = large_alloc(h, size, id, &sl);
-  }
+  int rc = heap_large_alloc(h, size, id, &sl);
   if (rc != MAGPIE_OK) {
     tcache_oom_error(h, size, rc);
     return NULL;
