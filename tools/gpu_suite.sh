@@ -13,7 +13,9 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-bundle="$root/.gpu_bundle"
+# MAGPIE_GPU_BUNDLE names another folder under the repository root (it must
+# start with .gpu_ so that git ignores it), for bundles built side by side.
+bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
 
 usage() {
   sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
@@ -116,7 +118,7 @@ build() {
     echo "lib: $(ls "$bundle/lib" | tr '\n' ' ')"
   } > "$bundle/MANIFEST"
   cat "$bundle/MANIFEST"
-  echo "bundle: $bundle ($(du -sh "$bundle" | cut -f1)); run there: bash .gpu_bundle/run.sh [--sanitize]"
+  echo "bundle: $bundle ($(du -sh "$bundle" | cut -f1)); run there: bash $(basename "$bundle")/run.sh [--sanitize]"
   if ((${#failed[@]})); then
     echo "not built: ${failed[*]}" >&2
     exit 1
