@@ -19,6 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>     /* FILE, for magpie_snapshot_json */
 #include <sys/types.h> /* ssize_t, for the PyTorch entry points */
 
 #ifdef __cplusplus
@@ -72,6 +73,15 @@ typedef struct magpie_config {
   int check;              /* 1: detect double frees (costs an atomic per op) */
   int verbose;            /* 1: print stats to stderr at exit */
   size_t magazine_bytes;  /* target bytes per magazine (capacity by class) */
+  /* Hard cap on device memory reserved per device: limit bytes, or
+   * limit_percent of the device's total memory (MAGPIE_CONF limit=8g or
+   * limit=50%). 0: no cap beyond the device. */
+  size_t limit;
+  unsigned limit_percent;
+  /* Cached memory above this many bytes is given back to the driver in the
+   * background (like cudaMemPoolAttrReleaseThreshold). SIZE_MAX: keep all. */
+  size_t release_threshold;
+  int check_streams;      /* 1: simulated device checks stream order of reuse */
 } magpie_config;
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg);
@@ -93,7 +103,15 @@ MAGPIE_API int magpie_free(void *ptr);
 /* Bytes usable at ptr (the block's size); 0 if ptr is not a magpie block. */
 MAGPIE_API size_t magpie_usable_size(const void *ptr);
 
-/* Statistics of one device (figures in bytes unless named *_count). */
+/* Statistics of one device (figures in bytes unless named *_count).
+ *
+ * Where the reserved bytes are. When no thread is inside magpie:
+ *   reserved = in_use + thread_cached + depot + epoch_pending
+ *              + large_free + overhead
+ * (in_use counts block sizes: a request rounded up to its size class or to
+ * the large-block quantum). cached = reserved - in_use. */
+#define MAGPIE_STATS_CLASSES 64 /* room for every size class */
+#define MAGPIE_STATS_LADDER 8   /* out-of-memory ladder steps */
 typedef struct magpie_stats {
   size_t in_use_bytes;        /* handed out and not yet freed (block sizes) */
   size_t reserved_bytes;      /* device memory mapped by magpie */
@@ -101,15 +119,53 @@ typedef struct magpie_stats {
   size_t peak_reserved_bytes;
   size_t cached_bytes;        /* reserved but not in use */
   size_t large_in_use_bytes;  /* part of in_use served by the large path */
-  uint64_t slab_count;
+  uint64_t slab_count;        /* slabs mapped now */
   uint64_t depot_exchanges;   /* magazines taken from / given to the depot */
   uint64_t events_recorded;   /* one per magazine leaving a thread's stream */
   uint64_t cross_stream_migrations; /* sealed magazines released to every stream */
   uint64_t same_stream_reuses;      /* pending magazines reused on their own stream */
   uint64_t limbo_magazines;   /* magazines whose stream died; waited by device sync */
+  /* Per layer (the cached bytes split by where they sit). */
+  size_t thread_cached_bytes; /* in threads' magazines */
+  size_t depot_bytes;         /* in depot magazines ready for any stream */
+  size_t epoch_pending_bytes; /* freed, waiting for a stream's work to complete */
+  size_t large_free_bytes;    /* mapped large-segment bytes free for any stream */
+  size_t overhead_bytes;      /* slab tails no block fits in, alignment */
+  size_t large_mapped_bytes;  /* part of reserved in large segments */
+  size_t limit_bytes;         /* the cap in force (0: none) */
+  uint64_t large_segment_count;
+  uint64_t slabs_released;    /* slabs given back to the driver */
+  uint64_t large_bytes_unmapped; /* large-segment bytes given back */
+  uint64_t stream_waits;      /* large blocks reused by making a stream wait */
+  uint64_t threads_flushed;   /* thread caches emptied on request */
+  uint64_t threads_stolen;    /* idle threads' caches taken by the depot */
+  /* Out-of-memory ladder: how often each step ran. 0 reclaim completed
+   * epochs, 1 free depot slabs, 2 thread caches, 3 wait for epochs,
+   * 4 unmap free large segments, 5 requests failed. */
+  uint64_t ladder_steps[MAGPIE_STATS_LADDER];
+  /* Per size class (index = class; magpie_size_class_size(i) gives its
+   * size): allocations served by a thread's magazine / by a slow path. */
+  uint64_t class_hits[MAGPIE_STATS_CLASSES];
+  uint64_t class_misses[MAGPIE_STATS_CLASSES];
 } magpie_stats;
 
 MAGPIE_API int magpie_stats_get(int device, magpie_stats *out);
+/* Block size of size class i; 0 past the last class. */
+MAGPIE_API size_t magpie_size_class_size(unsigned i);
+
+/* Memory held but not in use: give back cached memory now, keeping at most
+ * keep_bytes reserved beyond what is in use. Blocks whose stream's work has
+ * not completed stay cached. */
+MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
+
+/* Every segment, slab and block of the device with its state, as JSON
+ * (format: docs in src/snapshot.c and the README). */
+MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
+
+/* Like PyTorch's Tensor.record_stream: the block at ptr will not be reused
+ * until the work enqueued on stream before the block is freed has
+ * completed, in addition to the freeing stream's. */
+MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream);
 
 /* Errors. */
 MAGPIE_API int magpie_last_error(void);

@@ -33,6 +33,7 @@ MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   memset(cfg, 0, sizeof *cfg);
   cfg->backend = MAGPIE_BACKEND_AUTO;
   cfg->magazine_bytes = (size_t)1 << 20;
+  cfg->release_threshold = SIZE_MAX;
 }
 
 static int init_pick_backend(int kind, const backend_ops **out) {

@@ -10,6 +10,9 @@
  * | check          | 0       | 1: detect double frees (an atomic per op)      |
  * | verbose        | 0       | 1: print statistics to stderr at exit          |
  * | magazine_bytes | 1m      | bytes per magazine (capacity 2..64 blocks)      |
+ * | limit          | none    | cap on reserved bytes per device, or N%        |
+ * | release_threshold | keep all | cached bytes above this go back in the background |
+ * | check_streams  | 0       | 1: simulated device checks stream order        |
  *
  * Sizes take k, m, g suffixes (powers of 1024). */
 #include <ctype.h>
@@ -53,6 +56,25 @@ static int options_backend(const char *v, int *out) {
   return 1;
 }
 
+/* bytes (with suffix) or N% of the device (1..100). */
+static int options_limit(const char *v, size_t *bytes, unsigned *percent) {
+  size_t n = strlen(v);
+  if (n > 1 && v[n - 1] == '%') {
+    char num[32];
+    if (n - 1 >= sizeof num) return 0;
+    memcpy(num, v, n - 1);
+    num[n - 1] = '\0';
+    size_t pct = 0;
+    if (!options_size(num, &pct) || pct == 0 || pct > 100) return 0;
+    *percent = (unsigned)pct;
+    *bytes = 0;
+    return 1;
+  }
+  if (!options_size(v, bytes)) return 0;
+  *percent = 0;
+  return 1;
+}
+
 static int options_set(magpie_config *cfg, const char *key, const char *val) {
   int ok;
   if (strcmp(key, "backend") == 0) ok = options_backend(val, &cfg->backend);
@@ -60,9 +82,13 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
   else if (strcmp(key, "verbose") == 0) ok = options_bool(val, &cfg->verbose);
   else if (strcmp(key, "magazine_bytes") == 0)
     ok = options_size(val, &cfg->magazine_bytes) && cfg->magazine_bytes >= 256;
+  else if (strcmp(key, "limit") == 0) ok = options_limit(val, &cfg->limit, &cfg->limit_percent);
+  else if (strcmp(key, "release_threshold") == 0) ok = options_size(val, &cfg->release_threshold);
+  else if (strcmp(key, "check_streams") == 0) ok = options_bool(val, &cfg->check_streams);
   else
     return error_set(MAGPIE_ERR_CONFIG,
-                     "MAGPIE_CONF: unknown key '%s' (known: backend, check, verbose, magazine_bytes)", key);
+                     "MAGPIE_CONF: unknown key '%s' (known: backend, check, verbose, magazine_bytes, limit, "
+                     "release_threshold, check_streams)", key);
   if (!ok) return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_CONF: bad value '%s' for key '%s'", val, key);
   return MAGPIE_OK;
 }

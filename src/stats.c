@@ -5,6 +5,7 @@
 
 #include "error.h"
 #include "init.h"
+#include "sizeclass.h"
 #include "tcache.h"
 
 void stats_collect(heap *h, magpie_stats *out) {
@@ -71,3 +72,8 @@ MAGPIE_API int magpie_stats_get(int device, magpie_stats *out) {
   stats_collect(h, out);
   return MAGPIE_OK;
 }
+
+MAGPIE_API size_t magpie_size_class_size(unsigned i) {
+  return i < SIZECLASS_COUNT ? sizeclass_table[i].size : 0;
+}
+_Static_assert(SIZECLASS_COUNT <= MAGPIE_STATS_CLASSES, "magpie_stats has room for every size class");

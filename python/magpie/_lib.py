@@ -35,10 +35,30 @@ class Stats(ctypes.Structure):
         ("cross_stream_migrations", ctypes.c_uint64),
         ("same_stream_reuses", ctypes.c_uint64),
         ("limbo_magazines", ctypes.c_uint64),
+        ("thread_cached_bytes", ctypes.c_size_t),
+        ("depot_bytes", ctypes.c_size_t),
+        ("epoch_pending_bytes", ctypes.c_size_t),
+        ("large_free_bytes", ctypes.c_size_t),
+        ("overhead_bytes", ctypes.c_size_t),
+        ("large_mapped_bytes", ctypes.c_size_t),
+        ("limit_bytes", ctypes.c_size_t),
+        ("large_segment_count", ctypes.c_uint64),
+        ("slabs_released", ctypes.c_uint64),
+        ("large_bytes_unmapped", ctypes.c_uint64),
+        ("stream_waits", ctypes.c_uint64),
+        ("threads_flushed", ctypes.c_uint64),
+        ("threads_stolen", ctypes.c_uint64),
+        ("ladder_steps", ctypes.c_uint64 * 8),
+        ("class_hits", ctypes.c_uint64 * 64),
+        ("class_misses", ctypes.c_uint64 * 64),
     ]
 
     def as_dict(self):
-        return {name: getattr(self, name) for name, _ in self._fields_}
+        out = {}
+        for name, _ in self._fields_:
+            v = getattr(self, name)
+            out[name] = list(v) if isinstance(v, ctypes.Array) else v
+        return out
 
 
 _lib = None
