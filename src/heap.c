@@ -10,6 +10,7 @@
 
 #include "error.h"
 #include "meta.h"
+#include "record.h"
 
 static const backend_ops *heap_ops;
 static pthread_mutex_t heap_create_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -97,6 +98,7 @@ void heap_publish_in_use(heap *h, int64_t delta) {
 }
 
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
+  record_poll(h); /* recorded blocks whose streams completed (record.c) */
   magazine *m = depot_take(h, cls, stream_id);
   if (m != NULL) {
     *out = m;
@@ -115,6 +117,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
 }
 
 int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, slab **out) {
+  record_poll(h); /* recorded blocks whose streams completed (record.c) */
   int rc = large_alloc(h, size, stream_id, out);
   for (int wait = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && wait < 2; wait++)
     if (large_release_cached(h, wait) > 0) rc = large_alloc(h, size, stream_id, out);

@@ -40,6 +40,12 @@ typedef struct slab {
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */
   _Atomic uint64_t *inuse;
+  /* Blocks of this slab with a record_stream entry (record.c). Written
+   * (relaxed RMW) under record_lock; read relaxed by the free fast path,
+   * which sends the slab's frees to the slow path while nonzero. A record
+   * happens before the free of its block (same thread, or the application
+   * ordered the two threads), so the free reads the count including it. */
+  _Atomic uint32_t recorded;
   /* Large blocks only, guarded by the heap's large lock. */
   uint32_t large_cached; /* 1 while in the large cache (free) */
   struct slab *lnext;

@@ -10,6 +10,7 @@
 #include "error.h"
 #include "init.h"
 #include "meta.h"
+#include "record.h"
 #include "stats.h"
 
 __thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
@@ -278,6 +279,20 @@ int tcache_free_slow(void *p, cudaStream_t s) {
                      "stays allocated", p, (void *)s, backend_error_detail());
   tslot *ts = tcache_slot_for_free(tc, s, id, sl->heap);
   if (ts == NULL) return magpie_last_error();
+  /* record_stream: a recorded block is parked until its streams' work
+   * completed (record.c). */
+  if (unlikely(atomic_load_relaxed(&sl->recorded) != 0)) {
+    int taken = 0;
+    int rc = record_free(sl, (uintptr_t)p, ts->rec, s, &taken);
+    if (rc != MAGPIE_OK) return rc;
+    if (taken) {
+      size_t bytes = sl->cls == SLAB_LARGE ? sl->size : sl->bsize;
+      if (tc->check && sl->cls != SLAB_LARGE) slab_mark_free(sl, bi);
+      atomic_owner_add_i64(ts->live, -(int64_t)bytes);
+      tcache_publish(tc, ts->heap);
+      return MAGPIE_OK;
+    }
+  }
   if (sl->cls == SLAB_LARGE) return tcache_free_large(tc, ts, sl, s);
   if (tc->check && !slab_mark_free(sl, bi))
     return error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);

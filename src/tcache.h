@@ -92,8 +92,11 @@ static inline int tcache_free(void *ptr, cudaStream_t stream) {
     uint32_t c = sl->cls;
     uintptr_t off = (uintptr_t)ptr - sl->base;
     uint64_t i = ((uint64_t)off * sl->magic) >> SIZECLASS_MAGIC_SHIFT;
+    /* record_stream: slabs with recorded blocks take the slow path
+     * (sl->recorded, record.h). */
     if (likely(ts->handle == stream && ts->heap == sl->heap && !tcache_special_handle(stream) &&
-               c < SIZECLASS_COUNT && i * sl->bsize == off && i < sl->nblocks)) {
+               c < SIZECLASS_COUNT && i * sl->bsize == off && i < sl->nblocks &&
+               atomic_load_relaxed(&sl->recorded) == 0)) {
       magazine *m = ts->loaded[c];
       if (likely(m->count < m->cap)) {
         m->slots[m->count++] = ptr;

@@ -1,0 +1,275 @@
+/* magpie_record_stream on the simulated device: a block used on streams
+ * other than the freeing one is reused by nobody (the freeing stream
+ * included) until the work enqueued on every recorded stream before the
+ * free has completed; it comes back once it has; errors are reported.
+ *
+ * "Work" is a gated closure (tests/sim_test_util.h) that blocks its stream
+ * until the test opens the gate, so "not yet completed" lasts as long as
+ * the test needs, however many allocations it makes meanwhile. */
+#include "tests/sim_test_util.h"
+
+#include "src/record.h"
+
+#define SMALL 4096
+#define LARGE (4 * MiB)
+#define ROUNDS 3000 /* allocations while the work is pending: dozens of refills */
+
+static heap *heap0(void) { return heap_peek(0); }
+
+/* Allocate n blocks of size on s into out[], asserting none is p. */
+static void alloc_none_is(void **out, int n, size_t size, cudaStream_t s, void *p) {
+  for (int i = 0; i < n; i++) {
+    out[i] = magpie_malloc_async(size, s);
+    assert_non_null(out[i]);
+    assert_ptr_not_equal(out[i], p);
+  }
+}
+
+static void free_all(void **v, int n, cudaStream_t s) {
+  for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(v[i], s), MAGPIE_OK);
+}
+
+/* Allocates on s until p comes back (bounded); frees what it took. */
+static int comes_back(void *p, size_t size, cudaStream_t s) {
+  static void *v[20000];
+  int n = 0, found = 0;
+  while (n < 20000 && !found) {
+    v[n] = magpie_malloc_async(size, s);
+    assert_non_null(v[n]);
+    found = v[n++] == p;
+  }
+  free_all(v, n, s);
+  return found;
+}
+
+static void gate_open_and_sync(struct gated *g, cudaStream_t s) {
+  sem_post(&g->gate);
+  assert_int_equal(sem_wait_ms(&g->finished, WAIT_MS), 0);
+  assert_int_equal(magpie_sim_stream_synchronize(s), MAGPIE_OK);
+  assert_true(g->opened);
+}
+
+/* The control: without a record, a block freed on A comes straight back to
+ * A (so the tests below would see the reuse if record_stream did nothing). */
+static void test_control_same_stream_reuse(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(SMALL, a);
+  assert_non_null(p);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  void *q = magpie_malloc_async(SMALL, a);
+  assert_ptr_equal(q, p);
+  assert_int_equal(magpie_free_async(q, a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+}
+
+/* Used on B (slow), recorded on B, freed on A: neither A nor C gets it while
+ * B's work is pending; it returns after. */
+static void run_recorded_case(size_t size, int rounds) {
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create(), c = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(size, a);
+  assert_non_null(p);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &g), MAGPIE_OK); /* B "reads" p */
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK); /* twice: one entry */
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  assert_int_equal(record_pending_bytes(heap0()), magpie_usable_size(p));
+
+  void **va = calloc((size_t)rounds, sizeof *va), **vc = calloc((size_t)rounds, sizeof *vc);
+  alloc_none_is(va, rounds, size, a, p);
+  alloc_none_is(vc, rounds, size, c, p);
+  free_all(va, rounds, a); /* and reuse on A again, still not p */
+  alloc_none_is(va, rounds, size, a, p);
+  free_all(va, rounds, a);
+  free_all(vc, rounds, c);
+  assert_false(g.done); /* all of it happened while B's work was pending */
+
+  gate_open_and_sync(&g, b);
+  assert_true(comes_back(p, size, c));
+  assert_int_equal(record_pending_bytes(heap0()), 0);
+  free(va);
+  free(vc);
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(b), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(c), MAGPIE_OK);
+}
+
+static void test_recorded_small_waits_for_recorded_stream(void **state) {
+  (void)state;
+  run_recorded_case(SMALL, ROUNDS);
+}
+
+static void test_recorded_large_waits_for_recorded_stream(void **state) {
+  (void)state;
+  run_recorded_case(LARGE, 4);
+}
+
+/* The freeing stream's own pending work also holds a recorded block back,
+ * even from the freeing stream (a recorded block is parked as a whole). */
+static void test_recorded_waits_for_freeing_stream(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create(), c = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(SMALL, a);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(a, gated_run, &g), MAGPIE_OK); /* A slow, B idle */
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  static void *v[ROUNDS];
+  alloc_none_is(v, ROUNDS, SMALL, c, p);
+  free_all(v, ROUNDS, c);
+  alloc_none_is(v, ROUNDS, SMALL, a, p);
+  free_all(v, ROUNDS, a);
+  assert_false(g.done);
+  gate_open_and_sync(&g, a);
+  assert_true(comes_back(p, SMALL, c));
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  magpie_sim_stream_destroy(a);
+  magpie_sim_stream_destroy(b);
+  magpie_sim_stream_destroy(c);
+}
+
+/* Two recorded streams: completing one is not enough. */
+static void test_every_recorded_stream_counts(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create(), d = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(LARGE, a);
+  struct gated gb, gd;
+  gated_init(&gb);
+  gated_init(&gd);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &gb), MAGPIE_OK);
+  assert_int_equal(magpie_sim_launch(d, gated_run, &gd), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, d), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  gate_open_and_sync(&gb, b);
+  void *q = magpie_malloc_async(LARGE, a);
+  assert_ptr_not_equal(q, p);
+  assert_false(gd.done);
+  gate_open_and_sync(&gd, d);
+  void *r = magpie_malloc_async(LARGE, a); /* the large path polls first */
+  assert_ptr_equal(r, p);
+  assert_int_equal(magpie_free_async(q, a), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(r, a), MAGPIE_OK);
+  gated_fini(&gb);
+  gated_fini(&gd);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  magpie_sim_stream_destroy(a);
+  magpie_sim_stream_destroy(b);
+  magpie_sim_stream_destroy(d);
+}
+
+/* Recorded on one thread, freed on another: the count on the slab is seen
+ * by the freeing thread (the hand-over between threads orders it). */
+struct xfree {
+  void *p;
+  cudaStream_t s;
+  int rc;
+};
+
+static void *xfree_main(void *arg) {
+  struct xfree *x = arg;
+  x->rc = magpie_free_async(x->p, x->s);
+  return NULL;
+}
+
+static void test_record_then_free_on_other_thread(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(SMALL, a);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  struct xfree x = {.p = p, .s = a, .rc = -1};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, xfree_main, &x), 0);
+  pthread_join(t, NULL);
+  assert_int_equal(x.rc, MAGPIE_OK);
+  static void *v[ROUNDS];
+  alloc_none_is(v, ROUNDS, SMALL, a, p);
+  free_all(v, ROUNDS, a);
+  gate_open_and_sync(&g, b);
+  assert_true(comes_back(p, SMALL, a));
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  magpie_sim_stream_destroy(a);
+  magpie_sim_stream_destroy(b);
+}
+
+static void test_errors(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
+  int x = 0;
+  assert_int_equal(magpie_record_stream(NULL, a), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_record_stream(&x, a), MAGPIE_ERR_INVALID_POINTER);
+  assert_non_null(strstr(magpie_last_error_message(), "not a pointer returned by magpie"));
+  void *p = magpie_malloc_async(SMALL, a);
+  assert_int_equal(magpie_record_stream((char *)p + 256, a), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(magpie_record_stream(p, MAGPIE_SIM_STREAM_PER_THREAD), MAGPIE_ERR_INVALID_STREAM);
+  cudaStream_t dead = magpie_sim_stream_create();
+  assert_int_equal(magpie_sim_stream_destroy(dead), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, dead), MAGPIE_ERR_INVALID_STREAM);
+  /* A recorded block's double free is caught without checked mode, and a
+   * freed block cannot be recorded. */
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_ERR_DOUBLE_FREE);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_ERR_INVALID_POINTER);
+  assert_non_null(strstr(magpie_last_error_message(), "free"));
+  /* A block on another device's stream. */
+  assert_int_equal(magpie_sim_set_device(1), MAGPIE_OK);
+  cudaStream_t other = magpie_sim_stream_create();
+  assert_int_equal(magpie_sim_set_device(0), MAGPIE_OK);
+  void *q = magpie_malloc_async(SMALL, a);
+  assert_int_equal(magpie_record_stream(q, other), MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_free_async(q, a), MAGPIE_OK);
+  gate_open_and_sync(&g, b);
+  assert_true(comes_back(p, SMALL, a));
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  magpie_sim_stream_destroy(other);
+  magpie_sim_stream_destroy(a);
+  magpie_sim_stream_destroy(b);
+}
+
+/* Last: nothing leaked, nothing left parked. */
+static void test_accounting(void **state) {
+  (void)state;
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.in_use_bytes, 0);
+  assert_int_equal(record_pending_bytes(heap0()), 0);
+}
+
+int main(void) {
+  setenv("MAGPIE_SIM_DEVICES", "2", 1);
+  unsetenv("MAGPIE_SIM_MEMORY");
+  unsetenv("MAGPIE_SIM_VMM");
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  cfg.backend = MAGPIE_BACKEND_SIM;
+  if (magpie_init(&cfg) != MAGPIE_OK) {
+    fprintf(stderr, "magpie_init: %s\n", magpie_last_error_message());
+    return 1;
+  }
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_control_same_stream_reuse),
+      cmocka_unit_test(test_recorded_small_waits_for_recorded_stream),
+      cmocka_unit_test(test_recorded_large_waits_for_recorded_stream),
+      cmocka_unit_test(test_recorded_waits_for_freeing_stream),
+      cmocka_unit_test(test_every_recorded_stream_counts),
+      cmocka_unit_test(test_record_then_free_on_other_thread),
+      cmocka_unit_test(test_errors),
+      cmocka_unit_test(test_accounting),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
