@@ -2,21 +2,35 @@
 memory, from Python.
 
     import magpie
-    magpie.torch.use()        # before the first CUDA allocation
+    magpie.torch.use()        # PyTorch: before the first CUDA allocation
+    magpie.cupy.use()         # CuPy: before the first allocation
     ...
     print(magpie.stats())
 
 The shared library is found through $MAGPIE_LIB, next to this package, or
-the repository's bazel-bin (bazel build //:libmagpie.so).
+the repository's bazel-bin (bazel build //:libmagpie.so). Under
+LD_PRELOAD=libmagpie_preload.so, point MAGPIE_LIB at that library so that
+these functions report on the allocator the process really uses.
 """
 import ctypes
+import json
+import os
+import tempfile
 
 from . import _lib
+from . import cupy  # noqa: F401  (magpie.cupy.use)
 from . import torch  # noqa: F401  (magpie.torch.use)
 
 
 class MagpieError(RuntimeError):
-    pass
+    def __init__(self, code, message):
+        super().__init__(f"{message} (magpie error {code})")
+        self.code = code
+
+
+def _check(rc):
+    if rc != 0:
+        raise MagpieError(rc, _lib.lib().magpie_last_error_message().decode())
 
 
 def version():
@@ -26,7 +40,45 @@ def version():
 def stats(device=0):
     """magpie_stats of one device, as a dict."""
     s = _lib.Stats()
-    rc = _lib.lib().magpie_stats_get(device, ctypes.byref(s))
-    if rc != 0:
-        raise MagpieError(_lib.lib().magpie_last_error_message().decode())
+    _check(_lib.lib().magpie_stats_get(device, ctypes.byref(s)))
     return s.as_dict()
+
+
+def _need(name):
+    l = _lib.lib()
+    if not _lib.has(l, name):
+        raise NotImplementedError(f"{_lib.library_path()} has no {name} (a newer libmagpie.so has it)")
+    return getattr(l, name)
+
+
+def trim(device=0, keep_bytes=0):
+    """Give cached device memory back to the driver, keeping at most
+    keep_bytes reserved beyond what is in use (magpie_trim)."""
+    _check(_need("magpie_trim")(device, keep_bytes))
+
+
+def snapshot(device=0):
+    """Every segment, slab and block of the device with its state
+    (magpie_snapshot_json), parsed."""
+    fn = _need("magpie_snapshot_json")
+    libc = ctypes.CDLL(None)
+    libc.fdopen.restype = ctypes.c_void_p
+    libc.fdopen.argtypes = [ctypes.c_int, ctypes.c_char_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    with tempfile.TemporaryFile() as f:
+        fp = libc.fdopen(os.dup(f.fileno()), b"w")
+        if not fp:
+            raise OSError("fdopen failed")
+        rc = fn(device, fp)
+        libc.fclose(fp)
+        _check(rc)
+        f.seek(0)
+        return json.loads(f.read().decode())
+
+
+def record_stream(ptr, stream):
+    """magpie_record_stream: the block at ptr (an int address, the start of
+    a block magpie handed out) is not reused by anyone until the work
+    enqueued on stream (an int cudaStream_t) before its free has completed.
+    For tensors, see magpie.torch.record_stream."""
+    _check(_need("magpie_record_stream")(ctypes.c_void_p(ptr), ctypes.c_void_p(stream)))

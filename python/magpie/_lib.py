@@ -81,8 +81,38 @@ def lib():
                     "preload the library with LD_PRELOAD."
                 ) from e
             raise
-        _lib.magpie_stats_get.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
-        _lib.magpie_stats_get.restype = ctypes.c_int
-        _lib.magpie_last_error_message.restype = ctypes.c_char_p
-        _lib.magpie_version.restype = ctypes.c_char_p
+        _declare(_lib)
     return _lib
+
+
+def _declare(l):
+    l.magpie_stats_get.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
+    l.magpie_stats_get.restype = ctypes.c_int
+    l.magpie_last_error_message.restype = ctypes.c_char_p
+    l.magpie_last_error.restype = ctypes.c_int
+    l.magpie_version.restype = ctypes.c_char_p
+    l.magpie_malloc_async.argtypes = [ctypes.c_size_t, ctypes.c_void_p]
+    l.magpie_malloc_async.restype = ctypes.c_void_p
+    l.magpie_free_async.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    l.magpie_free_async.restype = ctypes.c_int
+    l.magpie_usable_size.argtypes = [ctypes.c_void_p]
+    l.magpie_usable_size.restype = ctypes.c_size_t
+    # Present in newer builds only: declared where the library has them.
+    if has(l, "magpie_record_stream"):
+        l.magpie_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        l.magpie_record_stream.restype = ctypes.c_int
+    if has(l, "magpie_trim"):
+        l.magpie_trim.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        l.magpie_trim.restype = ctypes.c_int
+    if has(l, "magpie_snapshot_json"):
+        l.magpie_snapshot_json.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        l.magpie_snapshot_json.restype = ctypes.c_int
+
+
+def has(l, name):
+    """Whether the loaded library exports name."""
+    try:
+        getattr(l, name)
+        return True
+    except AttributeError:
+        return False

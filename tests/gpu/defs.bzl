@@ -6,7 +6,7 @@ missing, so the build works without CUDA. GPU tests are tagged
 them and runs them on a GPU machine.
 """
 
-load("@cuda//:defs.bzl", "HAVE_CUDA", "HAVE_CUDA_GPU_TESTS", "NVCC")
+load("@cuda//:defs.bzl", "CUDA_HOME", "HAVE_CUDA", "HAVE_CUDA_GPU_TESTS", "NVCC")
 load("//:defs.bzl", "MAGPIE_COPTS")
 load("//tests:defs.bzl", "magpie_test")
 
@@ -67,4 +67,28 @@ def gpu_test(name, srcs, deps = []):
         # Linked statically but for cmocka and the driver (magpie_test's
         # default), so the binary travels.
         linkopts = ["-lpthread"],
+    )
+
+def cuda_program(name, src, out):
+    """An ordinary CUDA program built by nvcc against the *shared* runtime
+    (libcudart.so, found at run time in the toolkit's lib64 or the bundle's
+    lib/), as a program that LD_PRELOAD can interpose on. Build the output
+    file (//pkg:out); tools/gpu_suite.sh bundles it under bin/."""
+    if not HAVE_CUDA_GPU_TESTS:
+        return
+    native.genrule(
+        name = name,
+        srcs = [src],
+        outs = [out],
+        cmd = " ".join([
+            NVCC,
+            "-O2 -std=c++17 -cudart shared",
+            "-gencode arch=compute_90,code=[sm_90,compute_90]",
+            "-o $@ $<",
+            "-L" + CUDA_HOME + "/lib64/stubs -lcuda -ldl -lpthread",
+            "-Xlinker -rpath=" + CUDA_HOME + "/lib64",
+        ]),
+        executable = True,
+        tags = GPU_TAGS,
+        testonly = True,
     )

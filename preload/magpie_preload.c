@@ -1,0 +1,326 @@
+/* libmagpie_preload.so: magpie under unmodified CUDA programs, with
+ * LD_PRELOAD.
+ *
+ * Interposed (the program must link the CUDA runtime as a shared library,
+ * libcudart.so, or call the driver's exported symbols):
+ *
+ *   runtime  cudaMalloc, cudaFree, cudaMallocAsync, cudaFreeAsync
+ *            (+ the _ptsz forms used under --default-stream per-thread)
+ *   driver   cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync
+ *            (+ _ptsz); cuda.h maps cuMemAlloc/cuMemFree to the _v2 names
+ *
+ * Semantics:
+ *   - cudaMallocAsync(p, n, s) / cudaFreeAsync(p, s): magpie_malloc_async /
+ *     magpie_free_async on s: the same stream-ordered contract.
+ *   - cudaMalloc / cuMemAlloc: memory usable by every stream at once. It
+ *     comes from a private stream of the device that no work is ever
+ *     enqueued on and no block is freed on except after a device
+ *     synchronisation, so every block it hands out is free of pending work
+ *     on every stream.
+ *   - cudaFree / cuMemFree of a magpie block: the block may have been used
+ *     on any stream, and magpie cannot know which. It synchronises the
+ *     block's device (as the real cudaFree may), then frees the block on the
+ *     private stream: it is reusable at once, by any stream.
+ *   - Size 0, NULL, and pointers magpie did not hand out (cudaMallocManaged,
+ *     cudaMallocPitch, pools, allocations made before the library was
+ *     usable) go to the real functions (dlsym(RTLD_NEXT)). So does a request
+ *     magpie cannot serve (the real function then reports the error, or
+ *     succeeds where magpie could not).
+ *
+ * Not interposed: a statically linked CUDA runtime (nvcc's default,
+ * -cudart static: its cudaMalloc is inside the program), entry points
+ * fetched with cuGetProcAddress / cudaGetDriverEntryPoint (the shared
+ * runtime reaches the driver this way, so its own driver calls never reach
+ * these wrappers, which is what keeps cudaMalloc from being served twice),
+ * cudaMallocFromPoolAsync, cudaMallocPitch/3D/arrays, managed and host
+ * memory. Driver-API programs must allocate in the device's primary context
+ * (magpie's events and mappings live there).
+ *
+ * Lock order: preload_lock (private stream creation) is a leaf. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "magpie.h"
+#include "src/heap.h"
+#include "src/init.h"
+#include "src/pagemap.h"
+#include "src/slab.h"
+
+#define PRELOAD_API __attribute__((visibility("default")))
+
+typedef int cudaError_t;
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+
+/* The codes both APIs share for the failures reported here. */
+enum {
+  PRELOAD_OK = 0,
+  PRELOAD_INVALID_VALUE = 1,
+  PRELOAD_OUT_OF_MEMORY = 2,
+  PRELOAD_INVALID_HANDLE = 400,
+  PRELOAD_UNKNOWN = 999
+};
+#define PRELOAD_STREAM_NON_BLOCKING 1u
+#define PRELOAD_PER_THREAD ((cudaStream_t)0x2)
+
+static struct {
+  cudaError_t (*cuda_malloc)(void **, size_t);
+  cudaError_t (*cuda_free)(void *);
+  cudaError_t (*cuda_malloc_async)(void **, size_t, cudaStream_t);
+  cudaError_t (*cuda_free_async)(void *, cudaStream_t);
+  cudaError_t (*cuda_malloc_async_ptsz)(void **, size_t, cudaStream_t);
+  cudaError_t (*cuda_free_async_ptsz)(void *, cudaStream_t);
+  cudaError_t (*cuda_get_device)(int *);
+  CUresult (*cu_mem_alloc)(CUdeviceptr *, size_t);
+  CUresult (*cu_mem_free)(CUdeviceptr);
+  CUresult (*cu_mem_alloc_async)(CUdeviceptr *, size_t, cudaStream_t);
+  CUresult (*cu_mem_free_async)(CUdeviceptr, cudaStream_t);
+  CUresult (*cu_mem_alloc_async_ptsz)(CUdeviceptr *, size_t, cudaStream_t);
+  CUresult (*cu_mem_free_async_ptsz)(CUdeviceptr, cudaStream_t);
+  CUresult (*cu_ctx_get_device)(int *);
+  CUresult (*cu_primary_retain)(CUcontext *, int);
+  CUresult (*cu_ctx_push)(CUcontext);
+  CUresult (*cu_ctx_pop)(CUcontext *);
+  CUresult (*cu_stream_create)(cudaStream_t *, unsigned);
+  int usable; /* magpie initialised on the CUDA backend */
+} real;
+
+static pthread_once_t preload_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t preload_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Private stream per device: created once under preload_lock, published
+ * with release, read with acquire. */
+static _Atomic(cudaStream_t) preload_streams[HEAP_MAX_DEVICES];
+
+static void *preload_sym(void *drv, const char *name) {
+  void *f = dlsym(RTLD_NEXT, name);
+  if (f == NULL && drv != NULL) f = dlsym(drv, name);
+  return f;
+}
+
+static void preload_init(void) {
+  void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  real.cuda_malloc = preload_sym(NULL, "cudaMalloc");
+  real.cuda_free = preload_sym(NULL, "cudaFree");
+  real.cuda_malloc_async = preload_sym(NULL, "cudaMallocAsync");
+  real.cuda_free_async = preload_sym(NULL, "cudaFreeAsync");
+  real.cuda_malloc_async_ptsz = preload_sym(NULL, "cudaMallocAsync_ptsz");
+  real.cuda_free_async_ptsz = preload_sym(NULL, "cudaFreeAsync_ptsz");
+  real.cuda_get_device = preload_sym(NULL, "cudaGetDevice");
+  real.cu_mem_alloc = preload_sym(drv, "cuMemAlloc_v2");
+  real.cu_mem_free = preload_sym(drv, "cuMemFree_v2");
+  real.cu_mem_alloc_async = preload_sym(drv, "cuMemAllocAsync");
+  real.cu_mem_free_async = preload_sym(drv, "cuMemFreeAsync");
+  real.cu_mem_alloc_async_ptsz = preload_sym(drv, "cuMemAllocAsync_ptsz");
+  real.cu_mem_free_async_ptsz = preload_sym(drv, "cuMemFreeAsync_ptsz");
+  /* Not interposed: straight from the driver. */
+  if (drv != NULL) {
+    real.cu_ctx_get_device = dlsym(drv, "cuCtxGetDevice");
+    real.cu_primary_retain = dlsym(drv, "cuDevicePrimaryCtxRetain");
+    real.cu_ctx_push = dlsym(drv, "cuCtxPushCurrent_v2");
+    real.cu_ctx_pop = dlsym(drv, "cuCtxPopCurrent_v2");
+    real.cu_stream_create = dlsym(drv, "cuStreamCreate");
+  }
+  real.usable = drv != NULL && real.cu_ctx_get_device && real.cu_primary_retain && real.cu_ctx_push &&
+                real.cu_ctx_pop && real.cu_stream_create && magpie_active_backend() == MAGPIE_BACKEND_CUDA;
+}
+
+static int preload_usable(void) {
+  pthread_once(&preload_once, preload_init);
+  return real.usable;
+}
+
+/* The device's private stream (created in its primary context, never given
+ * work); NULL if it cannot be made. */
+static cudaStream_t preload_stream(int dev) {
+  if (dev < 0 || dev >= HEAP_MAX_DEVICES) return NULL;
+  cudaStream_t s = atomic_load_acquire(&preload_streams[dev]);
+  if (s != NULL) return s;
+  pthread_mutex_lock(&preload_lock);
+  s = atomic_load_relaxed(&preload_streams[dev]);
+  CUcontext ctx = NULL, popped = NULL;
+  if (s == NULL && real.cu_primary_retain(&ctx, dev) == 0 && real.cu_ctx_push(ctx) == 0) {
+    if (real.cu_stream_create(&s, PRELOAD_STREAM_NON_BLOCKING) != 0) s = NULL;
+    real.cu_ctx_pop(&popped);
+    if (s != NULL) atomic_store_release(&preload_streams[dev], s);
+  }
+  pthread_mutex_unlock(&preload_lock);
+  return s;
+}
+
+static int preload_code(int magpie_rc) {
+  switch (magpie_rc) {
+  case MAGPIE_OK: return PRELOAD_OK;
+  case MAGPIE_ERR_INVALID_POINTER:
+  case MAGPIE_ERR_DOUBLE_FREE:
+  case MAGPIE_ERR_INVALID_ARGUMENT:
+  case MAGPIE_ERR_SIZE_OVERFLOW: return PRELOAD_INVALID_VALUE;
+  case MAGPIE_ERR_OUT_OF_MEMORY:
+  case MAGPIE_ERR_TOO_LARGE: return PRELOAD_OUT_OF_MEMORY;
+  case MAGPIE_ERR_INVALID_STREAM: return PRELOAD_INVALID_HANDLE;
+  default: return PRELOAD_UNKNOWN;
+  }
+}
+
+/* Is p the start of a magpie block? Sets its device. */
+static int preload_owned(const void *p, int *dev) {
+  if (p == NULL || !preload_usable()) return 0;
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  uint32_t i = 0;
+  if (sl == NULL || !slab_block_index(sl, (uintptr_t)p, &i)) return 0;
+  *dev = sl->heap->device;
+  return 1;
+}
+
+/* Memory usable by every stream of dev at once, or NULL. */
+static void *preload_alloc_sync(size_t size, int dev) {
+  cudaStream_t s = preload_stream(dev);
+  return s != NULL ? magpie_malloc_async(size, s) : NULL;
+}
+
+/* A block possibly used on any stream: wait for the device, then free it on
+ * the private stream (reusable at once by anyone). */
+static int preload_free_sync(void *p, int dev) {
+  cudaStream_t s = preload_stream(dev);
+  if (s == NULL) return PRELOAD_UNKNOWN;
+  int rc = global_ops()->device_synchronize(dev);
+  if (rc != MAGPIE_OK) return preload_code(rc);
+  return preload_code(magpie_free_async(p, s));
+}
+
+/* Stream-ordered allocation: NULL with *code set when the real function
+ * should not be tried (an invalid stream). */
+static void *preload_alloc_async(size_t size, cudaStream_t s, int *code) {
+  *code = PRELOAD_OK;
+  if (!preload_usable()) return NULL;
+  void *p = magpie_malloc_async(size, s);
+  if (p == NULL && magpie_last_error() == MAGPIE_ERR_INVALID_STREAM) *code = PRELOAD_INVALID_HANDLE;
+  return p;
+}
+
+/* ---- runtime API ---- */
+
+PRELOAD_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
+  int dev = -1;
+  if (devPtr != NULL && size != 0 && preload_usable() && real.cuda_get_device(&dev) == 0) {
+    void *p = preload_alloc_sync(size, dev);
+    if (p != NULL) {
+      *devPtr = p;
+      return PRELOAD_OK;
+    }
+  }
+  return real.cuda_malloc ? real.cuda_malloc(devPtr, size) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API cudaError_t cudaFree(void *devPtr) {
+  int dev = -1;
+  if (preload_owned(devPtr, &dev)) return preload_free_sync(devPtr, dev);
+  return real.cuda_free ? real.cuda_free(devPtr) : PRELOAD_UNKNOWN;
+}
+
+static cudaError_t preload_cuda_malloc_async(void **devPtr, size_t size, cudaStream_t s,
+                                             cudaError_t (*fallback)(void **, size_t, cudaStream_t)) {
+  if (devPtr != NULL && size != 0) {
+    int code = PRELOAD_OK;
+    void *p = preload_alloc_async(size, s, &code);
+    if (p != NULL) {
+      *devPtr = p;
+      return PRELOAD_OK;
+    }
+    if (code != PRELOAD_OK) return code;
+  }
+  return fallback ? fallback(devPtr, size, s) : PRELOAD_UNKNOWN;
+}
+
+static cudaError_t preload_cuda_free_async(void *devPtr, cudaStream_t s,
+                                           cudaError_t (*fallback)(void *, cudaStream_t)) {
+  int dev = -1;
+  if (preload_owned(devPtr, &dev)) return preload_code(magpie_free_async(devPtr, s));
+  return fallback ? fallback(devPtr, s) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API cudaError_t cudaMallocAsync(void **devPtr, size_t size, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cuda_malloc_async(devPtr, size, s, real.cuda_malloc_async);
+}
+
+PRELOAD_API cudaError_t cudaFreeAsync(void *devPtr, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cuda_free_async(devPtr, s, real.cuda_free_async);
+}
+
+/* --default-stream per-thread: stream 0 means the thread's own stream. */
+PRELOAD_API cudaError_t cudaMallocAsync_ptsz(void **devPtr, size_t size, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cuda_malloc_async(devPtr, size, s ? s : PRELOAD_PER_THREAD, real.cuda_malloc_async_ptsz);
+}
+
+PRELOAD_API cudaError_t cudaFreeAsync_ptsz(void *devPtr, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cuda_free_async(devPtr, s ? s : PRELOAD_PER_THREAD, real.cuda_free_async_ptsz);
+}
+
+/* ---- driver API ---- */
+
+PRELOAD_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+  int dev = -1;
+  if (dptr != NULL && size != 0 && preload_usable() && real.cu_ctx_get_device(&dev) == 0) {
+    void *p = preload_alloc_sync(size, dev);
+    if (p != NULL) {
+      *dptr = (CUdeviceptr)(uintptr_t)p;
+      return PRELOAD_OK;
+    }
+  }
+  return real.cu_mem_alloc ? real.cu_mem_alloc(dptr, size) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API CUresult cuMemFree_v2(CUdeviceptr dptr) {
+  int dev = -1;
+  void *p = (void *)(uintptr_t)dptr;
+  if (preload_owned(p, &dev)) return preload_free_sync(p, dev);
+  return real.cu_mem_free ? real.cu_mem_free(dptr) : PRELOAD_UNKNOWN;
+}
+
+static CUresult preload_cu_alloc_async(CUdeviceptr *dptr, size_t size, cudaStream_t s,
+                                       CUresult (*fallback)(CUdeviceptr *, size_t, cudaStream_t)) {
+  if (dptr != NULL && size != 0) {
+    int code = PRELOAD_OK;
+    void *p = preload_alloc_async(size, s, &code);
+    if (p != NULL) {
+      *dptr = (CUdeviceptr)(uintptr_t)p;
+      return PRELOAD_OK;
+    }
+    if (code != PRELOAD_OK) return code;
+  }
+  return fallback ? fallback(dptr, size, s) : PRELOAD_UNKNOWN;
+}
+
+static CUresult preload_cu_free_async(CUdeviceptr dptr, cudaStream_t s,
+                                      CUresult (*fallback)(CUdeviceptr, cudaStream_t)) {
+  int dev = -1;
+  void *p = (void *)(uintptr_t)dptr;
+  if (preload_owned(p, &dev)) return preload_code(magpie_free_async(p, s));
+  return fallback ? fallback(dptr, s) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cu_alloc_async(dptr, size, s, real.cu_mem_alloc_async);
+}
+
+PRELOAD_API CUresult cuMemFreeAsync(CUdeviceptr dptr, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cu_free_async(dptr, s, real.cu_mem_free_async);
+}
+
+PRELOAD_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cu_alloc_async(dptr, size, s ? s : PRELOAD_PER_THREAD, real.cu_mem_alloc_async_ptsz);
+}
+
+PRELOAD_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, cudaStream_t s) {
+  pthread_once(&preload_once, preload_init);
+  return preload_cu_free_async(dptr, s ? s : PRELOAD_PER_THREAD, real.cu_mem_free_async_ptsz);
+}

@@ -1,0 +1,153 @@
+/* gpu_record_test: magpie_record_stream on a real GPU (backend CUDA).
+ *
+ * A kernel on stream B keeps writing a block (the hold kernel) until the
+ * host sets a flag. The block was allocated on A, recorded on B and freed
+ * on A. While the kernel runs, A (the freeing stream, which would reuse a
+ * plain freed block at once) and C allocate thousands of blocks of the same
+ * size, pushing magazines through the depot: none may be the held block.
+ * Once the kernel finished, the block comes back (nothing is stranded).
+ * The same for a large block, and the control without a record (A gets the
+ * block straight back) shows the check can fail. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "magpie.h"
+#include "tests/gpu/gpu_util.h"
+
+static gpu_env env;
+static _Atomic int *host_flag, *host_status;
+static CUdeviceptr dev_flag, dev_status;
+
+static int group_setup(void **state) {
+  (void)state;
+  if (gpu_env_init(&env) != 0) return -1;
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  cfg.backend = MAGPIE_BACKEND_CUDA;
+  if (magpie_init(&cfg) != MAGPIE_OK) {
+    fprintf(stderr, "magpie_init(cuda): %s\n", magpie_last_error_message());
+    return -1;
+  }
+  void *h = NULL;
+  CUresult r = cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
+  if (r != CUDA_SUCCESS || cuMemHostGetDevicePointer(&dev_flag, h, 0) != CUDA_SUCCESS) {
+    fprintf(stderr, "cuMemHostAlloc(DEVICEMAP): %s\n", gpu_err(r));
+    return -1;
+  }
+  host_flag = h;
+  host_status = (_Atomic int *)((char *)h + 256);
+  dev_status = dev_flag + 256;
+  return 0;
+}
+
+static uint64_t hold_timeout_ns(void) {
+  const char *v = getenv("MAGPIE_GPU_HOLD_SECONDS");
+  long sec = v ? atol(v) : 0;
+  return (uint64_t)(sec > 0 ? sec : 20) * 1000000000ull;
+}
+
+static void hold_start(CUstream s, void *block, size_t bytes) {
+  atomic_store(host_flag, 0);
+  atomic_store(host_status, 0);
+  GPU_CHECK(gpu_hold(&env, s, dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, 0x5eedull, hold_timeout_ns(),
+                     dev_status));
+  uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
+  while (atomic_load(host_status) != 3)
+    if (gpu_now_ns() > deadline) fail_msg("the hold kernel did not start within 10 s");
+}
+
+static void hold_release(CUstream s) {
+  atomic_store(host_flag, 1);
+  GPU_CHECK(cuStreamSynchronize(s));
+  assert_int_equal(atomic_load(host_status), 1);
+}
+
+/* Allocates n blocks on s, counting those equal to p; frees them on s. */
+static long churn(CUstream s, size_t size, int n, void *p) {
+  void **v = calloc((size_t)n, sizeof *v);
+  long hits = 0;
+  assert_non_null(v);
+  for (int i = 0; i < n; i++) {
+    v[i] = magpie_malloc_async(size, s);
+    if (v[i] == NULL) fail_msg("magpie_malloc_async: %s", magpie_last_error_message());
+    hits += v[i] == p;
+  }
+  for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(v[i], s), MAGPIE_OK);
+  free(v);
+  return hits;
+}
+
+static void run_case(size_t size, int n, int record) {
+  CUstream a, b, c;
+  GPU_CHECK(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cuStreamCreate(&c, CU_STREAM_NON_BLOCKING));
+  void *p = magpie_malloc_async(size, (cudaStream_t)a);
+  assert_non_null(p);
+  GPU_CHECK(cuStreamSynchronize(a));
+  hold_start(b, p, size); /* B uses p; A's work is done */
+  if (record) assert_int_equal(magpie_record_stream(p, (cudaStream_t)b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, (cudaStream_t)a), MAGPIE_OK);
+  long on_a = churn(a, size, n, p);
+  long on_c = record ? churn(c, size, n, p) : 0;
+  int still = atomic_load(host_status) == 3;
+  hold_release(b);
+  printf("  %zu-byte blocks, %s: the held block handed out %ld times on the freeing stream, %ld on another "
+         "(kernel still running during the checks: %s)\n",
+         size, record ? "recorded" : "not recorded (control)", on_a, on_c, still ? "yes" : "no");
+  if (record) {
+    assert_true(still);
+    assert_int_equal(on_a, 0);
+    assert_int_equal(on_c, 0);
+    /* Back once B finished: allocations on C reach a refill, which polls. */
+    void **v = calloc(20000, sizeof *v);
+    int k = 0, back = 0;
+    while (k < 20000 && !back) {
+      v[k] = magpie_malloc_async(size, (cudaStream_t)c);
+      assert_non_null(v[k]);
+      back = v[k++] == p;
+      if (size > (1u << 20) && k >= 64) break;
+    }
+    for (int i = 0; i < k; i++) assert_int_equal(magpie_free_async(v[i], (cudaStream_t)c), MAGPIE_OK);
+    free(v);
+    assert_true(back);
+  } else {
+    assert_true(on_a > 0); /* the control: a plain free on A is reused by A at once */
+  }
+  GPU_CHECK(cuCtxSynchronize());
+  GPU_CHECK(cuStreamDestroy(a));
+  GPU_CHECK(cuStreamDestroy(b));
+  GPU_CHECK(cuStreamDestroy(c));
+}
+
+static void test_control_without_record(void **state) {
+  (void)state;
+  run_case(4096, 100, 0);
+}
+
+static void test_small_recorded(void **state) {
+  (void)state;
+  run_case(4096, 5000, 1);
+}
+
+static void test_large_recorded(void **state) {
+  (void)state;
+  run_case((size_t)8 << 20, 8, 1);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_control_without_record),
+      cmocka_unit_test(test_small_recorded),
+      cmocka_unit_test(test_large_recorded),
+  };
+  return cmocka_run_group_tests(tests, group_setup, NULL);
+}

@@ -1,0 +1,236 @@
+// preload_prog: an ordinary CUDA program (shared runtime, driver API too)
+// that checks its device memory stays correct, run as is and under
+// LD_PRELOAD=libmagpie_preload.so (tests/gpu/README.md).
+//
+// Every block is filled by a kernel with a pattern and checked by a later,
+// deliberately slow kernel on the stream of its last use, after which the
+// block is freed; the next allocation (another stream, another thread) is
+// immediately overwritten with another pattern. A block handed out while
+// the slow check still runs shows as a mismatch.
+//   1. cudaMallocAsync / cudaFreeAsync on 4 streams in each of 8 threads;
+//   2. cudaMalloc / cudaFree, used on one stream, reallocated on another;
+//   3. the driver's cuMemAlloc / cuMemFree and cuMemAllocAsync /
+//      cuMemFreeAsync;
+//   4. pointers from functions that are not interposed (managed memory,
+//      pitched memory, an explicit pool) freed with cudaFree / cudaFreeAsync
+//      (they must reach the real functions).
+// With PRELOAD_EXPECT=1 it also requires that magpie served the
+// allocations (magpie_stats_get found in the process and reserved > 0).
+//
+// Built with nvcc -cudart shared (a statically linked runtime cannot be
+// interposed).
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHECK(call)                                                                   \
+  do {                                                                                \
+    cudaError_t e_ = (call);                                                          \
+    if (e_ != cudaSuccess) {                                                          \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      exit(2);                                                                        \
+    }                                                                                 \
+  } while (0)
+#define CHECK_DRV(call)                                                           \
+  do {                                                                            \
+    CUresult r_ = (call);                                                         \
+    if (r_ != CUDA_SUCCESS) {                                                     \
+      fprintf(stderr, "%s:%d: %s: CUresult %d\n", __FILE__, __LINE__, #call, (int)r_); \
+      exit(2);                                                                    \
+    }                                                                             \
+  } while (0)
+
+static unsigned long long *bad_counter; // device: mismatches seen by checks
+static unsigned long long checks;       // host: checks launched (atomic add)
+
+__device__ static unsigned mix(unsigned seed, unsigned long long i) {
+  unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return (unsigned)(x ^ (x >> 32));
+}
+
+__global__ void fill(unsigned *p, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    p[i] = mix(seed, i);
+}
+
+// Waits spin_ns first (so a premature reuse has time to overwrite), then
+// counts words that are not the pattern.
+__global__ void slow_check(const unsigned *p, size_t n, unsigned seed, unsigned long long spin_ns,
+                           unsigned long long *bad) {
+  unsigned long long t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (;;) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t - t0 >= spin_ns) break;
+    __nanosleep(1000);
+  }
+  unsigned long long mine = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    mine += ((volatile const unsigned *)p)[i] != mix(seed, i);
+  if (mine) atomicAdd(bad, mine);
+}
+
+static void use_then_check(void *p, size_t bytes, unsigned seed, cudaStream_t s, unsigned long long spin_ns) {
+  size_t n = bytes / 4;
+  fill<<<64, 256, 0, s>>>((unsigned *)p, n, seed);
+  slow_check<<<64, 256, 0, s>>>((const unsigned *)p, n, seed, spin_ns, bad_counter);
+  CHECK(cudaGetLastError());
+  __atomic_add_fetch(&checks, 1, __ATOMIC_RELAXED);
+}
+
+static size_t pick_size(unsigned *state) {
+  static const size_t sizes[] = {256, 4096, 65536, 1 << 20, 3 << 20};
+  *state = *state * 1103515245u + 12345u;
+  return sizes[(*state >> 16) % 5];
+}
+
+struct worker_arg {
+  int id;
+};
+
+static void *async_worker(void *arg) {
+  int id = ((worker_arg *)arg)->id;
+  CHECK(cudaSetDevice(0));
+  cudaStream_t s[4];
+  for (auto &x : s) CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  unsigned rng = 17u + (unsigned)id;
+  for (int it = 0; it < 200; it++) {
+    cudaStream_t a = s[it % 4], b = s[(it + 1) % 4];
+    size_t n = pick_size(&rng);
+    void *p = nullptr, *q = nullptr;
+    CHECK(cudaMallocAsync(&p, n, a));
+    use_then_check(p, n, 1000u * id + it, a, it % 8 == 0 ? 200000 : 0);
+    CHECK(cudaFreeAsync(p, a));
+    CHECK(cudaMallocAsync(&q, n, b)); // another stream: must not be p until a's check ran
+    fill<<<64, 256, 0, b>>>((unsigned *)q, n / 4, 0xdeadu);
+    CHECK(cudaGetLastError());
+    CHECK(cudaFreeAsync(q, b));
+  }
+  for (auto &x : s) {
+    CHECK(cudaStreamSynchronize(x));
+    CHECK(cudaStreamDestroy(x));
+  }
+  return nullptr;
+}
+
+static void sync_alloc_case(void) {
+  cudaStream_t a, b;
+  CHECK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
+  CHECK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+  for (int it = 0; it < 50; it++) {
+    size_t n = (size_t)(it % 5 + 1) << 16;
+    void *p = nullptr, *q = nullptr;
+    CHECK(cudaMalloc(&p, n));
+    use_then_check(p, n, 7u + it, a, 100000);
+    CHECK(cudaFree(p)); // used on a, freed with no stream
+    CHECK(cudaMalloc(&q, n));
+    fill<<<64, 256, 0, b>>>((unsigned *)q, n / 4, 0xbeefu);
+    CHECK(cudaGetLastError());
+    CHECK(cudaStreamSynchronize(b));
+    CHECK(cudaFree(q));
+  }
+  CHECK(cudaStreamDestroy(a));
+  CHECK(cudaStreamDestroy(b));
+}
+
+static void driver_case(void) {
+  CUstream a, b;
+  CHECK_DRV(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
+  CHECK_DRV(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
+  for (int it = 0; it < 50; it++) {
+    size_t n = (size_t)(it % 3 + 1) << 18;
+    CUdeviceptr p, q;
+    CHECK_DRV(cuMemAlloc(&p, n));
+    use_then_check((void *)p, n, 99u + it, (cudaStream_t)a, 50000);
+    CHECK_DRV(cuMemFree(p));
+    CHECK_DRV(cuMemAllocAsync(&p, n, a));
+    use_then_check((void *)p, n, 199u + it, (cudaStream_t)a, it % 5 == 0 ? 200000 : 0);
+    CHECK_DRV(cuMemFreeAsync(p, a));
+    CHECK_DRV(cuMemAllocAsync(&q, n, b));
+    fill<<<64, 256, 0, (cudaStream_t)b>>>((unsigned *)q, n / 4, 0xfeedu);
+    CHECK(cudaGetLastError());
+    CHECK_DRV(cuMemFreeAsync(q, b));
+  }
+  CHECK_DRV(cuStreamSynchronize(a));
+  CHECK_DRV(cuStreamSynchronize(b));
+  CHECK_DRV(cuStreamDestroy(a));
+  CHECK_DRV(cuStreamDestroy(b));
+}
+
+static void passthrough_case(void) {
+  void *m = nullptr, *pitched = nullptr;
+  size_t pitch = 0;
+  CHECK(cudaMallocManaged(&m, 1 << 20));
+  memset(m, 1, 1 << 20);
+  CHECK(cudaFree(m));
+  CHECK(cudaMallocPitch(&pitched, &pitch, 1000, 100));
+  CHECK(cudaFree(pitched));
+  cudaMemPool_t pool;
+  cudaMemPoolProps props;
+  memset(&props, 0, sizeof props);
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = 0;
+  CHECK(cudaMemPoolCreate(&pool, &props));
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  void *fp = nullptr;
+  CHECK(cudaMallocFromPoolAsync(&fp, 1 << 20, pool, s));
+  CHECK(cudaFreeAsync(fp, s));
+  CHECK(cudaStreamSynchronize(s));
+  CHECK(cudaStreamDestroy(s));
+  CHECK(cudaMemPoolDestroy(pool));
+  CHECK(cudaFree(nullptr)); // a no-op, as always
+}
+
+int main(void) {
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaFree(nullptr));
+  CHECK(cudaMallocManaged(&bad_counter, sizeof *bad_counter));
+  *bad_counter = 0;
+  CHECK(cudaDeviceSynchronize());
+
+  pthread_t t[8];
+  worker_arg args[8];
+  for (int i = 0; i < 8; i++) {
+    args[i].id = i;
+    pthread_create(&t[i], nullptr, async_worker, &args[i]);
+  }
+  for (auto &x : t) pthread_join(x, nullptr);
+  sync_alloc_case();
+  driver_case();
+  passthrough_case();
+  CHECK(cudaDeviceSynchronize());
+
+  unsigned long long bad = *bad_counter;
+  typedef int (*stats_fn)(int, void *);
+  stats_fn stats = (stats_fn)dlsym(RTLD_DEFAULT, "magpie_stats_get");
+  int magpie = 0;
+  if (stats != nullptr) {
+    size_t st[64]; // magpie_stats starts with in_use_bytes, reserved_bytes
+    static unsigned char buf[8192];
+    if (stats(0, buf) == 0) {
+      memcpy(st, buf, 2 * sizeof(size_t));
+      printf("preload_prog: magpie in use %zu B, reserved %zu B\n", st[0], st[1]);
+      magpie = st[1] > 0;
+    }
+  }
+  printf("preload_prog: %llu checks, %llu bad words, served by %s\n", checks, bad,
+         magpie ? "magpie (LD_PRELOAD)" : "the CUDA runtime");
+  const char *expect = getenv("PRELOAD_EXPECT");
+  if (expect != nullptr && strcmp(expect, "1") == 0 && !magpie) {
+    printf("preload_prog: FAIL: magpie was expected to serve the allocations\n");
+    return 1;
+  }
+  CHECK(cudaFree(bad_counter));
+  printf("preload_prog: %s\n", bad == 0 ? "PASS" : "FAIL");
+  return bad == 0 ? 0 : 1;
+}
