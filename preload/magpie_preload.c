@@ -38,9 +38,11 @@
  *
  * Lock order: preload_lock (private stream creation) is a leaf. */
 #include <dlfcn.h>
+#include <link.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "magpie.h"
 #include "src/heap.h"
@@ -94,21 +96,36 @@ static pthread_mutex_t preload_lock = PTHREAD_MUTEX_INITIALIZER;
  * with release, read with acquire. */
 static _Atomic(cudaStream_t) preload_streams[HEAP_MAX_DEVICES];
 
-static void *preload_sym(void *drv, const char *name) {
+/* The loaded CUDA runtime, for programs that load it into a local scope
+ * (Python extension modules are dlopen'ed RTLD_LOCAL), where RTLD_NEXT does
+ * not look. */
+static int preload_find_cudart(struct dl_phdr_info *info, size_t size, void *out) {
+  (void)size;
+  if (info->dlpi_name == NULL || strstr(info->dlpi_name, "libcudart.so") == NULL) return 0;
+  *(void **)out = dlopen(info->dlpi_name, RTLD_NOW | RTLD_NOLOAD);
+  return *(void **)out != NULL;
+}
+
+/* The next definition of name after this library: the global scope, else
+ * the given library (dlsym on a handle searches that library and its
+ * dependencies, never this one). */
+static void *preload_sym(void *lib, const char *name) {
   void *f = dlsym(RTLD_NEXT, name);
-  if (f == NULL && drv != NULL) f = dlsym(drv, name);
+  if (f == NULL && lib != NULL) f = dlsym(lib, name);
   return f;
 }
 
 static void preload_init(void) {
   void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  real.cuda_malloc = preload_sym(NULL, "cudaMalloc");
-  real.cuda_free = preload_sym(NULL, "cudaFree");
-  real.cuda_malloc_async = preload_sym(NULL, "cudaMallocAsync");
-  real.cuda_free_async = preload_sym(NULL, "cudaFreeAsync");
-  real.cuda_malloc_async_ptsz = preload_sym(NULL, "cudaMallocAsync_ptsz");
-  real.cuda_free_async_ptsz = preload_sym(NULL, "cudaFreeAsync_ptsz");
-  real.cuda_get_device = preload_sym(NULL, "cudaGetDevice");
+  void *rt = NULL;
+  dl_iterate_phdr(preload_find_cudart, &rt);
+  real.cuda_malloc = preload_sym(rt, "cudaMalloc");
+  real.cuda_free = preload_sym(rt, "cudaFree");
+  real.cuda_malloc_async = preload_sym(rt, "cudaMallocAsync");
+  real.cuda_free_async = preload_sym(rt, "cudaFreeAsync");
+  real.cuda_malloc_async_ptsz = preload_sym(rt, "cudaMallocAsync_ptsz");
+  real.cuda_free_async_ptsz = preload_sym(rt, "cudaFreeAsync_ptsz");
+  real.cuda_get_device = preload_sym(rt, "cudaGetDevice");
   real.cu_mem_alloc = preload_sym(drv, "cuMemAlloc_v2");
   real.cu_mem_free = preload_sym(drv, "cuMemFree_v2");
   real.cu_mem_alloc_async = preload_sym(drv, "cuMemAllocAsync");
@@ -203,6 +220,7 @@ static void *preload_alloc_async(size_t size, cudaStream_t s, int *code) {
 /* ---- runtime API ---- */
 
 PRELOAD_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
+  pthread_once(&preload_once, preload_init);
   int dev = -1;
   if (devPtr != NULL && size != 0 && preload_usable() && real.cuda_get_device(&dev) == 0) {
     void *p = preload_alloc_sync(size, dev);
@@ -215,6 +233,7 @@ PRELOAD_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
 }
 
 PRELOAD_API cudaError_t cudaFree(void *devPtr) {
+  pthread_once(&preload_once, preload_init);
   int dev = -1;
   if (preload_owned(devPtr, &dev)) return preload_free_sync(devPtr, dev);
   return real.cuda_free ? real.cuda_free(devPtr) : PRELOAD_UNKNOWN;
@@ -265,6 +284,7 @@ PRELOAD_API cudaError_t cudaFreeAsync_ptsz(void *devPtr, cudaStream_t s) {
 /* ---- driver API ---- */
 
 PRELOAD_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
+  pthread_once(&preload_once, preload_init);
   int dev = -1;
   if (dptr != NULL && size != 0 && preload_usable() && real.cu_ctx_get_device(&dev) == 0) {
     void *p = preload_alloc_sync(size, dev);
@@ -277,6 +297,7 @@ PRELOAD_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
 }
 
 PRELOAD_API CUresult cuMemFree_v2(CUdeviceptr dptr) {
+  pthread_once(&preload_once, preload_init);
   int dev = -1;
   void *p = (void *)(uintptr_t)dptr;
   if (preload_owned(p, &dev)) return preload_free_sync(p, dev);

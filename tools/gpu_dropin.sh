@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The drop-in checks on a GPU machine: the GPU tests, the LD_PRELOAD program,
+# PyTorch (tests/gpu/torch_test.py) and CuPy (tests/gpu/cupy_test.py), plus
+# what the installed PyTorch does with record_stream.
+#
+#   tools/gpu_dropin.sh build        here: builds the bundle (.gpu_bundle/, or
+#                                    $MAGPIE_GPU_BUNDLE) with libmagpie.so,
+#                                    libmagpie_preload.so, preload_prog, the
+#                                    Python package and the Python tests
+#   bash .gpu_bundle/dropin.sh       there: runs everything, prints verdicts
+set -uo pipefail
+
+if [[ ${1:-} == build ]]; then
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
+  "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog || exit 1
+  cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/cupy_test.py" "$bundle/"
+  mkdir -p "$bundle/python"
+  cp -r "$root/python/magpie" "$bundle/python/"
+  rm -rf "$bundle/python/magpie/__pycache__"
+  cp "${BASH_SOURCE[0]}" "$bundle/dropin.sh"
+  echo "run there: bash $(basename "$bundle")/dropin.sh"
+  exit 0
+fi
+
+B=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
+export MAGPIE_LIB=$B/bin/libmagpie.so MAGPIE_PRELOAD_LIB=$B/bin/libmagpie_preload.so
+echo "### torch: $(python3 -c 'import torch;print(torch.__version__, torch.version.cuda)' 2>&1)"
+TP=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")
+echo "### CUDAPluggableAllocator.h (record_stream)"
+grep -n "record_stream\|recordStream" "$TP/include/torch/csrc/cuda/CUDAPluggableAllocator.h"
+echo "### torch/cuda/memory.py CUDAPluggableAllocator"
+awk '/^class CUDAPluggableAllocator/,/^def change_current_allocator/' "$TP/cuda/memory.py" |
+  grep -n "def \|_cuda_customAllocator\|record"
+echo "### torch._C names"
+python3 -c "import torch; print([n for n in dir(torch._C) if 'ustomAllocator' in n or 'record' in n.lower()])"
+echo "### libtorch_cuda cudart: $(ldd "$TP/lib/libtorch_cuda.so" | grep -i cudart)"
+echo "### cupy: $(python3 -c 'import cupy;print(cupy.__version__)' 2>&1 | tail -1)"
+status=0
+echo "### GPU tests"
+timeout 120 bash "$B/run.sh" || status=1
+echo "### preload_prog (plain)"
+timeout 60 "$B/bin/preload_prog" || status=1
+echo "### preload_prog (LD_PRELOAD)"
+PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_prog" || status=1
+echo "### torch_test"
+timeout 200 python3 "$B/torch_test.py" || status=1
+echo "### cupy_test"
+timeout 120 python3 "$B/cupy_test.py" || status=1
+echo "### dropin: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+exit $status
