@@ -163,8 +163,14 @@ MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
 MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
 
 /* Like PyTorch's Tensor.record_stream: the block at ptr will not be reused
- * until the work enqueued on stream before the block is freed has
- * completed, in addition to the freeing stream's. */
+ * (by any stream, the freeing one included) until the work enqueued on
+ * stream before the block is freed has completed, in addition to the
+ * freeing stream's. No stream is made to wait and the host never blocks:
+ * the block is parked at its free and returns to the pools once events on
+ * those streams completed. stream must stay valid until the block is freed;
+ * the per-thread default stream handle and streams of another device are
+ * refused (MAGPIE_ERR_INVALID_STREAM); a freed block gives
+ * MAGPIE_ERR_INVALID_POINTER. */
 MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream);
 
 /* Errors. */
@@ -176,8 +182,10 @@ MAGPIE_API const char *magpie_error_string(int code);
  * (torch.cuda.memory.CUDAPluggableAllocator loads these two by name from
  * libmagpie.so). PyTorch passes the stream the block was allocated on to
  * the free, so a block used on another stream must have been ordered after
- * that use by the application (as with PyTorch's own allocator without
- * record_stream). device is implied by the stream and not otherwise used. */
+ * that use by the application, or recorded with magpie_record_stream
+ * (PyTorch 2.11's pluggable path does not forward Tensor.record_stream; the
+ * Python package's magpie.torch.record_stream does both). device is implied
+ * by the stream and not otherwise used. */
 MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream);
 MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 
