@@ -222,7 +222,8 @@ static void *preload_alloc_async(size_t size, cudaStream_t s, int *code) {
 PRELOAD_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
   pthread_once(&preload_once, preload_init);
   int dev = -1;
-  if (devPtr != NULL && size != 0 && preload_usable() && real.cuda_get_device(&dev) == 0) {
+  if (devPtr != NULL && size != 0 && preload_usable() && real.cuda_get_device != NULL &&
+      real.cuda_get_device(&dev) == 0) {
     void *p = preload_alloc_sync(size, dev);
     if (p != NULL) {
       *devPtr = p;
