@@ -458,9 +458,10 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
       large_settle_locked(c, &deferred);
       continue;
     }
-    if (best.b != NULL) goto carve_best;
+    if (best.b != NULL && !((flags & LARGE_MAY_WAIT_EVENT) && wait.b != NULL && wait.cost == 0)) goto carve_best;
     if ((flags & LARGE_MAY_WAIT_EVENT) && wait.b != NULL && wait.cost == 0) {
-      /* Pressure: order this stream after the free instead of mapping. */
+      /* Pressure (mapping just failed): order this stream after the free
+       * instead of mapping. */
       lblock *u = large_carve(c, wait.b, need, wait.at_end);
       if (u == NULL) break;
       lticket *lt = u->ticket;
@@ -643,7 +644,9 @@ size_t large_release(struct heap *h, size_t want) {
   while (released < want) {
     lseg *sg = NULL;
     size_t g0 = 0, g1 = 0;
-    if (large_find_unmappable(h, &sg, &g0, &g1, (want - released + g - 1) / g)) {
+    size_t left = want - released;
+    size_t max_gran = left / g + (left % g != 0);
+    if (large_find_unmappable(h, &sg, &g0, &g1, max_gran)) {
       pthread_mutex_unlock(&c->lock);
       int rc = heap_unmap_at(h, sg->base + g0 * g, (g1 - g0) * g);
       pthread_mutex_lock(&c->lock);
