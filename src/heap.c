@@ -58,7 +58,7 @@ static heap *heap_create(int device) {
     return NULL;
   }
   const magpie_config *cfg = global_config();
-  if (cfg->limit_percent) h->region.limit = total / 100 * cfg->limit_percent;
+  if (cfg->limit_percent) h->region.limit = (size_t)((unsigned __int128)total * cfg->limit_percent / 100);
   else if (cfg->limit) h->region.limit = cfg->limit;
   h->release_threshold = cfg->release_threshold;
   epoch_table_init(&h->epochs, device, ops);
