@@ -124,7 +124,7 @@ static void usage(void) {
           " 2 scaling:   --threads LIST (1,2,4,8,16)  --seconds S (0.5)  --window N (64)\n"
           "              --mix MIN,MAX (256,64k: sizes of workloads 2 and 4)\n"
           " 3 pipeline:  --pipe THREADS,STREAMS (8,32)  --pipe-seconds S (1)  --pipe-temps N (4)\n"
-          "              --pipe-handoff N (every 4 steps)  --pipe-sizes MIN,MAX (4k,1m)\n"
+          "              --pipe-handoff N (every 4 steps)  --pipe-sizes MIN,MAX (4k,1m)  --pipe-rounds N (3)\n"
           " 4 crossfree: --cross-pairs N (4)  --cross-seconds S (1)\n"
           " 5 trace:     --trace THREADS,STREAMS_PER_THREAD,REQUESTS (4,2,400)\n"
           "              --trace-hidden N (4096)  --trace-layers N (8)\n");
@@ -145,7 +145,7 @@ int main(int argc, char **argv) {
       .lat_min = 256, .lat_max = 64u << 20, .lat_pairs = 200000,
       .scale_threads = {1, 2, 4, 8, 16}, .scale_points = 5, .scale_seconds = 0.5, .scale_window = 64,
       .mix_min = 256, .mix_max = 65536,
-      .pipe_threads = 8, .pipe_streams = 32, .pipe_temps = 4, .pipe_handoff_every = 4, .pipe_seconds = 1.0,
+      .pipe_threads = 8, .pipe_streams = 32, .pipe_temps = 4, .pipe_handoff_every = 4, .pipe_rounds = 3, .pipe_seconds = 1.0,
       .pipe_min = 4096, .pipe_max = 1u << 20,
       .cross_pairs = 4, .cross_seconds = 1.0,
       .trace_threads = 4, .trace_streams = 2, .trace_requests = 400, .trace_hidden = 4096, .trace_layers = 8,
@@ -154,14 +154,14 @@ int main(int argc, char **argv) {
   const char *csv_path = NULL, *torch = NULL, *allocs = NULL;
   size_t arena = 0;
   enum { O_CSV = 256, O_TORCH, O_ALLOCS, O_SEED, O_ARENA, O_LSIZES, O_LPAIRS, O_THREADS, O_SECONDS, O_WINDOW,
-         O_MIX, O_PIPE, O_PSEC, O_PTEMPS, O_PHAND, O_PSIZES, O_CPAIRS, O_CSEC, O_TRACE, O_THIDDEN, O_TLAYERS };
+         O_MIX, O_PIPE, O_PSEC, O_PTEMPS, O_PHAND, O_PSIZES, O_PROUNDS, O_CPAIRS, O_CSEC, O_TRACE, O_THIDDEN, O_TLAYERS };
   static const struct option longs[] = {
       {"csv", 1, 0, O_CSV}, {"torch", 1, 0, O_TORCH}, {"allocs", 1, 0, O_ALLOCS}, {"seed", 1, 0, O_SEED},
       {"noop-arena", 1, 0, O_ARENA}, {"lat-sizes", 1, 0, O_LSIZES}, {"lat-pairs", 1, 0, O_LPAIRS},
       {"threads", 1, 0, O_THREADS}, {"seconds", 1, 0, O_SECONDS}, {"window", 1, 0, O_WINDOW},
       {"mix", 1, 0, O_MIX}, {"pipe", 1, 0, O_PIPE}, {"pipe-seconds", 1, 0, O_PSEC},
       {"pipe-temps", 1, 0, O_PTEMPS}, {"pipe-handoff", 1, 0, O_PHAND}, {"pipe-sizes", 1, 0, O_PSIZES},
-      {"cross-pairs", 1, 0, O_CPAIRS}, {"cross-seconds", 1, 0, O_CSEC}, {"trace", 1, 0, O_TRACE},
+      {"pipe-rounds", 1, 0, O_PROUNDS}, {"cross-pairs", 1, 0, O_CPAIRS}, {"cross-seconds", 1, 0, O_CSEC}, {"trace", 1, 0, O_TRACE},
       {"trace-hidden", 1, 0, O_THIDDEN}, {"trace-layers", 1, 0, O_TLAYERS}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "w:h", longs, NULL)) != -1) {
@@ -200,6 +200,7 @@ int main(int argc, char **argv) {
       case O_PTEMPS: o.pipe_temps = atoi(optarg); break;
       case O_PHAND: o.pipe_handoff_every = atoi(optarg); break;
       case O_PSIZES: if (parse_pair(optarg, &o.pipe_min, &o.pipe_max)) usage(); break;
+      case O_PROUNDS: o.pipe_rounds = atoi(optarg); break;
       case O_CPAIRS: o.cross_pairs = atoi(optarg); break;
       case O_CSEC: o.cross_seconds = atof(optarg); break;
       case O_TRACE:
@@ -211,7 +212,7 @@ int main(int argc, char **argv) {
     }
   }
   if (optind != argc || o.lat_pairs < 1 || o.scale_seconds <= 0 || o.scale_window < 1 || o.pipe_threads < 1 ||
-      o.pipe_streams < o.pipe_threads || o.pipe_temps < 1 || o.pipe_temps > 4 || o.pipe_handoff_every < 1 ||
+      o.pipe_streams < o.pipe_threads || o.pipe_temps < 1 || o.pipe_temps > 4 || o.pipe_handoff_every < 1 || o.pipe_rounds < 1 || o.pipe_rounds > 16 ||
       o.pipe_seconds <= 0 || o.cross_pairs < 1 || o.cross_seconds <= 0 || o.trace_threads < 1 ||
       o.trace_streams < 1 || o.trace_requests < 1 || o.trace_hidden < 64 || o.trace_layers < 1)
     usage();

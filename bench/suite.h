@@ -23,7 +23,7 @@ typedef struct suite_opts {
   int scale_window;
   size_t mix_min, mix_max; /* mixed sizes, powers of 2 */
   /* 3: pipeline */
-  int pipe_threads, pipe_streams, pipe_temps, pipe_handoff_every;
+  int pipe_threads, pipe_streams, pipe_temps, pipe_handoff_every, pipe_rounds;
   double pipe_seconds;
   size_t pipe_min, pipe_max;
   /* 4: cross-thread frees */
