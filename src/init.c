@@ -12,6 +12,7 @@
 #include "error.h"
 #include "heap.h"
 #include "magazine.h"
+#include "tcache.h"
 #include "sizeclass.h"
 #include "stats.h"
 
@@ -104,6 +105,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   global_backend = ops;
   sizeclass_init(c.magazine_bytes, gran);
   magazine_module_init();
+  tcache_module_init();
   epoch_module_init();
   heap_module_init(ops);
   if (c.verbose) atexit(init_verbose_atexit);

@@ -35,6 +35,7 @@ typedef struct record_ref {
  *            poller's private chain, never both. */
 typedef struct record_entry {
   uintptr_t ptr;
+  size_t bytes; /* the block's size */
   slab *slab;
   int parked;
   unsigned nrefs, cap;
@@ -53,6 +54,7 @@ typedef struct record_table {
    * statistics. */
   _Atomic size_t parked_count;
   _Atomic size_t parked_bytes;
+  _Atomic size_t parked_large_bytes; /* part of parked_bytes */
 } record_table;
 
 static pthread_mutex_t record_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -61,8 +63,6 @@ static record_table record_tables[HEAP_MAX_DEVICES];
 MAGPIE_WRAPS static inline unsigned record_bucket(uintptr_t p) {
   return (unsigned)(((uint64_t)p >> 8) * 0x9E3779B97F4A7C15ull >> 56) & (RECORD_BUCKETS - 1);
 }
-
-static size_t record_block_bytes(const slab *sl) { return sl->cls == SLAB_LARGE ? sl->size : sl->bsize; }
 
 static record_table *record_table_of(const slab *sl) { return &record_tables[sl->heap->device]; }
 
@@ -73,7 +73,17 @@ static record_entry **record_find(record_table *t, uintptr_t p) {
   return pp;
 }
 
-int record_add(slab *sl, uintptr_t p, stream_rec *rec, cudaStream_t handle) {
+/* Under record_lock: an entry joins (+1) or leaves (-1) the parked ones. */
+static void record_count(record_table *t, const record_entry *e, int dir) {
+  size_t n = atomic_load_relaxed(&t->parked_count), b = atomic_load_relaxed(&t->parked_bytes);
+  size_t lb = atomic_load_relaxed(&t->parked_large_bytes);
+  size_t eb = e->slab->cls == SLAB_LARGE ? e->bytes : 0;
+  atomic_store_relaxed(&t->parked_count, dir > 0 ? n + 1 : n - 1);
+  atomic_store_relaxed(&t->parked_bytes, dir > 0 ? b + e->bytes : b - e->bytes);
+  atomic_store_relaxed(&t->parked_large_bytes, dir > 0 ? lb + eb : lb - eb);
+}
+
+int record_add(slab *sl, uintptr_t p, size_t bytes, stream_rec *rec, cudaStream_t handle) {
   record_table *t = record_table_of(sl);
   int rc = MAGPIE_OK, dup = 0;
   pthread_mutex_lock(&record_lock);
@@ -86,6 +96,7 @@ int record_add(slab *sl, uintptr_t p, stream_rec *rec, cudaStream_t handle) {
       goto out;
     }
     e->ptr = p;
+    e->bytes = bytes;
     e->slab = sl;
     *pp = e;
     atomic_add_relaxed(&sl->recorded, 1);
@@ -118,9 +129,9 @@ static void record_tickets_release(epoch_ticket *tk, unsigned n) {
   for (unsigned i = 0; i < n; i++) epoch_ticket_release(&tk[i]);
 }
 
-int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, int *taken) {
+int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, size_t *parked) {
   record_table *t = record_table_of(sl);
-  *taken = 0;
+  *parked = 0;
   pthread_mutex_lock(&record_lock);
   record_entry *e = *record_find(t, p);
   int was_parked = e != NULL && e->parked;
@@ -160,10 +171,13 @@ int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, in
   pthread_mutex_lock(&record_lock);
   e->pnext = t->parked;
   t->parked = e;
-  atomic_store_relaxed(&t->parked_count, atomic_load_relaxed(&t->parked_count) + 1);
-  atomic_store_relaxed(&t->parked_bytes, atomic_load_relaxed(&t->parked_bytes) + record_block_bytes(sl));
+  record_count(t, e, 1);
   pthread_mutex_unlock(&record_lock);
-  *taken = 1;
+  /* Statistics: a small block leaves the freeing thread here (as a
+   * magazine given back would), and is counted as waiting on streams until
+   * record_poll hands it to the depot. */
+  if (sl->cls != SLAB_LARGE) atomic_add_relaxed(&sl->heap->stat_thread_out, (int64_t)e->bytes);
+  *parked = e->bytes;
   return MAGPIE_OK;
 }
 
@@ -218,8 +232,7 @@ void record_poll(heap *h) {
     record_entry **pp = record_find(t, e->ptr);
     *pp = e->hnext;
     atomic_sub_relaxed(&e->slab->recorded, 1);
-    atomic_store_relaxed(&t->parked_count, atomic_load_relaxed(&t->parked_count) - 1);
-    atomic_store_relaxed(&t->parked_bytes, atomic_load_relaxed(&t->parked_bytes) - record_block_bytes(e->slab));
+    record_count(t, e, -1);
   }
   while (keep != NULL) {
     record_entry *e = keep;
@@ -232,13 +245,33 @@ void record_poll(heap *h) {
   /* Back to the pools, for any stream: every ticket completed. */
   for (record_entry *e = ready, *next; e != NULL; e = next) {
     next = e->pnext;
-    record_tickets_release(e->tickets, e->ntickets);
-    meta_free(e->tickets);
-    if (e->slab->cls == SLAB_LARGE) {
-      epoch_ticket none = {0};
-      large_free(h, e->slab, &none);
+    if (e->slab->cls != SLAB_LARGE) {
+      record_tickets_release(e->tickets, e->ntickets);
+      meta_free(e->tickets);
+      meta_free(e);
+      continue;
     }
-    meta_free(e);
+    /* A large block goes back with one of its tickets, all completed: the
+     * large cache takes it over and treats the block as ready for every
+     * stream. */
+    size_t bsize = 0;
+    if (large_free(h, e->ptr, &e->tickets[0], &bsize) == MAGPIE_OK) {
+      record_tickets_release(e->tickets + 1, e->ntickets - 1);
+      meta_free(e->tickets);
+      meta_free(e);
+      continue;
+    }
+    /* Out of host memory: park it again with its completed tickets and
+     * try at the next poll rather than lose the block. */
+    pthread_mutex_lock(&record_lock);
+    record_entry **pp = record_find(t, e->ptr);
+    e->hnext = NULL;
+    *pp = e;
+    e->pnext = t->parked;
+    t->parked = e;
+    atomic_add_relaxed(&e->slab->recorded, 1);
+    record_count(t, e, 1);
+    pthread_mutex_unlock(&record_lock);
   }
   for (unsigned i = 0; i < nfilled; i++) depot_put(h, filled[i]);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
@@ -246,6 +279,13 @@ void record_poll(heap *h) {
 }
 
 size_t record_pending_bytes(const heap *h) { return atomic_load_relaxed(&record_tables[h->device].parked_bytes); }
+
+void record_pending(const heap *h, size_t *small, size_t *large) {
+  const record_table *t = &record_tables[h->device];
+  size_t all = atomic_load_relaxed(&t->parked_bytes), lb = atomic_load_relaxed(&t->parked_large_bytes);
+  *large = lb <= all ? lb : all;
+  *small = all - *large;
+}
 
 /* ---- public entry point ---- */
 
@@ -257,8 +297,11 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
   if (sl == NULL)
     return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not a pointer returned by magpie", ptr);
   uint32_t bi = 0;
-  if (!slab_block_index(sl, (uintptr_t)ptr, &bi))
-    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not the start of a block", ptr);
+  size_t bytes = sl->bsize;
+  if (!slab_block_index(sl, (uintptr_t)ptr, &bi) ||
+      (sl->cls == SLAB_LARGE && !large_lookup(sl->heap, (uintptr_t)ptr, &bytes)))
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not the start of an allocated block",
+                     ptr);
   if ((uintptr_t)stream == 2)
     return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_record_stream(%p): the per-thread default stream handle "
                      "names another stream in every thread; pass a stream created by the application", ptr);
@@ -274,7 +317,7 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
                      "on device %d", ptr, (void *)stream, dev, h->device);
   stream_rec *rec = epoch_stream_acquire(&h->epochs, id);
   if (rec == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_record_stream: out of host memory");
-  rc = record_add(sl, (uintptr_t)ptr, rec, stream);
+  rc = record_add(sl, (uintptr_t)ptr, bytes, rec, stream);
   epoch_stream_release(rec); /* the entry took its own reference */
   if (rc == MAGPIE_ERR_INVALID_POINTER)
     return error_set(rc, "magpie_record_stream(%p): the block is free", ptr);

@@ -28,18 +28,19 @@
 #include "heap.h"
 #include "slab.h"
 
-/* Remember that the block at p (start of a block of sl, handed out) is used
- * on stream `handle` (id, stream_rec of the block's heap). Takes its own
- * reference to rec. */
-int record_add(slab *sl, uintptr_t p, stream_rec *rec, cudaStream_t handle);
+/* Remember that the block at p (start of a handed-out block of sl, bytes
+ * long) is used on stream `handle` (stream_rec of the block's heap). Takes
+ * its own reference to rec. MAGPIE_ERR_INVALID_POINTER if the block is
+ * parked (freed). */
+int record_add(slab *sl, uintptr_t p, size_t bytes, stream_rec *rec, cudaStream_t handle);
 
 /* Free of a block of sl whose slab has recorded blocks (slab.recorded != 0).
  * If p has recorded streams, seals the freeing stream (frec, handle, id
  * matched by the caller) and every recorded stream, parks the block and
- * sets *taken = 1; the caller then only adjusts its live bytes. *taken = 0:
- * not recorded, free normally. A nonzero return is an error already
- * reported with error_set; the block then stays allocated. */
-int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, int *taken);
+ * sets *parked to its size; the caller then only adjusts its live bytes.
+ * *parked = 0: not recorded, free normally. A nonzero return is an error
+ * already reported with error_set; the block then stays allocated. */
+int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, size_t *parked);
 
 /* Return parked blocks whose tickets have all completed to the normal
  * pools. Never blocks; at most one event query per pending ticket. Called
@@ -49,5 +50,8 @@ void record_poll(heap *h);
 
 /* Bytes parked (freed, waiting for recorded streams) on h's device. */
 size_t record_pending_bytes(const heap *h);
+/* The same split: small blocks (out of the threads' magazines) and large
+ * blocks (still counted in use by the large cache). For statistics. */
+void record_pending(const heap *h, size_t *small, size_t *large);
 
 #endif /* MAGPIE_RECORD_H */

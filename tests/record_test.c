@@ -16,6 +16,19 @@
 
 static heap *heap0(void) { return heap_peek(0); }
 
+/* The stats' layers add up to what is reserved (no thread inside magpie),
+ * parked blocks counted as waiting on streams; returns that figure. */
+static size_t layers_add_up(void) {
+  magpie_stats s;
+  assert_int_equal(magpie_stats_get(0, &s), MAGPIE_OK);
+  size_t sum = s.in_use_bytes + s.thread_cached_bytes + s.depot_bytes + s.epoch_pending_bytes +
+               s.large_free_bytes + s.overhead_bytes;
+  assert_int_equal(sum, s.reserved_bytes);
+  assert_true(s.large_in_use_bytes <= s.in_use_bytes);
+  assert_true(s.epoch_pending_bytes >= record_pending_bytes(heap0()));
+  return s.epoch_pending_bytes;
+}
+
 /* Allocate n blocks of size on s into out[], asserting none is p. */
 static void alloc_none_is(void **out, int n, size_t size, cudaStream_t s, void *p) {
   for (int i = 0; i < n; i++) {
@@ -82,6 +95,7 @@ static void run_recorded_case(size_t size, int rounds) {
   assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK); /* twice: one entry */
   assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
   assert_int_equal(record_pending_bytes(heap0()), magpie_usable_size(p));
+  layers_add_up();
 
   void **va = calloc((size_t)rounds, sizeof *va), **vc = calloc((size_t)rounds, sizeof *vc);
   alloc_none_is(va, rounds, size, a, p);
@@ -95,6 +109,7 @@ static void run_recorded_case(size_t size, int rounds) {
   gate_open_and_sync(&g, b, a);
   assert_true(comes_back(p, size, c));
   assert_int_equal(record_pending_bytes(heap0()), 0);
+  layers_add_up();
   free(va);
   free(vc);
   gated_fini(&g);
