@@ -168,16 +168,17 @@ int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, si
   e->nrefs = e->cap = 0;
   e->tickets = tk;
   e->ntickets = n;
+  size_t bytes = e->bytes; /* e belongs to the pollers once on the list */
+  /* Statistics: a small block leaves the freeing thread here (as a
+   * magazine given back would), and is counted as waiting on streams until
+   * record_poll hands it to the depot. */
+  if (sl->cls != SLAB_LARGE) atomic_add_relaxed(&sl->heap->stat_thread_out, (int64_t)bytes);
   pthread_mutex_lock(&record_lock);
   e->pnext = t->parked;
   t->parked = e;
   record_count(t, e, 1);
   pthread_mutex_unlock(&record_lock);
-  /* Statistics: a small block leaves the freeing thread here (as a
-   * magazine given back would), and is counted as waiting on streams until
-   * record_poll hands it to the depot. */
-  if (sl->cls != SLAB_LARGE) atomic_add_relaxed(&sl->heap->stat_thread_out, (int64_t)e->bytes);
-  *parked = e->bytes;
+  *parked = bytes;
   return MAGPIE_OK;
 }
 
