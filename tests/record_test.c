@@ -275,7 +275,9 @@ static void *rt_main(void *arg) {
   long errors = 0;
   void *keep[8] = {0};
   for (int i = 0; i < RT_ROUNDS; i++) {
-    seed = seed * 1103515245u + 12345u;
+    seed ^= seed << 13; /* xorshift: no wrapping arithmetic for the sanitizer to flag */
+    seed ^= seed >> 17;
+    seed ^= seed << 5;
     size_t size = (seed >> 16) % 5 == 0 ? LARGE : (size_t)256 << ((seed >> 8) % 8);
     void *p = magpie_malloc_async(size, own);
     if (p == NULL) {
