@@ -7,7 +7,8 @@
 #                                    $MAGPIE_GPU_BUNDLE) with libmagpie.so,
 #                                    libmagpie_preload.so, preload_prog, the
 #                                    Python package and the Python tests
-#   bash .gpu_bundle/dropin.sh       there: runs everything, prints verdicts
+#   bash .gpu_bundle/dropin.sh [ARGS]  there: runs everything, prints verdicts
+#                                    (ARGS go to run.sh, e.g. --only NAME)
 set -uo pipefail
 
 if [[ ${1:-} == build ]]; then
@@ -39,7 +40,7 @@ echo "### libtorch_cuda cudart: $(ldd "$TP/lib/libtorch_cuda.so" | grep -i cudar
 echo "### cupy: $(python3 -c 'import cupy;print(cupy.__version__)' 2>&1 | tail -1)"
 status=0
 echo "### GPU tests"
-timeout 120 bash "$B/run.sh" || status=1
+timeout 300 bash "$B/run.sh" "$@" || status=1
 echo "### preload_prog (plain)"
 timeout 60 "$B/bin/preload_prog" || status=1
 echo "### preload_prog (LD_PRELOAD)"
