@@ -93,6 +93,7 @@ typedef struct large_cache {
   lblock *free;            /* under lock */
   lblock **hash;           /* under lock */
   size_t hash_cap, hash_count;
+  int growing;             /* a thread is adding a segment; under lock */
   /* Statistics: written under the lock (relaxed), read without it. */
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
