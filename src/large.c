@@ -485,9 +485,9 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
   size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
   lticket *deferred = NULL;
   int rc = MAGPIE_ERR_OUT_OF_MEMORY;
-  int queried = 0, grown = 0;
+  int queried = 0;
   pthread_mutex_lock(&c->lock);
-  for (int round = 0; round < 16; round++) {
+  for (int round = 0; round < 64; round++) {
     large_pick best = {0}, wait = {0};
     for (lblock *b = c->free; b; b = b->fnext) {
       if (b->size < need) continue;
@@ -510,7 +510,7 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
      * its use already passes its reserve (as cudaMallocAsync's pools do
      * with internal dependencies allowed). */
     size_t held = atomic_load_relaxed(&c->mapped_bytes), used = atomic_load_relaxed(&c->in_use_bytes);
-    int soft = held > used && held - used > large_keep(h);
+    int soft = h->reuse_wait && held > used && held - used > large_keep(h);
     int use_wait = ((flags & LARGE_MAY_WAIT_EVENT) || soft) && wait.b != NULL && wait.cost == 0;
     if (best.b != NULL && !use_wait) goto carve_best;
     if (use_wait) {
@@ -540,7 +540,6 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
       while (c->growing) pthread_cond_wait(&c->granule_cv, &c->lock);
       continue;
     }
-    if (grown++ > 2) break;
     c->growing = 1;
     pthread_mutex_unlock(&c->lock);
     lseg *sg = NULL;
@@ -550,7 +549,10 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
     pthread_cond_broadcast(&c->granule_cv);
     if (rc != MAGPIE_OK) break;
     large_seg_link(h, sg);
-    continue;
+    /* Carve from the new segment at once: under contention, others would
+     * take it and this call would grow again. */
+    best = (large_pick){.b = sg->first, .at_end = 0, .cost = large_unmapped_in(h, sg, sg->base, need)};
+    goto carve_best;
 
   carve_best: {
     lblock *u = large_carve(c, best.b, need, best.at_end);
