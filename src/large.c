@@ -42,11 +42,6 @@ static void lticket_release_all(lticket *lt) {
   }
 }
 
-/* Complete by a comparison (no driver call)? */
-static int lticket_done(const lticket *lt) {
-  return lt == NULL || atomic_load_acquire(&lt->t.rec->done) >= lt->t.seq;
-}
-
 static int lblock_ready_for(const lblock *b, uint64_t stream_id) {
   return b->ticket == NULL || b->ticket->t.rec->id == stream_id || lticket_done(b->ticket);
 }
@@ -126,21 +121,6 @@ static size_t large_unmapped_in(struct heap *h, const lseg *sg, uintptr_t a, siz
   for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++)
     if (sg->gran[i] != GRAN_MAPPED) cost += g;
   return cost;
-}
-
-/* Mapped bytes of a free block's range (granules shared with a neighbour
- * count for the part inside the block). */
-static size_t large_mapped_in(struct heap *h, const lseg *sg, uintptr_t a, size_t n) {
-  if (!sg->vmm) return n;
-  size_t g = large_gran(h);
-  size_t sum = 0;
-  for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++) {
-    if (sg->gran[i] != GRAN_MAPPED) continue;
-    uintptr_t gs = sg->base + i * g, ge = gs + g;
-    uintptr_t s = gs > a ? gs : a, e = ge < a + n ? ge : a + n;
-    sum += e - s;
-  }
-  return sum;
 }
 
 /* ---- merging ---- */
@@ -738,64 +718,3 @@ size_t large_release(struct heap *h, size_t want) {
   return released;
 }
 
-void large_account_get(struct heap *h, large_account *out) {
-  large_cache *c = &h->large;
-  memset(out, 0, sizeof *out);
-  pthread_mutex_lock(&c->lock);
-  for (lblock *b = c->free; b; b = b->fnext) {
-    size_t m = large_mapped_in(h, b->seg, b->base, b->size);
-    if (b->ticket == NULL || lticket_done(b->ticket)) out->free_ready += m;
-    else out->free_pending += m;
-  }
-  for (lseg *sg = c->segs; sg; sg = sg->next)
-    if (!sg->vmm) out->overhead += sg->raw_size - sg->size;
-  pthread_mutex_unlock(&c->lock);
-}
-
-static void large_snapshot_seg(struct heap *h, lseg *sg, FILE *f) {
-  size_t g = large_gran(h);
-  fprintf(f, "{\"kind\":\"large_segment\",\"base\":%llu,\"size\":%zu,\"vmm\":%d,\"granule\":%zu,\"mapped\":[",
-          (unsigned long long)sg->base, sg->size, sg->vmm, g);
-  /* Mapped granules as [first, count] runs. */
-  int firstrun = 1;
-  for (size_t i = 0; i < sg->ngran;) {
-    int m = !sg->vmm || sg->gran[i] == GRAN_MAPPED;
-    size_t j = i + 1;
-    while (j < sg->ngran && (!sg->vmm || sg->gran[j] == GRAN_MAPPED) == m) j++;
-    if (m) {
-      fprintf(f, "%s[%zu,%zu]", firstrun ? "" : ",", i, j - i);
-      firstrun = 0;
-    }
-    i = j;
-  }
-  fputs("],\"blocks\":[", f);
-  for (lblock *b = sg->first; b; b = b->next) {
-    fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",",
-            (unsigned long long)b->base, b->size, large_mapped_in(h, sg, b->base, b->size));
-    if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
-    else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
-    else
-      fprintf(f, "\"state\":\"pending\",\"stream\":%llu,\"seq\":%llu}", (unsigned long long)b->ticket->t.rec->id,
-              (unsigned long long)b->ticket->t.seq);
-  }
-  fputs("]}", f);
-}
-
-void large_snapshot(struct heap *h, FILE *out, int *first) {
-  large_cache *c = &h->large;
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *mem = open_memstream(&buf, &len);
-  if (mem == NULL) return;
-  /* Written to memory under the lock; to the caller's stream after. */
-  pthread_mutex_lock(&c->lock);
-  for (lseg *sg = c->segs; sg; sg = sg->next) {
-    if (!*first) fputc(',', mem);
-    *first = 0;
-    large_snapshot_seg(h, sg, mem);
-  }
-  pthread_mutex_unlock(&c->lock);
-  fclose(mem);
-  fwrite(buf, 1, len, out);
-  free(buf);
-}
