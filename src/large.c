@@ -444,11 +444,11 @@ static size_t large_free_whole_locked(struct heap *h) {
 
 /* Growing while free memory sits mapped in holes too small for the
  * request: give back as much of it as is about to be mapped, beyond a
- * small reserve kept for reuse (1/16 of the large bytes in use, at least
+ * small reserve kept for reuse (1/32 of the large bytes in use, at least
  * 32 MiB). Peak reserved memory then follows peak live memory instead of
  * the history of sizes, at the price of one unmap per granule remapped. */
 static size_t large_keep(struct heap *h) {
-  size_t keep = atomic_load_relaxed(&h->large.in_use_bytes) / 16;
+  size_t keep = atomic_load_relaxed(&h->large.in_use_bytes) / 32;
   return keep < 32 * ((size_t)1 << 20) ? 32 * ((size_t)1 << 20) : keep;
 }
 
