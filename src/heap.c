@@ -62,6 +62,7 @@ static heap *heap_create(int device) {
   if (cfg->limit_percent) h->region.limit = (size_t)((unsigned __int128)total * cfg->limit_percent / 100);
   else if (cfg->limit) h->region.limit = cfg->limit;
   h->release_threshold = cfg->release_threshold;
+  h->reuse_wait = cfg->reuse_wait;
   epoch_table_init(&h->epochs, device, ops);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_init(&h->depots[c]);
   stack_init(&h->limbo);

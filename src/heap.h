@@ -45,6 +45,7 @@ typedef struct heap {
   const backend_ops *ops;
   size_t total_mem;
   size_t release_threshold; /* set once at creation */
+  int reuse_wait;           /* magpie_config.reuse_wait; set once */
   region region;
   epoch_table epochs;
   depot depots[SIZECLASS_COUNT];

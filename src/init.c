@@ -35,6 +35,7 @@ MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   cfg->backend = MAGPIE_BACKEND_AUTO;
   cfg->magazine_bytes = (size_t)1 << 20;
   cfg->release_threshold = SIZE_MAX;
+  cfg->reuse_wait = 1;
 }
 
 static int init_pick_backend(int kind, const backend_ops **out) {

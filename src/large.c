@@ -42,11 +42,6 @@ static void lticket_release_all(lticket *lt) {
   }
 }
 
-/* Complete by a comparison (no driver call)? */
-static int lticket_done(const lticket *lt) {
-  return lt == NULL || atomic_load_acquire(&lt->t.rec->done) >= lt->t.seq;
-}
-
 static int lblock_ready_for(const lblock *b, uint64_t stream_id) {
   return b->ticket == NULL || b->ticket->t.rec->id == stream_id || lticket_done(b->ticket);
 }
@@ -126,21 +121,6 @@ static size_t large_unmapped_in(struct heap *h, const lseg *sg, uintptr_t a, siz
   for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++)
     if (sg->gran[i] != GRAN_MAPPED) cost += g;
   return cost;
-}
-
-/* Mapped bytes of a free block's range (granules shared with a neighbour
- * count for the part inside the block). */
-static size_t large_mapped_in(struct heap *h, const lseg *sg, uintptr_t a, size_t n) {
-  if (!sg->vmm) return n;
-  size_t g = large_gran(h);
-  size_t sum = 0;
-  for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++) {
-    if (sg->gran[i] != GRAN_MAPPED) continue;
-    uintptr_t gs = sg->base + i * g, ge = gs + g;
-    uintptr_t s = gs > a ? gs : a, e = ge < a + n ? ge : a + n;
-    sum += e - s;
-  }
-  return sum;
 }
 
 /* ---- merging ---- */
@@ -242,9 +222,10 @@ static int large_seg_new(struct heap *h, size_t need, lseg **out) {
   slab *d = slab_desc_get();
   if (sg == NULL || b == NULL || d == NULL) goto fail_host;
   if (h->region.vmm) {
-    /* Virtual space is cheap: claim room to grow into (the device's size),
-     * so later blocks find free space next to earlier ones. */
-    size_t roomy = region_round(&h->region, h->total_mem);
+    /* Virtual space is cheap: claim room to grow into (the device's size,
+     * at most an eighth of the reserved range, which slabs share), so later
+     * blocks find free space next to earlier ones. */
+    size_t roomy = region_round(&h->region, h->total_mem < h->region.size / 8 ? h->total_mem : h->region.size / 8);
     uintptr_t a = size < roomy ? region_claim_va(&h->region, roomy) : 0;
     if (a != 0) size = roomy;
     else a = region_claim_va(&h->region, size);
@@ -304,6 +285,8 @@ static void large_seg_link(struct heap *h, lseg *sg) {
 }
 
 /* ---- carving ---- */
+
+static size_t large_release_locked(struct heap *h, size_t want);
 
 typedef struct large_pick {
   lblock *b;
@@ -415,8 +398,65 @@ static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
   return MAGPIE_OK;
 }
 
-/* Pending candidates whose events are worth one query outside the lock. */
-#define LARGE_QUERY_MAX 8
+/* Streams whose free blocks are queried in one round (one query per
+ * stream: its latest ticket vouches for all earlier ones). */
+#define LARGE_QUERY_MAX 64
+
+/* Query, outside the lock, the latest pending ticket of each stream with
+ * free blocks waiting on it, then merge what completed (lock held on entry
+ * and exit). Returns how many tickets were queried. */
+static int large_query_pending_locked(struct heap *h, lticket **deferred) {
+  large_cache *c = &h->large;
+  lticket *q[LARGE_QUERY_MAX];
+  int nq = 0;
+  for (lblock *b = c->free; b; b = b->fnext) {
+    lticket *lt = b->ticket;
+    if (lt == NULL || lticket_done(lt)) continue; /* own stream too: merging needs it */
+    int i = 0;
+    while (i < nq && q[i]->t.rec != lt->t.rec) i++;
+    if (i < nq) {
+      if (lt->t.seq > q[i]->t.seq) q[i] = lt;
+    } else if (nq < LARGE_QUERY_MAX) {
+      q[nq++] = lt;
+    }
+  }
+  if (nq == 0) return 0;
+  for (int i = 0; i < nq; i++) lticket_ref(q[i]);
+  pthread_mutex_unlock(&c->lock);
+  for (int i = 0; i < nq; i++) epoch_ready(&q[i]->t, EPOCH_NO_STREAM);
+  pthread_mutex_lock(&c->lock);
+  for (int i = 0; i < nq; i++) lticket_unref(q[i], deferred);
+  large_settle_locked(c, deferred);
+  return nq;
+}
+
+/* Mapped bytes in whole granules of free ready blocks (unmappable now). */
+static size_t large_free_whole_locked(struct heap *h) {
+  size_t g = large_gran(h), sum = 0;
+  for (lblock *b = h->large.free; b; b = b->fnext) {
+    lseg *sg = b->seg;
+    if (!sg->vmm || b->ticket != NULL || b->size < g) continue;
+    for (size_t i = (b->base - sg->base + g - 1) / g, end = (b->base + b->size - sg->base) / g; i < end; i++)
+      if (sg->gran[i] == GRAN_MAPPED) sum += g;
+  }
+  return sum;
+}
+
+/* Growing while free memory sits mapped in holes too small for the
+ * request: give back as much of it as is about to be mapped, beyond a
+ * small reserve kept for reuse (1/32 of the large bytes in use, at least
+ * 32 MiB). Peak reserved memory then follows peak live memory instead of
+ * the history of sizes, at the price of one unmap per granule remapped. */
+static size_t large_keep(struct heap *h) {
+  size_t keep = atomic_load_relaxed(&h->large.in_use_bytes) / 32;
+  return keep < 32 * ((size_t)1 << 20) ? 32 * ((size_t)1 << 20) : keep;
+}
+
+static void large_shrink_before_grow(struct heap *h, size_t growing) {
+  size_t keep = large_keep(h);
+  size_t avail = large_free_whole_locked(h);
+  if (avail > keep) large_release_locked(h, avail - keep < growing ? avail - keep : growing);
+}
 
 int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
                 size_t *bsize) {
@@ -425,41 +465,35 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
   size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
   lticket *deferred = NULL;
   int rc = MAGPIE_ERR_OUT_OF_MEMORY;
-  int queried = 0, grown = 0;
+  int queried = 0;
   pthread_mutex_lock(&c->lock);
-  for (int round = 0; round < 16; round++) {
+  for (int round = 0; round < 64; round++) {
     large_pick best = {0}, wait = {0};
-    lticket *query[LARGE_QUERY_MAX];
-    int nq = 0;
     for (lblock *b = c->free; b; b = b->fnext) {
       if (b->size < need) continue;
       if (lblock_ready_for(b, stream_id)) {
         large_consider(h, b, need, &best);
-        continue;
-      }
-      large_consider(h, b, need, &wait);
-      if (nq < LARGE_QUERY_MAX) {
-        int dup = 0;
-        for (int i = 0; i < nq; i++) dup |= query[i] == b->ticket;
-        if (!dup) query[nq++] = b->ticket;
+      } else {
+        large_consider(h, b, need, &wait);
       }
     }
     /* Best of all: ready and already mapped. */
     if (best.b != NULL && best.cost == 0) goto carve_best;
-    /* Blocks waiting on other streams may have completed: one round of
-     * queries (outside the lock) before mapping more memory. */
-    if (nq > 0 && !queried) {
+    /* Blocks waiting on other streams may have completed (and merged into
+     * larger ones): one round of queries before mapping more memory. */
+    if (!queried) {
       queried = 1;
-      for (int i = 0; i < nq; i++) lticket_ref(query[i]);
-      pthread_mutex_unlock(&c->lock);
-      for (int i = 0; i < nq; i++) epoch_ready(&query[i]->t, stream_id);
-      pthread_mutex_lock(&c->lock);
-      for (int i = 0; i < nq; i++) lticket_unref(query[i], &deferred);
-      large_settle_locked(c, &deferred);
-      continue;
+      if (large_query_pending_locked(h, &deferred) > 0) continue;
     }
-    if (best.b != NULL && !((flags & LARGE_MAY_WAIT_EVENT) && wait.b != NULL && wait.cost == 0)) goto carve_best;
-    if ((flags & LARGE_MAY_WAIT_EVENT) && wait.b != NULL && wait.cost == 0) {
+    /* Reuse another stream's block through a stream wait rather than map
+     * more when mapping failed, or when what the large layer holds beyond
+     * its use already passes its reserve (as cudaMallocAsync's pools do
+     * with internal dependencies allowed). */
+    size_t held = atomic_load_relaxed(&c->mapped_bytes), used = atomic_load_relaxed(&c->in_use_bytes);
+    int soft = h->reuse_wait && held > used && held - used > large_keep(h);
+    int use_wait = ((flags & LARGE_MAY_WAIT_EVENT) || soft) && wait.b != NULL && wait.cost == 0;
+    if (best.b != NULL && !use_wait) goto carve_best;
+    if (use_wait) {
       /* Pressure (mapping just failed): order this stream after the free
        * instead of mapping. */
       lblock *u = large_carve(c, wait.b, need, wait.at_end);
@@ -481,14 +515,24 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
       goto done;
     }
     /* Nothing free is large enough (or ready): a new segment. */
-    if (grown++ > 2) break;
+    if (c->growing) {
+      /* Another thread is adding a segment: use it rather than add one. */
+      while (c->growing) pthread_cond_wait(&c->granule_cv, &c->lock);
+      continue;
+    }
+    c->growing = 1;
     pthread_mutex_unlock(&c->lock);
     lseg *sg = NULL;
     rc = large_seg_new(h, need, &sg);
     pthread_mutex_lock(&c->lock);
+    c->growing = 0;
+    pthread_cond_broadcast(&c->granule_cv);
     if (rc != MAGPIE_OK) break;
     large_seg_link(h, sg);
-    continue;
+    /* Carve from the new segment at once: under contention, others would
+     * take it and this call would grow again. */
+    best = (large_pick){.b = sg->first, .at_end = 0, .cost = large_unmapped_in(h, sg, sg->base, need)};
+    goto carve_best;
 
   carve_best: {
     lblock *u = large_carve(c, best.b, need, best.at_end);
@@ -497,6 +541,7 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
       rc = MAGPIE_ERR_OUT_OF_MEMORY;
       break;
     }
+    if (best.cost > 0) large_shrink_before_grow(h, best.cost);
     rc = large_map_under(h, u);
     if (rc == MAGPIE_OK) rc = large_hand_out(c, u, &deferred);
     if (rc != MAGPIE_OK) {
@@ -554,23 +599,11 @@ int large_free(struct heap *h, uintptr_t p, const epoch_ticket *t, size_t *bsize
 
 size_t large_reclaim(struct heap *h) {
   large_cache *c = &h->large;
-  lticket *deferred = NULL, *query[64];
-  int nq = 0;
+  lticket *deferred = NULL;
   pthread_mutex_lock(&c->lock);
-  for (lblock *b = c->free; b && nq < 64; b = b->fnext) {
-    if (b->ticket == NULL || lticket_done(b->ticket)) continue;
-    int dup = 0;
-    for (int i = 0; i < nq; i++) dup |= query[i] == b->ticket;
-    if (!dup) {
-      lticket_ref(b->ticket);
-      query[nq++] = b->ticket;
-    }
-  }
-  pthread_mutex_unlock(&c->lock);
-  for (int i = 0; i < nq; i++) epoch_ready(&query[i]->t, EPOCH_NO_STREAM);
-  pthread_mutex_lock(&c->lock);
-  for (int i = 0; i < nq; i++) lticket_unref(query[i], &deferred);
   size_t ready = large_settle_locked(c, &deferred);
+  large_query_pending_locked(h, &deferred);
+  ready += large_settle_locked(c, &deferred);
   pthread_mutex_unlock(&c->lock);
   lticket_release_all(deferred);
   return ready;
@@ -634,13 +667,11 @@ static lseg *large_find_idle_seg(large_cache *c) {
   return NULL;
 }
 
-size_t large_release(struct heap *h, size_t want) {
+/* Unmap up to want bytes (lock held; dropped around driver calls). */
+static size_t large_release_locked(struct heap *h, size_t want) {
   large_cache *c = &h->large;
   size_t g = large_gran(h);
   size_t released = 0;
-  lticket *deferred = NULL;
-  pthread_mutex_lock(&c->lock);
-  large_settle_locked(c, &deferred);
   while (released < want) {
     lseg *sg = NULL;
     size_t g0 = 0, g1 = 0;
@@ -673,69 +704,17 @@ size_t large_release(struct heap *h, size_t want) {
     meta_free(sg->first);
     large_seg_destroy(sg);
   }
+  return released;
+}
+
+size_t large_release(struct heap *h, size_t want) {
+  large_cache *c = &h->large;
+  lticket *deferred = NULL;
+  pthread_mutex_lock(&c->lock);
+  large_settle_locked(c, &deferred);
+  size_t released = large_release_locked(h, want);
   pthread_mutex_unlock(&c->lock);
   lticket_release_all(deferred);
   return released;
 }
 
-void large_account_get(struct heap *h, large_account *out) {
-  large_cache *c = &h->large;
-  memset(out, 0, sizeof *out);
-  pthread_mutex_lock(&c->lock);
-  for (lblock *b = c->free; b; b = b->fnext) {
-    size_t m = large_mapped_in(h, b->seg, b->base, b->size);
-    if (b->ticket == NULL || lticket_done(b->ticket)) out->free_ready += m;
-    else out->free_pending += m;
-  }
-  for (lseg *sg = c->segs; sg; sg = sg->next)
-    if (!sg->vmm) out->overhead += sg->raw_size - sg->size;
-  pthread_mutex_unlock(&c->lock);
-}
-
-static void large_snapshot_seg(struct heap *h, lseg *sg, FILE *f) {
-  size_t g = large_gran(h);
-  fprintf(f, "{\"kind\":\"large_segment\",\"base\":%llu,\"size\":%zu,\"vmm\":%d,\"granule\":%zu,\"mapped\":[",
-          (unsigned long long)sg->base, sg->size, sg->vmm, g);
-  /* Mapped granules as [first, count] runs. */
-  int firstrun = 1;
-  for (size_t i = 0; i < sg->ngran;) {
-    int m = !sg->vmm || sg->gran[i] == GRAN_MAPPED;
-    size_t j = i + 1;
-    while (j < sg->ngran && (!sg->vmm || sg->gran[j] == GRAN_MAPPED) == m) j++;
-    if (m) {
-      fprintf(f, "%s[%zu,%zu]", firstrun ? "" : ",", i, j - i);
-      firstrun = 0;
-    }
-    i = j;
-  }
-  fputs("],\"blocks\":[", f);
-  for (lblock *b = sg->first; b; b = b->next) {
-    fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",",
-            (unsigned long long)b->base, b->size, large_mapped_in(h, sg, b->base, b->size));
-    if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
-    else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
-    else
-      fprintf(f, "\"state\":\"pending\",\"stream\":%llu,\"seq\":%llu}", (unsigned long long)b->ticket->t.rec->id,
-              (unsigned long long)b->ticket->t.seq);
-  }
-  fputs("]}", f);
-}
-
-void large_snapshot(struct heap *h, FILE *out, int *first) {
-  large_cache *c = &h->large;
-  char *buf = NULL;
-  size_t len = 0;
-  FILE *mem = open_memstream(&buf, &len);
-  if (mem == NULL) return;
-  /* Written to memory under the lock; to the caller's stream after. */
-  pthread_mutex_lock(&c->lock);
-  for (lseg *sg = c->segs; sg; sg = sg->next) {
-    if (!*first) fputc(',', mem);
-    *first = 0;
-    large_snapshot_seg(h, sg, mem);
-  }
-  pthread_mutex_unlock(&c->lock);
-  fclose(mem);
-  fwrite(buf, 1, len, out);
-  free(buf);
-}

@@ -32,6 +32,7 @@
 
 #include "atomic.h"
 #include "backend.h"
+#include "epoch.h"
 #include "magazine.h"
 
 struct heap;
@@ -93,6 +94,7 @@ typedef struct large_cache {
   lblock *free;            /* under lock */
   lblock **hash;           /* under lock */
   size_t hash_cap, hash_count;
+  int growing;             /* a thread is adding a segment; under lock */
   /* Statistics: written under the lock (relaxed), read without it. */
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
@@ -100,6 +102,27 @@ typedef struct large_cache {
   _Atomic uint64_t stream_waits;
   _Atomic uint64_t bytes_unmapped;
 } large_cache;
+
+/* Helpers shared by large.c and large_view.c (lock held by the caller). */
+
+/* Complete by a comparison (no driver call)? */
+static inline int lticket_done(const lticket *lt) {
+  return lt == NULL || atomic_load_acquire(&lt->t.rec->done) >= lt->t.seq;
+}
+
+/* Mapped bytes of [a, a+n) in segment sg with granule g (granules shared
+ * with a neighbour count for the part inside the range). */
+static inline size_t lseg_mapped_in(const lseg *sg, size_t g, uintptr_t a, size_t n) {
+  if (!sg->vmm) return n;
+  size_t sum = 0;
+  for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++) {
+    if (sg->gran[i] != GRAN_MAPPED) continue;
+    uintptr_t gs = sg->base + i * g, ge = gs + g;
+    uintptr_t s = gs > a ? gs : a, e = ge < a + n ? ge : a + n;
+    sum += e - s;
+  }
+  return sum;
+}
 
 /* Flags of large_alloc. */
 #define LARGE_MAY_WAIT_EVENT 1 /* pressure: reuse another stream's block via stream_wait_event */

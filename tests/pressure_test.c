@@ -50,7 +50,6 @@ static void *worker_main(void *arg) {
   struct worker *w = arg;
   cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
   static __thread void *blocks[MAX_BLOCKS];
-  static __thread size_t sizes[MAX_BLOCKS];
   uint64_t seed = 0x1234567ull * (uint64_t)(w->id + 1);
   int n = 0;
   /* Fill: mixed small and large blocks until the device says no. */
@@ -66,8 +65,7 @@ static void *worker_main(void *arg) {
       break;
     }
     memset(p, w->id + 1, 64); /* the device is host memory here */
-    blocks[n] = p;
-    sizes[n++] = sz;
+    blocks[n++] = p;
     w->got_bytes += sz;
   }
   pthread_barrier_wait(&filled);

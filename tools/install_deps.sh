@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
 # bazel-bootstrap, used offline), cmocka, jemalloc, clang (for the
-# sanitizer builds). Safe to run repeatedly.
+# sanitizer builds), matplotlib (the snapshot picture). Safe to run repeatedly.
 set -euo pipefail
 need=()
 command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
@@ -9,6 +9,8 @@ command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
 [ -e /usr/include/jemalloc/jemalloc.h ] || need+=(libjemalloc-dev)
 command -v clang >/dev/null 2>&1 || need+=(clang)
 command -v gcc >/dev/null 2>&1 || need+=(build-essential)
+# tools/snapshot_png.py and its test draw with Debian's matplotlib.
+/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need+=(python3-matplotlib)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO=sudo
