@@ -56,15 +56,15 @@ static int comes_back(void *p, size_t size, cudaStream_t s) {
 }
 
 /* Opens the gate and waits (in the test, not the library) until the gated
- * stream and the freeing stream drained, so that the events sealed at the
- * free have completed when the test expects the block back: the simulator
- * completes even an idle stream's event on its worker thread, a little
- * later. */
-static void gate_open_and_sync(struct gated *g, cudaStream_t s, cudaStream_t freeing) {
+ * stream and the block's other stream (freeing or recorded) drained, so
+ * that the events sealed at the free have completed when the test expects
+ * the block back: the simulator completes even an idle stream's event on
+ * its worker thread, a little later. */
+static void gate_open_and_sync(struct gated *g, cudaStream_t s, cudaStream_t other) {
   sem_post(&g->gate);
   assert_int_equal(sem_wait_ms(&g->finished, WAIT_MS), 0);
   assert_int_equal(magpie_sim_stream_synchronize(s), MAGPIE_OK);
-  assert_int_equal(magpie_sim_stream_synchronize(freeing), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_synchronize(other), MAGPIE_OK);
   assert_true(g->opened);
 }
 
@@ -146,7 +146,7 @@ static void test_recorded_waits_for_freeing_stream(void **state) {
   alloc_none_is(v, ROUNDS, SMALL, a, p);
   free_all(v, ROUNDS, a);
   assert_false(g.done);
-  gate_open_and_sync(&g, a, a);
+  gate_open_and_sync(&g, a, b); /* B (recorded, idle) too */
   assert_true(comes_back(p, SMALL, c));
   gated_fini(&g);
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
