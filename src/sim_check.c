@@ -485,9 +485,10 @@ void sim_check_free(void *ptr, cudaStream_t h) {
   struct sim_check_live *l = sim_check_live_slot(p, 0);
   struct sim_check_stream *c = sim_check_stream_of(s);
   if (l != NULL && c != NULL) {
+    /* The entry stays: if this free fails (the block stays allocated), a
+     * later free records again. The next hand-out of p replaces it. */
     size_t size = l->size;
     uint64_t n = sim_vc_get(c->vc, c->id);
-    l->p = 1; /* deleted */
     for (uintptr_t a = p; a < p + size;) {
       uintptr_t key = (a >> SIM_CHECK_CHUNK_SHIFT) + 1;
       uintptr_t end = ((a >> SIM_CHECK_CHUNK_SHIFT) + 1) << SIM_CHECK_CHUNK_SHIFT;
