@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "atomic.h"
 #include "error.h"
 #include "sim_internal.h"
 
@@ -314,7 +315,7 @@ void sim_check_stream_retire(struct sim_stream *s) {
 
 /* ---------------------------------------------------------------- block records */
 
-static size_t sim_check_hash(uintptr_t k) {
+MAGPIE_WRAPS static size_t sim_check_hash(uintptr_t k) {
   uint64_t x = (uint64_t)k * 0x9E3779B97F4A7C15ull;
   return (size_t)(x >> 17);
 }

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
-# bazel-bootstrap, used offline), cmocka, jemalloc, clang (for the
-# sanitizer builds). Safe to run repeatedly.
+# bazel-bootstrap, used offline), cmocka, jemalloc, clang with its runtime
+# libraries (sanitizer builds, libFuzzer) and Relacy (model checking). Safe
+# to run repeatedly.
 set -euo pipefail
 need=()
 command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
 [ -e /usr/include/cmocka.h ] || need+=(libcmocka-dev)
 [ -e /usr/include/jemalloc/jemalloc.h ] || need+=(libjemalloc-dev)
 command -v clang >/dev/null 2>&1 || need+=(clang)
+compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null ||
+  need+=(libclang-rt-14-dev)
+[ -e /usr/include/relacy/relacy.hpp ] || need+=(relacy-dev)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v gcc >/dev/null 2>&1 || need+=(build-essential)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
