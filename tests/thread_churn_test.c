@@ -102,13 +102,14 @@ static void test_thread_churn(void **state) {
   assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
   assert_int_equal(st.in_use_bytes, 0);
   accounted(&reserved_end);
-  /* What grew after the first 200 threads is the blocks left to the main
-   * thread (now cached) and some slack for magazines waiting in limbo for
-   * the device to drain; leaking the caches of 1800 exited threads would
-   * add over a gigabyte. */
+  /* Reserved is the blocks left to the main thread (now cached) plus the
+   * working set of the waves, whose size depends on how quickly magazines
+   * in limbo come back (timing: 0.3-0.4 GB seen, sanitizers included);
+   * leaking the caches of the exited threads (about 20 blocks of ~30 KB
+   * each, times 2000) would add over a gigabyte more. */
   print_message("reserved after 200 threads %zu, after %d threads %zu (left blocks %zu bytes), limbo %llu\n",
                 reserved_early, THREADS, reserved_end, left_bytes, (unsigned long long)st.limbo_magazines);
-  assert_true(reserved_end <= reserved_early + left_bytes + ((size_t)128 << 20));
+  assert_true(reserved_end <= left_bytes + ((size_t)512 << 20));
   assert_int_equal(magpie_sim_check_violations(), 0);
   assert_true(magpie_sim_check_handouts() >= (uint64_t)THREADS * PER_THREAD);
 }
