@@ -52,6 +52,16 @@
 #define SIM_CHECK_TSAN 1
 #endif
 #endif
+#if defined(__SANITIZE_ADDRESS__)
+#define SIM_CHECK_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SIM_CHECK_ASAN 1
+#endif
+#endif
+#ifdef SIM_CHECK_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
 #ifdef SIM_CHECK_TSAN
 void AnnotateIgnoreSyncBegin(const char *file, int line);
 void AnnotateIgnoreSyncEnd(const char *file, int line);
@@ -425,6 +435,46 @@ static struct sim_check_live *sim_check_live_slot(uintptr_t p, int create) {
   return &sim_check_live_tab[h];
 }
 
+/* ---------------------------------------------------------------- ASan poisoning */
+
+/* Under AddressSanitizer, free blocks are poisoned so that stream work
+ * touching a cached block is reported. Frees are stream-ordered, so the
+ * poisoning is too: a closure on the freeing stream poisons the block after
+ * the work enqueued before the free, and one on the receiving stream
+ * unpoisons it before the work enqueued after the hand-out. A correct reuse
+ * orders the first before the second (the allocator's event for the block
+ * is recorded after the free); a premature one lets work run on poisoned
+ * memory. No-ops in other builds. */
+#ifdef SIM_CHECK_ASAN
+struct sim_check_poison {
+  uintptr_t p;
+  size_t n;
+  int poison;
+};
+
+static void sim_check_poison_run(void *arg) {
+  struct sim_check_poison *x = arg;
+  if (x->poison) ASAN_POISON_MEMORY_REGION((void *)x->p, x->n);
+  else ASAN_UNPOISON_MEMORY_REGION((void *)x->p, x->n);
+  free(x);
+}
+#endif
+
+/* Lock not held (the launch ticks the stream's clock). */
+static void sim_check_poison(cudaStream_t h, uintptr_t p, size_t n, int poison) {
+#ifdef SIM_CHECK_ASAN
+  struct sim_check_poison *x = malloc(sizeof *x);
+  if (x == NULL) return;
+  *x = (struct sim_check_poison){p, n, poison};
+  if (sim_stream_launch(h, sim_check_poison_run, x) != MAGPIE_OK) free(x);
+#else
+  (void)h;
+  (void)p;
+  (void)n;
+  (void)poison;
+#endif
+}
+
 /* ---------------------------------------------------------------- allocator hooks */
 
 static void sim_check_violation(uintptr_t p, size_t size, const struct sim_check_rec *r,
@@ -476,6 +526,7 @@ void sim_check_handout(void *ptr, size_t size, cudaStream_t h) {
     }
   }
   sim_check_lock_drop();
+  sim_check_poison(h, p, size, 0);
 }
 
 void sim_check_free(void *ptr, cudaStream_t h) {
@@ -485,11 +536,13 @@ void sim_check_free(void *ptr, cudaStream_t h) {
   sim_check_lock_take();
   struct sim_check_live *l = sim_check_live_slot(p, 0);
   struct sim_check_stream *c = sim_check_stream_of(s);
+  size_t poison = 0;
   if (l != NULL && c != NULL) {
     /* The entry stays: if this free fails (the block stays allocated), a
      * later free records again. The next hand-out of p replaces it. */
     size_t size = l->size;
     uint64_t n = sim_vc_get(c->vc, c->id);
+    poison = size;
     for (uintptr_t a = p; a < p + size;) {
       uintptr_t key = (a >> SIM_CHECK_CHUNK_SHIFT) + 1;
       uintptr_t end = ((a >> SIM_CHECK_CHUNK_SHIFT) + 1) << SIM_CHECK_CHUNK_SHIFT;
@@ -502,6 +555,7 @@ void sim_check_free(void *ptr, cudaStream_t h) {
     sim_check_oom();
   }
   sim_check_lock_drop();
+  if (poison) sim_check_poison(h, p, poison, 1);
 }
 
 /* ---------------------------------------------------------------- public API */

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -243,6 +244,54 @@ static void test_config_errors(void **state) {
   assert_int_equal(spawn_with("check=1", "quantum", "quantum"), MAGPIE_ERR_CONFIG);
 }
 
+/* A use of a freed (cached) block by stream work: under AddressSanitizer
+ * the simulated device poisons cached blocks, so the write is reported. */
+#if defined(__SANITIZE_ADDRESS__)
+#define ASAN_BUILD 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ASAN_BUILD 1
+#endif
+#endif
+
+static void write_block(void *p) { *(volatile uint64_t *)p = 42; }
+
+static int child_use_after_free(void) {
+  uint64_t *p = magpie_malloc_async(4096, s);
+  if (p == NULL || magpie_free_async(p, s) != MAGPIE_OK) return 2;
+  magpie_sim_launch(s, write_block, p); /* the bug */
+  magpie_sim_stream_synchronize(s);
+  return 0;
+}
+
+static void test_cached_block_poisoned(void **state) {
+  (void)state;
+#ifndef ASAN_BUILD
+  skip(); /* poisoning exists in AddressSanitizer builds only */
+#else
+  char out[512];
+  const char *tmp = getenv("TEST_TMPDIR");
+  snprintf(out, sizeof out, "%s/uaf.log", tmp ? tmp : "/tmp");
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 2, out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  char *argv[] = {(char *)self, "--uaf-child", NULL};
+  pid_t pid;
+  assert_int_equal(posix_spawn(&pid, self, &fa, NULL, argv, environ), 0);
+  posix_spawn_file_actions_destroy(&fa);
+  int status;
+  assert_int_equal(waitpid(pid, &status, 0), pid);
+  assert_false(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  FILE *f = fopen(out, "r");
+  assert_non_null(f);
+  static char text[1 << 16];
+  size_t n = fread(text, 1, sizeof text - 1, f);
+  fclose(f);
+  text[n] = 0;
+  assert_non_null(strstr(text, "use-after-poison"));
+#endif
+}
+
 int main(int argc, char **argv) {
   self = argv[0];
   if (argc > 1 && strcmp(argv[1], "--config-child") == 0) return child_config();
@@ -254,6 +303,7 @@ int main(int argc, char **argv) {
   if (magpie_init(&cfg) != MAGPIE_OK) return 1;
   s = magpie_sim_stream_create();
   if (s == NULL) return 1;
+  if (argc > 1 && strcmp(argv[1], "--uaf-child") == 0) return child_use_after_free();
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_free_foreign_pointer),
       cmocka_unit_test(test_free_interior_pointer),
@@ -270,6 +320,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_torch_negative_size),
       cmocka_unit_test(test_error_strings),
       cmocka_unit_test(test_config_errors),
+      cmocka_unit_test(test_cached_block_poisoned),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
