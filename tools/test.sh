@@ -28,6 +28,8 @@ count_logs() {
 
 for config in "" tsan asan; do
   echo "=== bazel test //... ${config:+--config=$config}"
+  p0=$passed
+  f0=$failed
   if [ -z "$config" ]; then
     bazel test //... "$@"
   else
@@ -42,6 +44,7 @@ for config in "" tsan asan; do
   else
     count_logs
   fi
+  echo "--- ${config:-plain}: $((passed - p0)) passed, $((failed - f0)) failed"
 done
 
 fuzz_seconds=${MAGPIE_FUZZ_SECONDS:-60}
