@@ -82,6 +82,11 @@ typedef struct magpie_config {
    * background (like cudaMemPoolAttrReleaseThreshold). SIZE_MAX: keep all. */
   size_t release_threshold;
   int check_streams;      /* 1: simulated device checks stream order of reuse */
+  /* 1 (default): a large block freed on another stream may be reused by
+   * making the allocating stream wait on the free's event once magpie's
+   * cache passes its reserve (cudaMallocAsync's internal dependencies);
+   * 0: only under memory pressure. */
+  int reuse_wait;
 } magpie_config;
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg);

@@ -3,6 +3,8 @@
  * simulated device's stream-order checker watches hand-outs and frees here,
  * behind one read-mostly flag (sim_check.h). */
 #include "error.h"
+#include "init.h"
+#include "large.h"
 #include "sim_check.h"
 #include "tcache.h"
 
@@ -32,7 +34,21 @@ MAGPIE_API size_t magpie_usable_size(const void *ptr) {
   slab *sl = pagemap_lookup((uintptr_t)ptr);
   uint32_t i = 0;
   if (sl == NULL || !slab_block_index(sl, (uintptr_t)ptr, &i)) return 0;
+  size_t bsize = 0;
+  if (sl->cls == SLAB_LARGE) return large_lookup(sl->heap, (uintptr_t)ptr, &bsize) ? bsize : 0;
   return sl->bsize;
+}
+
+MAGPIE_API int magpie_trim(int device, size_t keep_bytes) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  int n = 0;
+  if (global_ops()->device_count(&n) != MAGPIE_OK || device < 0 || device >= n)
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_trim: no device %d (the backend has %d)", device, n);
+  heap *h = heap_peek(device);
+  if (h == NULL) return MAGPIE_OK; /* nothing allocated there */
+  tcache_flush_self(h);
+  return heap_trim(h, keep_bytes);
 }
 
 MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream) {

@@ -14,10 +14,21 @@ void depot_init(depot *d) {
   atomic_store_relaxed(&d->scanners, 0);
 }
 
+size_t depot_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
+
 void depot_put(struct heap *h, magazine *m) {
   depot *d = &h->depots[m->cls];
   atomic_add_relaxed(&h->stat_exchanges, 1);
+  atomic_add_relaxed(m->ticket.rec ? &h->stat_depot_pending : &h->stat_depot_ready,
+                     (int64_t)depot_magazine_bytes(m));
   stack_push(m->ticket.rec ? &d->pending : &d->full, &magazine_registry, &m->link);
+}
+
+/* A pending magazine becomes ready (its ticket is released). */
+static void depot_pending_to_ready(struct heap *h, magazine *m) {
+  int64_t b = (int64_t)depot_magazine_bytes(m);
+  atomic_sub_relaxed(&h->stat_depot_pending, b);
+  atomic_add_relaxed(&h->stat_depot_ready, b);
 }
 
 /* Within one scan, per stream: the lowest seq seen pending. Events on a
@@ -68,7 +79,9 @@ static magazine *depot_scan_pending(struct heap *h, depot *d, uint64_t stream_id
       atomic_add_relaxed(&h->stat_migrations, 1);
       if (taken == NULL) {
         taken = m;
+        atomic_sub_relaxed(&h->stat_depot_pending, (int64_t)depot_magazine_bytes(m));
       } else {
+        depot_pending_to_ready(h, m);
         stack_push(&d->full, &magazine_registry, &m->link);
       }
       continue;
@@ -76,6 +89,7 @@ static magazine *depot_scan_pending(struct heap *h, depot *d, uint64_t stream_id
     if (st == EPOCH_READY_SAME && taken == NULL) {
       epoch_ticket_release(&m->ticket);
       taken = m;
+      atomic_sub_relaxed(&h->stat_depot_pending, (int64_t)depot_magazine_bytes(m));
       atomic_add_relaxed(&h->stat_same_stream, 1);
       continue;
     }
@@ -96,6 +110,7 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {
     magazine *m = (magazine *)stack_pop(&d->full, &magazine_registry);
     if (m != NULL) {
       atomic_add_relaxed(&h->stat_exchanges, 1);
+      atomic_sub_relaxed(&h->stat_depot_ready, (int64_t)depot_magazine_bytes(m));
       return m;
     }
     if (stack_count(&d->pending) > 0) {
@@ -124,9 +139,34 @@ int depot_wait_pending(struct heap *h, unsigned cls) {
     magazine *m = (magazine *)n;
     if (epoch_wait(&m->ticket) == MAGPIE_OK) {
       epoch_ticket_release(&m->ticket);
+      depot_pending_to_ready(h, m);
       stack_push(&d->full, &magazine_registry, &m->link);
       moved++;
     } else {
+      stack_push(&d->pending, &magazine_registry, &m->link);
+    }
+  }
+  return moved;
+}
+
+int depot_reclaim(struct heap *h, unsigned cls) {
+  depot *d = &h->depots[cls];
+  if (stack_count(&d->pending) == 0) return 0;
+  registry_link *chain = stack_take_all(&d->pending, &magazine_registry);
+  depot_memo memo = {.n = 0};
+  int moved = 0;
+  for (registry_link *n = chain, *next; n; n = next) {
+    next = stack_next(&magazine_registry, n);
+    magazine *m = (magazine *)n;
+    if (!depot_memo_known_pending(&memo, &m->ticket) &&
+        epoch_ready(&m->ticket, EPOCH_NO_STREAM) == EPOCH_READY_DONE) {
+      epoch_ticket_release(&m->ticket);
+      depot_pending_to_ready(h, m);
+      atomic_add_relaxed(&h->stat_migrations, 1);
+      stack_push(&d->full, &magazine_registry, &m->link);
+      moved++;
+    } else {
+      depot_memo_note_pending(&memo, &m->ticket);
       stack_push(&d->pending, &magazine_registry, &m->link);
     }
   }

@@ -36,5 +36,10 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id);
 /* Pressure: wait for every pending magazine of class cls (blocking on their
  * events) and move them to full. Returns how many moved. */
 int depot_wait_pending(struct heap *h, unsigned cls);
+/* Pressure: move the pending magazines of class cls whose epochs completed
+ * to full (queries, no waiting). Returns how many moved. */
+int depot_reclaim(struct heap *h, unsigned cls);
+/* Bytes of the blocks in a magazine. */
+size_t depot_magazine_bytes(const magazine *m);
 
 #endif /* MAGPIE_DEPOT_H */

@@ -1,14 +1,17 @@
 /* Per-device heaps, the refill ladder and the limbo reaper.
  *
  * Lock order: heap_create_lock -> (region/epoch init, no other magpie
- * lock). reaper_lock is a leaf. Neither is held across a device
+ * lock). reaper_lock, slab_lock are leaves. None is held across a device
  * synchronisation. */
 #include "heap.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <string.h>
+#include <time.h>
 
 #include "error.h"
+#include "init.h"
 #include "meta.h"
 
 static const backend_ops *heap_ops;
@@ -16,6 +19,8 @@ static pthread_mutex_t heap_create_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Heaps by device. Written once (release) under heap_create_lock after the
  * heap is fully built; read with acquire. */
 static _Atomic(heap *) heaps[HEAP_MAX_DEVICES];
+
+static void heap_wake_maintenance(void);
 
 void heap_module_init(const backend_ops *ops) { heap_ops = ops; }
 
@@ -52,10 +57,18 @@ static heap *heap_create(int device) {
     meta_free(h);
     return NULL;
   }
+  const magpie_config *cfg = global_config();
+  if (cfg->limit_percent) h->region.limit = (size_t)((unsigned __int128)total * cfg->limit_percent / 100);
+  else if (cfg->limit) h->region.limit = cfg->limit;
+  h->release_threshold = cfg->release_threshold;
+  h->reuse_wait = cfg->reuse_wait;
   epoch_table_init(&h->epochs, device, ops);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_init(&h->depots[c]);
   stack_init(&h->limbo);
   large_init(&h->large);
+  pthread_mutex_init(&h->slab_lock, NULL);
+  pthread_mutex_init(&h->reclaim_lock, NULL);
+  if (h->release_threshold != SIZE_MAX) heap_wake_maintenance(); /* starts its timer */
   return h;
 }
 
@@ -86,14 +99,77 @@ void heap_unmap(heap *h, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_
   region_unmap(&h->region, addr, size, raw, raw_size);
 }
 
+int heap_map_at(heap *h, uintptr_t addr, size_t size) {
+  int rc = region_map_at(&h->region, addr, size);
+  if (rc == MAGPIE_OK) atomic_max_size_relaxed(&h->stat_peak_reserved, atomic_load_relaxed(&h->region.mapped));
+  return rc;
+}
+
+int heap_unmap_at(heap *h, uintptr_t addr, size_t size) { return region_unmap_at(&h->region, addr, size); }
+
 void heap_slab_added(heap *h, slab *s) {
-  (void)s;
+  pthread_mutex_lock(&h->slab_lock);
+  s->lprev = NULL;
+  s->lnext = h->slabs;
+  if (h->slabs) h->slabs->lprev = s;
+  h->slabs = s;
+  pthread_mutex_unlock(&h->slab_lock);
   atomic_add_relaxed(&h->stat_slabs, 1);
 }
 
 void heap_publish_in_use(heap *h, int64_t delta) {
   int64_t now = atomic_add_relaxed(&h->stat_in_use_published, delta) + delta;
   if (now > 0) atomic_max_size_relaxed(&h->stat_peak_in_use, (size_t)now);
+}
+
+static heap_threads_reclaim_fn heap_threads_reclaim;
+static void heap_reap_wait(heap *h);
+
+void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { heap_threads_reclaim = fn; }
+
+size_t heap_cached_bytes(heap *h) {
+  size_t reserved = atomic_load_relaxed(&h->region.mapped);
+  int64_t used = atomic_load_relaxed(&h->stat_in_use_published);
+  return used > 0 && (size_t)used < reserved ? reserved - (size_t)used : (used > 0 ? 0 : reserved);
+}
+
+void heap_note_cached(heap *h) {
+  if (h->release_threshold != SIZE_MAX && heap_cached_bytes(h) > h->release_threshold) heap_wake_maintenance();
+}
+
+int heap_relieve(heap *h, enum heap_step step) {
+  atomic_add_relaxed(&h->stat_ladder[step], 1);
+  size_t got = 0;
+  switch (step) {
+  case HEAP_STEP_RECLAIM:
+    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_reclaim(h, c);
+    got += large_reclaim(h);
+    break;
+  case HEAP_STEP_SLABS:
+    got = slab_release_free(h, SIZE_MAX);
+    break;
+  case HEAP_STEP_THREADS:
+    if (heap_threads_reclaim) got = heap_threads_reclaim(h);
+    break;
+  case HEAP_STEP_WAIT:
+    /* Blocking, off the fast path: every pending magazine and free large
+     * block, and limbo (whose streams are gone: a device synchronisation
+     * is the only wait that covers them). Then slabs may have emptied. */
+    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_wait_pending(h, c);
+    got += large_wait(h);
+    if (stack_count(&h->limbo) > 0 || atomic_load_acquire(&h->reaping) > 0) {
+      heap_reap_wait(h);
+      got++;
+    }
+    got += slab_release_free(h, SIZE_MAX);
+    break;
+  case HEAP_STEP_UNMAP:
+    got = large_release(h, SIZE_MAX);
+    break;
+  default:
+    break;
+  }
+  return got > 0;
 }
 
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
@@ -104,42 +180,107 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   }
   int rc = slab_carve(h, cls, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
-  /* Pressure, cheapest step first; nothing here runs on the fast path. */
-  if (large_release_cached(h, 0) > 0 && slab_carve(h, cls, out) == MAGPIE_OK) return MAGPIE_OK;
-  if (depot_wait_pending(h, cls) > 0 && (m = depot_take(h, cls, stream_id)) != NULL) {
-    *out = m;
-    return MAGPIE_OK;
+  /* Pressure: down the ladder, cheapest step first, retrying after each
+   * step that can have helped. Nothing here runs on the fast path. */
+  static const enum heap_step ladder[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_THREADS,
+                                          HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
+  for (unsigned i = 0; i < sizeof ladder / sizeof ladder[0]; i++) {
+    if (!heap_relieve(h, ladder[i]) || ladder[i] == HEAP_STEP_THREADS) continue;
+    if ((m = depot_take(h, cls, stream_id)) != NULL) {
+      *out = m;
+      return MAGPIE_OK;
+    }
+    if ((rc = slab_carve(h, cls, out)) != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   }
-  if (large_release_cached(h, 1) > 0 && slab_carve(h, cls, out) == MAGPIE_OK) return MAGPIE_OK;
+  atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
   return MAGPIE_ERR_OUT_OF_MEMORY;
 }
 
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, slab **out) {
-  int rc = large_alloc(h, size, stream_id, out);
-  for (int wait = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && wait < 2; wait++)
-    if (large_release_cached(h, wait) > 0) rc = large_alloc(h, size, stream_id, out);
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out,
+                     size_t *bsize) {
+  int rc = large_alloc(h, size, stream_id, stream, 0, out, bsize);
+  if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
+  /* Before any host-side wait: reuse a block another stream freed by
+   * making this stream wait on the free's event. */
+  rc = large_alloc(h, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
+  static const enum heap_step ladder[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_THREADS,
+                                          HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
+  for (unsigned i = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && i < sizeof ladder / sizeof ladder[0]; i++) {
+    if (!heap_relieve(h, ladder[i]) || ladder[i] == HEAP_STEP_THREADS) continue;
+    rc = large_alloc(h, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
+  }
+  if (rc == MAGPIE_ERR_OUT_OF_MEMORY) atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
   return rc;
 }
 
-/* ---- limbo and its reaper ---- */
+int heap_trim(heap *h, size_t keep) {
+  /* Cheapest first; stop once the target is met. Thread caches are
+   * emptied too (their blocks then need a device synchronisation). */
+  static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_UNMAP,
+                                         HEAP_STEP_THREADS, HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
+  for (unsigned i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+    if (heap_cached_bytes(h) <= keep) break;
+    heap_relieve(h, steps[i]);
+  }
+  return MAGPIE_OK;
+}
+
+/* ---- limbo and the maintenance thread ----
+ *
+ * One background thread per process: it drains limbo (a device
+ * synchronisation, never on an allocation path) and, for heaps with a
+ * release threshold, gives cached memory above it back to the driver, so
+ * that no driver call of that kind lands on the hot path. */
 
 static pthread_mutex_t reaper_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t reaper_cv = PTHREAD_COND_INITIALIZER;
 static int reaper_started; /* under reaper_lock */
 static int reaper_work;    /* under reaper_lock */
+static int reaper_timed;   /* under reaper_lock: some heap has a threshold */
+
+static size_t heap_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
 
 /* Move everything in h's limbo to the depot once the device has drained.
  * The chain is taken before the synchronisation, so every magazine in it
  * was put there (and its stream's work enqueued) before the wait began. */
 static void heap_reap(heap *h) {
+  atomic_add_relaxed(&h->reaping, 1);
   registry_link *chain = stack_take_all(&h->limbo, &magazine_registry);
-  if (chain == NULL) return;
-  int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
-  for (registry_link *n = chain, *next; n; n = next) {
-    next = stack_next(&magazine_registry, n);
-    magazine *m = (magazine *)n;
-    if (ok) depot_put(h, m);
-    else stack_push(&h->limbo, &magazine_registry, &m->link);
+  if (chain != NULL) {
+    int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
+    for (registry_link *n = chain, *next; n; n = next) {
+      next = stack_next(&magazine_registry, n);
+      magazine *m = (magazine *)n;
+      if (ok) {
+        atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)heap_magazine_bytes(m));
+        depot_put(h, m);
+      } else {
+        stack_push(&h->limbo, &magazine_registry, &m->link);
+      }
+    }
+  }
+  /* Release pairs with the acquire in heap_reap_wait: what this reap moved
+   * to the depot is visible to a thread that saw the count drop. */
+  atomic_sub_acq_rel(&h->reaping, 1);
+}
+
+/* Reap here, then wait out a reap another thread has in progress. */
+static void heap_reap_wait(heap *h) {
+  heap_reap(h);
+  while (atomic_load_acquire(&h->reaping) > 0) sched_yield();
+}
+
+/* Release threshold: give back what is cached above it, cheapest first.
+ * Thread caches are left alone (emptying them needs a device
+ * synchronisation; they are bounded by the magazine size). */
+static void heap_release_above_threshold(heap *h) {
+  if (h->release_threshold == SIZE_MAX || heap_cached_bytes(h) <= h->release_threshold) return;
+  static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_UNMAP, HEAP_STEP_SLABS};
+  for (unsigned i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+    if (heap_cached_bytes(h) <= h->release_threshold) break;
+    if (steps[i] == HEAP_STEP_UNMAP) large_release(h, heap_cached_bytes(h) - h->release_threshold);
+    else if (steps[i] == HEAP_STEP_SLABS) slab_release_free(h, heap_cached_bytes(h) - h->release_threshold);
+    else heap_relieve(h, steps[i]);
   }
 }
 
@@ -147,36 +288,66 @@ static void *heap_reaper_main(void *arg) {
   (void)arg;
   for (;;) {
     pthread_mutex_lock(&reaper_lock);
-    while (!reaper_work) pthread_cond_wait(&reaper_cv, &reaper_lock);
+    while (!reaper_work) {
+      if (!reaper_timed) {
+        pthread_cond_wait(&reaper_cv, &reaper_lock);
+        continue;
+      }
+      /* Threshold checks also run on a timer: memory cached by a program
+       * that went quiet is given back too. */
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 200 * 1000 * 1000;
+      if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+      }
+      if (pthread_cond_timedwait(&reaper_cv, &reaper_lock, &ts) != 0) break;
+    }
     reaper_work = 0;
     pthread_mutex_unlock(&reaper_lock);
     for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
       heap *h = heap_peek(d);
-      if (h != NULL) heap_reap(h);
+      if (h == NULL) continue;
+      heap_reap(h);
+      heap_release_above_threshold(h);
     }
   }
   return NULL;
 }
 
-void heap_limbo_put(heap *h, magazine *m) {
-  m->ticket = (epoch_ticket){0};
-  stack_push(&h->limbo, &magazine_registry, &m->link);
-  atomic_add_relaxed(&h->stat_limbo, 1);
-  pthread_mutex_lock(&reaper_lock);
+/* Signal the thread, starting it if needed; returns 0 if none could be
+ * started. reaper_lock is held by the caller. */
+static int heap_reaper_signal_locked(void) {
   reaper_work = 1;
-  int inline_reap = 0;
   if (!reaper_started) {
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, heap_reaper_main, NULL) == 0) reaper_started = 1;
-    else inline_reap = 1;
     pthread_attr_destroy(&attr);
   }
   pthread_cond_signal(&reaper_cv);
+  return reaper_started;
+}
+
+static void heap_wake_maintenance(void) {
+  pthread_mutex_lock(&reaper_lock);
+  reaper_timed = 1;
+  heap_reaper_signal_locked();
+  pthread_mutex_unlock(&reaper_lock);
+}
+
+void heap_limbo_put(heap *h, magazine *m) {
+  m->ticket = (epoch_ticket){0};
+  atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)heap_magazine_bytes(m));
+  stack_push(&h->limbo, &magazine_registry, &m->link);
+  atomic_add_relaxed(&h->stat_limbo, 1);
+  pthread_mutex_lock(&reaper_lock);
+  int started = heap_reaper_signal_locked();
   pthread_mutex_unlock(&reaper_lock);
   /* No thread could be started: drain here (this is a slow path: a slot
    * being retired), rather than strand the memory. */
-  if (inline_reap) heap_reap(h);
+  if (!started) heap_reap(h);
 }

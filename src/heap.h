@@ -12,6 +12,7 @@
 #ifndef MAGPIE_HEAP_H
 #define MAGPIE_HEAP_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -25,27 +26,67 @@
 
 #define HEAP_MAX_DEVICES 64
 
+/* Out-of-memory ladder steps, cheapest first (magpie_stats.ladder_steps). */
+enum heap_step {
+  HEAP_STEP_RECLAIM = 0, /* query pending epochs, merge what completed */
+  HEAP_STEP_SLABS = 1,   /* give back slabs wholly free in the depot */
+  HEAP_STEP_THREADS = 2, /* take idle threads' magazines, ask busy ones */
+  HEAP_STEP_WAIT = 3,    /* block until pending epochs (and limbo) drain */
+  HEAP_STEP_UNMAP = 4,   /* unmap free large granules / segments */
+  HEAP_STEP_FAILED = 5,  /* the request failed after every step */
+  HEAP_STEP_COUNT = 6
+};
+
+/* Statistics below are relaxed counters, written by any thread on slow
+ * paths and read by magpie_stats_get; none publishes other memory. Byte
+ * counters of a layer move when whole magazines move between layers. */
 typedef struct heap {
   int device;
   const backend_ops *ops;
   size_t total_mem;
+  size_t release_threshold; /* set once at creation */
+  int reuse_wait;           /* magpie_config.reuse_wait; set once */
   region region;
   epoch_table epochs;
   depot depots[SIZECLASS_COUNT];
   stack limbo;
   large_cache large;
-  /* Statistics: relaxed counters, written by any thread on slow paths and
-   * read by magpie_stats_get. */
+  /* Class slabs, for release and snapshots. */
+  pthread_mutex_t slab_lock; /* guards slabs */
+  struct slab *slabs;
+  /* Serialises slab release (it borrows the depot's ready magazines). */
+  pthread_mutex_t reclaim_lock;
   _Atomic size_t stat_peak_reserved;
   _Atomic int64_t stat_in_use_published; /* sum of threads' published live bytes */
   _Atomic size_t stat_peak_in_use;
-  _Atomic int64_t stat_retired_live; /* live bytes of retired thread slots */
-  _Atomic uint64_t stat_slabs;
+  _Atomic uint64_t stat_slabs;          /* mapped now */
+  _Atomic uint64_t stat_slabs_released;
   _Atomic uint64_t stat_exchanges;
   _Atomic uint64_t stat_migrations;
   _Atomic uint64_t stat_same_stream;
   _Atomic uint64_t stat_limbo;
+  _Atomic int64_t stat_depot_ready;   /* bytes in depot.full */
+  _Atomic int64_t stat_depot_pending; /* bytes in depot.pending */
+  _Atomic int64_t stat_limbo_bytes;
+  _Atomic int64_t stat_thread_in;     /* bytes of magazines handed to threads */
+  _Atomic int64_t stat_thread_out;    /* bytes of magazines threads gave back */
+  _Atomic int64_t stat_overhead;      /* slab tails, fallback alignment */
+  _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
+  _Atomic uint64_t stat_threads_flushed;
+  _Atomic uint64_t stat_threads_stolen;
+  _Atomic int reaping; /* threads inside heap_reap (release/acquire) */
+  /* Per class allocations served by magazines / slow paths, folded in from
+   * thread slots when they are retired. */
+  _Atomic uint64_t stat_class_hits[SIZECLASS_COUNT];
+  _Atomic uint64_t stat_class_misses[SIZECLASS_COUNT];
 } heap;
+
+/* The thread-cache layer's give-back (tcache.c registers it: the heap lies
+ * below the thread caches and cannot name them). Empties idle threads'
+ * magazines of heap h into limbo and asks busy threads to do the same at
+ * their next slow path; returns the bytes taken. */
+typedef size_t (*heap_threads_reclaim_fn)(heap *h);
+void heap_set_threads_reclaim(heap_threads_reclaim_fn fn);
 
 /* Set up the heap layer for a backend (once, from global init). */
 void heap_module_init(const backend_ops *ops);
@@ -56,6 +97,8 @@ heap *heap_peek(int device);
 
 int heap_map(heap *h, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size);
 void heap_unmap(heap *h, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size);
+int heap_map_at(heap *h, uintptr_t addr, size_t size);
+int heap_unmap_at(heap *h, uintptr_t addr, size_t size);
 void heap_slab_added(heap *h, slab *s);
 
 /* A magazine of class cls usable by stream_id now: from the depot, else a
@@ -63,10 +106,24 @@ void heap_slab_added(heap *h, slab *s);
  * large blocks before failing with MAGPIE_ERR_OUT_OF_MEMORY. */
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out);
 
-/* A large block of at least size bytes usable by stream_id now; under
- * pressure, gives back cached large blocks (completed ones first, then
- * waiting for the rest) before failing with MAGPIE_ERR_OUT_OF_MEMORY. */
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, slab **out);
+/* A large block of at least size bytes usable by stream_id (handle
+ * stream) now; under pressure, goes down the same ladder. */
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out,
+                     size_t *bsize);
+
+/* Run one ladder step; returns nonzero if it freed or readied anything. */
+int heap_relieve(heap *h, enum heap_step step);
+
+/* Give back cached memory until at most keep bytes are reserved beyond
+ * what is in use (magpie_trim). Does not wait for pending epochs. */
+int heap_trim(heap *h, size_t keep);
+
+/* Cached bytes (reserved - in use), from the cheap counters. */
+size_t heap_cached_bytes(heap *h);
+
+/* A slow path freed memory: wake the background releaser if the cache is
+ * above the release threshold. */
+void heap_note_cached(heap *h);
 
 /* A non-empty magazine whose stream can no longer be sealed (destroyed):
  * reusable only after a device synchronisation, done off the allocation

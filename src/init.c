@@ -13,6 +13,7 @@
 #include "heap.h"
 #include "magazine.h"
 #include "sim_check.h"
+#include "tcache.h"
 #include "sizeclass.h"
 #include "stats.h"
 
@@ -35,6 +36,7 @@ MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   cfg->backend = MAGPIE_BACKEND_AUTO;
   cfg->magazine_bytes = (size_t)1 << 20;
   cfg->release_threshold = SIZE_MAX;
+  cfg->reuse_wait = 1;
 }
 
 static int init_pick_backend(int kind, const backend_ops **out) {
@@ -105,6 +107,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   global_backend = ops;
   sizeclass_init(c.magazine_bytes, gran);
   magazine_module_init();
+  tcache_module_init();
   epoch_module_init();
   heap_module_init(ops);
   if (c.verbose) atexit(init_verbose_atexit);

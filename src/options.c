@@ -13,6 +13,8 @@
  * | limit          | none    | cap on reserved bytes per device, or N%        |
  * | release_threshold | keep all | cached bytes above this go back in the background |
  * | check_streams  | 0       | 1: simulated device checks stream order        |
+ * | reuse_wait     | 1       | 0: reuse other streams' large blocks through a |
+ * |                |         | stream wait only under memory pressure         |
  *
  * Sizes take k, m, g suffixes (powers of 1024). */
 #include <ctype.h>
@@ -85,10 +87,11 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
   else if (strcmp(key, "limit") == 0) ok = options_limit(val, &cfg->limit, &cfg->limit_percent);
   else if (strcmp(key, "release_threshold") == 0) ok = options_size(val, &cfg->release_threshold);
   else if (strcmp(key, "check_streams") == 0) ok = options_bool(val, &cfg->check_streams);
+  else if (strcmp(key, "reuse_wait") == 0) ok = options_bool(val, &cfg->reuse_wait);
   else
     return error_set(MAGPIE_ERR_CONFIG,
                      "MAGPIE_CONF: unknown key '%s' (known: backend, check, verbose, magazine_bytes, limit, "
-                     "release_threshold, check_streams)", key);
+                     "release_threshold, check_streams, reuse_wait)", key);
   if (!ok) return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_CONF: bad value '%s' for key '%s'", val, key);
   return MAGPIE_OK;
 }

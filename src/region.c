@@ -11,6 +11,7 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
   r->device = device;
   r->ops = ops;
   pthread_mutex_init(&r->lock, NULL);
+  r->limit = SIZE_MAX;
   int rc = ops->granularity(device, &r->gran);
   if (rc != MAGPIE_OK) return rc;
   if (r->gran == 0 || (r->gran & (r->gran - 1)) != 0) r->gran = (size_t)2 << 20;
@@ -89,6 +90,38 @@ static void region_release(region *r, uintptr_t addr, size_t size) {
   pthread_mutex_unlock(&r->lock);
 }
 
+/* Count size bytes as mapped before mapping them, unless that passes the
+ * limit. */
+static int region_commit(region *r, size_t size) {
+  size_t cur = atomic_load_relaxed(&r->mapped);
+  do {
+    if (cur > r->limit || r->limit - cur < size) {
+      backend_set_error_detail("the limit of %zu bytes reserved would be passed (%zu reserved, %zu more asked)",
+                               r->limit, cur, size);
+      return MAGPIE_ERR_OUT_OF_MEMORY;
+    }
+  } while (!atomic_cas_weak_relaxed(&r->mapped, &cur, cur + size));
+  return MAGPIE_OK;
+}
+
+static void region_uncommit(region *r, size_t size) { atomic_sub_relaxed(&r->mapped, size); }
+
+uintptr_t region_claim_va(region *r, size_t size) { return r->vmm ? region_claim(r, size) : 0; }
+
+int region_map_at(region *r, uintptr_t addr, size_t size) {
+  int rc = region_commit(r, size);
+  if (rc != MAGPIE_OK) return rc;
+  rc = r->ops->map(r->device, addr, size);
+  if (rc != MAGPIE_OK) region_uncommit(r, size);
+  return rc;
+}
+
+int region_unmap_at(region *r, uintptr_t addr, size_t size) {
+  int rc = r->ops->unmap(r->device, addr, size);
+  if (rc == MAGPIE_OK) region_uncommit(r, size);
+  return rc;
+}
+
 int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size) {
   if (r->vmm) {
     uintptr_t a = region_claim(r, size);
@@ -96,39 +129,48 @@ int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *
       backend_set_error_detail("the reserved virtual range of %zu bytes is exhausted", r->size);
       return MAGPIE_ERR_OUT_OF_MEMORY;
     }
-    int rc = r->ops->map(r->device, a, size);
+    int rc = region_map_at(r, a, size);
     if (rc != MAGPIE_OK) {
       region_release(r, a, size);
       return rc;
     }
     *addr = *raw = a;
     *raw_size = size;
-  } else {
-    uintptr_t p = 0;
-    int rc = r->ops->mem_alloc(r->device, size, &p);
-    if (rc != MAGPIE_OK) return rc;
-    size_t got = size;
-    if (p & (r->gran - 1)) {
-      /* The page map needs granularity alignment: over-allocate once. */
-      r->ops->mem_free(r->device, p, size);
-      got = size + r->gran;
-      rc = r->ops->mem_alloc(r->device, got, &p);
-      if (rc != MAGPIE_OK) return rc;
-    }
-    *raw = p;
-    *raw_size = got;
-    *addr = (p + r->gran - 1) & ~(uintptr_t)(r->gran - 1);
+    return MAGPIE_OK;
   }
-  atomic_add_relaxed(&r->mapped, *raw_size);
+  int rc = region_commit(r, size);
+  if (rc != MAGPIE_OK) return rc;
+  uintptr_t p = 0;
+  rc = r->ops->mem_alloc(r->device, size, &p);
+  if (rc != MAGPIE_OK) {
+    region_uncommit(r, size);
+    return rc;
+  }
+  size_t got = size;
+  if (p & (r->gran - 1)) {
+    /* The page map needs granularity alignment: over-allocate once. */
+    r->ops->mem_free(r->device, p, size);
+    region_uncommit(r, size);
+    got = size + r->gran;
+    if ((rc = region_commit(r, got)) != MAGPIE_OK) return rc;
+    rc = r->ops->mem_alloc(r->device, got, &p);
+    if (rc != MAGPIE_OK) {
+      region_uncommit(r, got);
+      return rc;
+    }
+  }
+  *raw = p;
+  *raw_size = got;
+  *addr = (p + r->gran - 1) & ~(uintptr_t)(r->gran - 1);
   return MAGPIE_OK;
 }
 
 void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size) {
   if (r->vmm) {
-    if (r->ops->unmap(r->device, addr, size) != MAGPIE_OK) return; /* still mapped: keep it out of reuse */
+    if (region_unmap_at(r, addr, size) != MAGPIE_OK) return; /* still mapped: keep it out of reuse */
     region_release(r, addr, size);
   } else {
     if (r->ops->mem_free(r->device, raw, raw_size) != MAGPIE_OK) return;
+    region_uncommit(r, raw_size);
   }
-  atomic_sub_relaxed(&r->mapped, raw_size);
 }

@@ -34,9 +34,12 @@ typedef struct region {
   pthread_mutex_t lock; /* guards bump and free */
   size_t bump;          /* [base, base+bump) has been handed out at least once */
   region_range *free;   /* free ranges inside [base, base+bump), by address */
-  /* Bytes currently backed by device memory. Updated with relaxed RMW after
-   * each map/unmap; read for statistics and limits. */
+  /* Bytes backed by device memory, including mappings in flight: raised
+   * (CAS, relaxed) before a map is attempted, so that concurrent mappers
+   * cannot together pass the limit, and lowered after an unmap or a failed
+   * map. Read for statistics. No other memory is published through it. */
   _Atomic size_t mapped;
+  size_t limit; /* cap on mapped (SIZE_MAX: none); set once at init */
 } region;
 
 /* reserve_hint: bytes of virtual range to try first (halved on failure). */
@@ -45,6 +48,15 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
  * give back to region_unmap (differs from *addr only without VMM). */
 int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size);
 void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size);
+
+/* VMM only: claim size bytes of the reserved range without mapping them
+ * (large segments map and unmap granules inside it themselves). Returns 0
+ * when the range is exhausted. */
+uintptr_t region_claim_va(region *r, size_t size);
+/* Map / unmap granules inside a claimed range (counted in mapped, held to
+ * the limit). */
+int region_map_at(region *r, uintptr_t addr, size_t size);
+int region_unmap_at(region *r, uintptr_t addr, size_t size);
 
 static inline size_t region_round(const region *r, size_t size) {
   return (size + r->gran - 1) & ~(r->gran - 1);

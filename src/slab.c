@@ -1,5 +1,6 @@
-/* Slab carving and descriptors.
- * Lock order: slab_desc_lock is a leaf. */
+/* Slab carving, release and descriptors.
+ * Lock order: heap.reclaim_lock -> heap.slab_lock; slab_desc_lock is a
+ * leaf. No lock is held across a driver call. */
 #include "slab.h"
 
 #include <pthread.h>
@@ -7,6 +8,7 @@
 
 #include "depot.h"
 #include "heap.h"
+#include "pagemap.h"
 #include "meta.h"
 #include "sizeclass.h"
 
@@ -19,7 +21,12 @@ slab *slab_desc_get(void) {
   if (s) slab_desc_free = s->lnext;
   pthread_mutex_unlock(&slab_desc_lock);
   if (s == NULL) return meta_alloc(sizeof *s);
+  /* Keep the in-use bitmap for reuse (slab_desc_for). */
+  _Atomic uint64_t *bits = s->inuse;
+  uint32_t words = s->inuse_words;
   memset(s, 0, sizeof *s);
+  s->inuse = bits;
+  s->inuse_words = words;
   return s;
 }
 
@@ -40,19 +47,36 @@ int slab_mark_free(slab *s, uint32_t i) {
   return (atomic_fetch_and_explicit(&s->inuse[i >> 6], ~bit, memory_order_relaxed) & bit) != 0;
 }
 
+/* A descriptor with a zeroed in-use bitmap of at least words words (kept
+ * across recycling: a stale lookup may still read it). */
+static slab *slab_desc_for(uint32_t words) {
+  slab *s = slab_desc_get();
+  if (s == NULL) return NULL;
+  _Atomic uint64_t *bits = s->inuse;
+  uint32_t have = s->inuse_words;
+  if (bits != NULL && have >= words) {
+    memset((void *)bits, 0, have * sizeof(uint64_t));
+  } else {
+    bits = meta_alloc(words * sizeof(uint64_t));
+    if (bits == NULL) {
+      slab_desc_put(s);
+      return NULL;
+    }
+    meta_free((void *)s->inuse);
+    have = words;
+  }
+  s->inuse = bits;
+  s->inuse_words = have;
+  return s;
+}
+
 int slab_carve(struct heap *h, unsigned cls, magazine **out) {
   const sizeclass_info *ci = &sizeclass_table[cls];
-  slab *s = meta_alloc(sizeof *s);
+  slab *s = slab_desc_for((ci->blocks + 63) / 64);
   if (s == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
-  s->inuse = meta_alloc(((ci->blocks + 63) / 64) * sizeof(uint64_t));
-  if (s->inuse == NULL) {
-    meta_free(s);
-    return MAGPIE_ERR_OUT_OF_MEMORY;
-  }
   int rc = heap_map(h, ci->slab_size, &s->base, &s->raw, &s->raw_size);
   if (rc != MAGPIE_OK) {
-    meta_free((void *)s->inuse);
-    meta_free(s);
+    slab_desc_put(s);
     return rc;
   }
   s->size = ci->slab_size;
@@ -65,8 +89,7 @@ int slab_carve(struct heap *h, unsigned cls, magazine **out) {
   /* Publish before any block leaves: frees must find the slab. */
   if (pagemap_set(s->base, s->size, s) != MAGPIE_OK) {
     heap_unmap(h, s->base, s->size, s->raw, s->raw_size);
-    meta_free((void *)s->inuse);
-    meta_free(s);
+    slab_desc_put(s);
     return MAGPIE_ERR_OUT_OF_MEMORY;
   }
   magazine *first = NULL;
@@ -84,8 +107,86 @@ int slab_carve(struct heap *h, unsigned cls, magazine **out) {
     if (first == NULL) first = m;
     else depot_put(h, m);
   }
+  /* Unusable: the tail no block fits in, the fallback's alignment, blocks
+   * no magazine could hold. */
+  s->stranded = (s->nblocks - next) * (size_t)s->bsize;
+  atomic_add_relaxed(&h->stat_overhead, (int64_t)slab_overhead(s));
   heap_slab_added(h, s);
   if (first == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   *out = first;
   return MAGPIE_OK;
+}
+
+/* Count, per slab, the blocks in a chain of magazines. */
+static void slab_count_chain(registry_link *chain) {
+  for (registry_link *n = chain; n; n = stack_next(&magazine_registry, n)) {
+    magazine *m = (magazine *)n;
+    for (uint32_t i = 0; i < m->count; i++) pagemap_lookup((uintptr_t)m->slots[i])->reclaim_free++;
+  }
+}
+
+/* Drop the blocks of dead slabs from a chain's magazines and give the
+ * magazines back (ready, empty ones to the pool). */
+static void slab_return_chain(struct heap *h, unsigned cls, registry_link *chain) {
+  for (registry_link *n = chain, *next; n; n = next) {
+    next = stack_next(&magazine_registry, n);
+    magazine *m = (magazine *)n;
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < m->count; i++) {
+      slab *s = pagemap_lookup((uintptr_t)m->slots[i]);
+      s->reclaim_free = 0;
+      if (!s->dead) m->slots[keep++] = m->slots[i];
+    }
+    m->count = keep;
+    m->cls = cls;
+    if (keep > 0) depot_put(h, m);
+    else magazine_put_empty(m);
+  }
+}
+
+size_t slab_release_free(struct heap *h, size_t want) {
+  registry_link *chains[SIZECLASS_COUNT];
+  slab *dead = NULL;
+  size_t bytes = 0;
+  pthread_mutex_lock(&h->reclaim_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    chains[c] = stack_take_all(&h->depots[c].full, &magazine_registry);
+    for (registry_link *n = chains[c]; n; n = stack_next(&magazine_registry, n))
+      atomic_sub_relaxed(&h->stat_depot_ready, (int64_t)depot_magazine_bytes((magazine *)n));
+    slab_count_chain(chains[c]);
+  }
+  pthread_mutex_lock(&h->slab_lock);
+  for (slab *s = h->slabs; s && bytes < want; s = s->lnext) {
+    if (s->reclaim_free != s->nblocks - s->stranded / s->bsize) continue;
+    s->dead = 1;
+    bytes += s->raw_size;
+  }
+  pthread_mutex_unlock(&h->slab_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) slab_return_chain(h, c, chains[c]);
+  /* Unlink the dead (their blocks are in no magazine now). */
+  pthread_mutex_lock(&h->slab_lock);
+  for (slab *s = h->slabs, *next; s; s = next) {
+    next = s->lnext;
+    if (!s->dead) continue;
+    if (s->lprev) s->lprev->lnext = s->lnext;
+    else h->slabs = s->lnext;
+    if (s->lnext) s->lnext->lprev = s->lprev;
+    s->lprev = NULL;
+    s->lnext = dead;
+    dead = s;
+  }
+  pthread_mutex_unlock(&h->slab_lock);
+  pthread_mutex_unlock(&h->reclaim_lock);
+  /* Driver calls with no lock held. */
+  for (slab *s = dead, *next; s; s = next) {
+    next = s->lnext;
+    pagemap_set(s->base, s->size, NULL); /* leaves exist: cannot fail */
+    atomic_sub_relaxed(&h->stat_overhead, (int64_t)slab_overhead(s));
+    heap_unmap(h, s->base, s->size, s->raw, s->raw_size);
+    atomic_sub_relaxed(&h->stat_slabs, 1);
+    atomic_add_relaxed(&h->stat_slabs_released, 1);
+    s->dead = 0;
+    slab_desc_put(s);
+  }
+  return bytes;
 }

@@ -1,5 +1,6 @@
 /* Slabs: granularity-aligned device ranges carved into blocks of one size
- * class, and the descriptors of large blocks (one block per descriptor).
+ * class, and the page-map descriptors of large segments (cls SLAB_LARGE,
+ * seg pointing at the segment, whose blocks large.c keeps).
  *
  * A new slab's blocks go straight into full magazines (the depot holds them);
  * slabs keep no free lists, so the only per-block state lives in magazines
@@ -11,7 +12,7 @@
  * INVARIANT: for a class slab, block i starts at base + i*bsize, i < nblocks,
  *            and (off * magic) >> 48 == off / bsize for off < size.
  * Descriptors are never returned to the host allocator (a stale lookup reads
- * a valid descriptor). */
+ * a valid descriptor): they are recycled through slab_desc_get/put. */
 #ifndef MAGPIE_SLAB_H
 #define MAGPIE_SLAB_H
 
@@ -40,23 +41,35 @@ typedef struct slab {
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */
   _Atomic uint64_t *inuse;
-  /* Large blocks only, guarded by the heap's large lock. */
-  uint32_t large_cached; /* 1 while in the large cache (free) */
-  struct slab *lnext;
-  epoch_ticket lticket;
-  size_t request; /* bytes asked for (stats) */
+  uint32_t inuse_words;
+  struct lseg *seg;     /* large segments only */
+  struct slab *lnext;   /* descriptor free list; the heap's slab list */
+  struct slab *lprev;   /* the heap's slab list (under its slab lock) */
+  /* Slab release (under the heap's reclaim lock): free blocks counted in
+   * the depot's magazines. */
+  uint32_t reclaim_free;
+  uint32_t dead;        /* being given back: its blocks leave the magazines */
+  size_t stranded;      /* bytes of blocks no magazine took (host OOM) */
 } slab;
+
+/* Bytes of a class slab no block serves. */
+static inline size_t slab_overhead(const slab *s) {
+  return s->raw_size - (size_t)s->nblocks * s->bsize + s->stranded;
+}
 
 /* Map a slab of class cls and fill magazines with all its blocks: one is
  * returned, the rest go to the depot as ready. */
 int slab_carve(struct heap *h, unsigned cls, magazine **out);
+/* Give back slabs all of whose blocks sit in the depot's ready magazines,
+ * until want bytes are unmapped. Returns bytes given back. */
+size_t slab_release_free(struct heap *h, size_t want);
 
 /* Is p the start of a block of s? Sets *index. */
 static inline int slab_block_index(const slab *s, uintptr_t p, uint32_t *index) {
   uintptr_t off = p - s->base;
   if (s->cls == SLAB_LARGE) {
     *index = 0;
-    return off == 0;
+    return 1; /* large.c knows the blocks of a segment */
   }
   uint64_t i = ((uint64_t)off * s->magic) >> 48;
   *index = (uint32_t)i;
@@ -68,7 +81,7 @@ int slab_mark_used(slab *s, uint32_t i);
 /* Checked mode: mark block i free (returns 0 if it already was: double free). */
 int slab_mark_free(slab *s, uint32_t i);
 
-/* Descriptors for large blocks (recycled, never freed). */
+/* Descriptors (recycled, never freed). */
 slab *slab_desc_get(void);
 void slab_desc_put(slab *s);
 

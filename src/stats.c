@@ -4,15 +4,19 @@
 #include <string.h>
 
 #include "error.h"
+#include "heap.h"
+#include "large.h"
 #include "init.h"
 #include "sizeclass.h"
 #include "tcache.h"
+
+static size_t stats_nonneg(int64_t v) { return v > 0 ? (size_t)v : 0; }
 
 void stats_collect(heap *h, magpie_stats *out) {
   memset(out, 0, sizeof *out);
   int64_t live = tcache_live_bytes(h->device);
   size_t reserved = atomic_load_relaxed(&h->region.mapped);
-  out->in_use_bytes = live > 0 ? (size_t)live : 0;
+  out->in_use_bytes = stats_nonneg(live);
   out->reserved_bytes = reserved;
   out->cached_bytes = reserved > out->in_use_bytes ? reserved - out->in_use_bytes : 0;
   out->peak_reserved_bytes = atomic_load_relaxed(&h->stat_peak_reserved);
@@ -26,6 +30,32 @@ void stats_collect(heap *h, magpie_stats *out) {
   out->cross_stream_migrations = atomic_load_relaxed(&h->stat_migrations);
   out->same_stream_reuses = atomic_load_relaxed(&h->stat_same_stream);
   out->limbo_magazines = atomic_load_relaxed(&h->stat_limbo);
+
+  /* Layers. Small blocks in threads = handed to threads - given back -
+   * small blocks in use (frees land in the freeing thread's magazines). */
+  size_t small_in_use = out->in_use_bytes > out->large_in_use_bytes ? out->in_use_bytes - out->large_in_use_bytes
+                                                                     : 0;
+  int64_t in_threads = atomic_load_relaxed(&h->stat_thread_in) - atomic_load_relaxed(&h->stat_thread_out) -
+                       (int64_t)small_in_use;
+  large_account la;
+  large_account_get(h, &la);
+  out->thread_cached_bytes = stats_nonneg(in_threads);
+  out->depot_bytes = stats_nonneg(atomic_load_relaxed(&h->stat_depot_ready));
+  out->epoch_pending_bytes = stats_nonneg(atomic_load_relaxed(&h->stat_depot_pending)) +
+                             stats_nonneg(atomic_load_relaxed(&h->stat_limbo_bytes)) + la.free_pending;
+  out->large_free_bytes = la.free_ready;
+  out->overhead_bytes = stats_nonneg(atomic_load_relaxed(&h->stat_overhead)) + la.overhead;
+  out->large_mapped_bytes = atomic_load_relaxed(&h->large.mapped_bytes);
+  out->limit_bytes = h->region.limit == SIZE_MAX ? 0 : h->region.limit;
+  out->large_segment_count = atomic_load_relaxed(&h->large.segments);
+  out->slabs_released = atomic_load_relaxed(&h->stat_slabs_released);
+  out->large_bytes_unmapped = atomic_load_relaxed(&h->large.bytes_unmapped);
+  out->stream_waits = atomic_load_relaxed(&h->large.stream_waits);
+  out->threads_flushed = atomic_load_relaxed(&h->stat_threads_flushed);
+  out->threads_stolen = atomic_load_relaxed(&h->stat_threads_stolen);
+  for (unsigned i = 0; i < HEAP_STEP_COUNT && i < MAGPIE_STATS_LADDER; i++)
+    out->ladder_steps[i] = atomic_load_relaxed(&h->stat_ladder[i]);
+  tcache_class_counts(h, out->class_hits, out->class_misses);
 }
 
 void stats_describe(heap *h, char *buf, size_t n) {
@@ -33,12 +63,13 @@ void stats_describe(heap *h, char *buf, size_t n) {
   stats_collect(h, &s);
   size_t dev_free = 0, dev_total = 0;
   h->ops->mem_info(h->device, &dev_free, &dev_total);
-  size_t large = atomic_load_relaxed(&h->large.cached_bytes);
-  size_t small = s.cached_bytes > large ? s.cached_bytes - large : 0;
-  snprintf(buf, n,
-           "device free %zu of %zu bytes; magpie reserved %zu, in use %zu, cached %zu "
-           "(large blocks cached %zu, small blocks in magazines and slab tails %zu)",
-           dev_free, dev_total, s.reserved_bytes, s.in_use_bytes, s.cached_bytes, large, small);
+  int k = snprintf(buf, n,
+                   "device free %zu of %zu bytes; magpie reserved %zu, in use %zu, cached %zu (in thread "
+                   "magazines %zu, depot %zu, waiting on streams %zu, free large segments %zu, overhead %zu)",
+                   dev_free, dev_total, s.reserved_bytes, s.in_use_bytes, s.cached_bytes, s.thread_cached_bytes,
+                   s.depot_bytes, s.epoch_pending_bytes, s.large_free_bytes, s.overhead_bytes);
+  if (s.limit_bytes && k > 0 && (size_t)k < n)
+    snprintf(buf + k, n - (size_t)k, "; limit %zu bytes (MAGPIE_CONF limit=)", s.limit_bytes);
 }
 
 void stats_print(int device, FILE *out) {
@@ -47,13 +78,31 @@ void stats_print(int device, FILE *out) {
   magpie_stats s;
   stats_collect(h, &s);
   fprintf(out,
-          "magpie device %d: in use %zu B (peak %zu), reserved %zu B (peak %zu), cached %zu B, "
-          "slabs %llu, depot exchanges %llu, events %llu, cross-stream migrations %llu, "
-          "same-stream reuses %llu, limbo %llu\n",
+          "magpie device %d: in use %zu B (peak %zu), reserved %zu B (peak %zu), cached %zu B\n"
+          "  cached by layer: thread magazines %zu, depot %zu, waiting on streams %zu, free large %zu, "
+          "overhead %zu\n"
+          "  slabs %llu (released %llu), large segments %llu (mapped %zu B, unmapped %llu B), limit %zu B\n"
+          "  depot exchanges %llu, events %llu, cross-stream migrations %llu, same-stream reuses %llu, "
+          "limbo %llu, stream waits %llu, threads flushed %llu, stolen %llu\n"
+          "  out-of-memory ladder: reclaim %llu, slabs %llu, threads %llu, wait %llu, unmap %llu, failed %llu\n",
           device, s.in_use_bytes, s.peak_in_use_bytes, s.reserved_bytes, s.peak_reserved_bytes, s.cached_bytes,
-          (unsigned long long)s.slab_count, (unsigned long long)s.depot_exchanges,
+          s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes, s.large_free_bytes, s.overhead_bytes,
+          (unsigned long long)s.slab_count, (unsigned long long)s.slabs_released,
+          (unsigned long long)s.large_segment_count, s.large_mapped_bytes,
+          (unsigned long long)s.large_bytes_unmapped, s.limit_bytes, (unsigned long long)s.depot_exchanges,
           (unsigned long long)s.events_recorded, (unsigned long long)s.cross_stream_migrations,
-          (unsigned long long)s.same_stream_reuses, (unsigned long long)s.limbo_magazines);
+          (unsigned long long)s.same_stream_reuses, (unsigned long long)s.limbo_magazines,
+          (unsigned long long)s.stream_waits, (unsigned long long)s.threads_flushed,
+          (unsigned long long)s.threads_stolen, (unsigned long long)s.ladder_steps[0],
+          (unsigned long long)s.ladder_steps[1], (unsigned long long)s.ladder_steps[2],
+          (unsigned long long)s.ladder_steps[3], (unsigned long long)s.ladder_steps[4],
+          (unsigned long long)s.ladder_steps[5]);
+  fputs("  size class: hits / misses\n", out);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    if (s.class_hits[c] == 0 && s.class_misses[c] == 0) continue;
+    fprintf(out, "    %8zu B: %llu / %llu\n", sizeclass_table[c].size, (unsigned long long)s.class_hits[c],
+            (unsigned long long)s.class_misses[c]);
+  }
 }
 
 MAGPIE_API int magpie_stats_get(int device, magpie_stats *out) {

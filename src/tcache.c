@@ -1,11 +1,16 @@
-/* Thread caches: slow paths, stream slots, thread exit.
+/* Thread caches: slow paths, stream slots, thread exit, give-back.
  *
  * Lock order: tcache_list_lock is taken alone (never while calling into the
- * heap, depot or backend). Everything else here is thread-owned. */
+ * heap, depot or backend). Everything else here is thread-owned, or taken
+ * over from an idle owner through the steal handshake (tcache.h). */
 #include "tcache.h"
 
+#include <linux/membarrier.h>
 #include <pthread.h>
+#include <sched.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "error.h"
 #include "init.h"
@@ -21,13 +26,33 @@ static tcache *tcache_list;                     /* under tcache_list_lock */
 static int64_t tcache_retired_live[HEAP_MAX_DEVICES]; /* under tcache_list_lock */
 
 static void tcache_destroy(void *arg);
+static size_t tcache_reclaim_threads(heap *h);
+
+/* 1 once membarrier(PRIVATE_EXPEDITED) is registered: idle threads'
+ * magazines may then be taken. Without it threads are only asked. */
+static int tcache_can_steal;
+
+void tcache_module_init(void) {
+  tcache_can_steal =
+      syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+  heap_set_threads_reclaim(tcache_reclaim_threads);
+}
+
+static int tcache_barrier(void) {
+  return tcache_can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+}
 
 static void tcache_key_create(void) { pthread_key_create(&tcache_key, tcache_destroy); }
 
 static void tcache_slot_clear(tslot *ts) {
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    atomic_store_relaxed(&ts->hits[c], 0);
+    atomic_store_relaxed(&ts->misses[c], 0);
+  }
   ts->id = 0;
   ts->handle = (cudaStream_t)UINTPTR_MAX;
   ts->heap = NULL;
+  atomic_store_relaxed(&ts->stats_heap, NULL);
   ts->rec = NULL;
   ts->alloc_ok = 0;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
@@ -46,6 +71,7 @@ static tcache *tcache_create(void) {
   tcache_slot_clear(&tc->dummy);
   for (int i = 0; i < TCACHE_SLOTS; i++) tcache_slot_clear(&tc->slots[i]);
   tc->last = &tc->dummy;
+  atomic_store_relaxed(&tc->busy, 1); /* created inside a slow path */
   pthread_mutex_lock(&tcache_list_lock);
   tc->lnext = tcache_list;
   if (tcache_list) tcache_list->lprev = tc;
@@ -69,8 +95,39 @@ static void tcache_publish(tcache *tc, heap *h) {
  * which names the slot's stream (its id matched), and give it to the depot;
  * limbo if the seal fails. */
 static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
+  atomic_add_relaxed(&ts->heap->stat_thread_out, (int64_t)depot_magazine_bytes(m));
   if (epoch_seal(ts->rec, handle, &m->ticket) == MAGPIE_OK) depot_put(ts->heap, m);
   else heap_limbo_put(ts->heap, m);
+  heap_note_cached(ts->heap);
+}
+
+/* Hand a slot's non-empty magazines to limbo (the slot stays). */
+static size_t tcache_slot_empty(tslot *ts) {
+  size_t bytes = 0;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    magazine **pair[2] = {&ts->loaded[c], &ts->prev[c]};
+    for (int k = 0; k < 2; k++) {
+      magazine *m = *pair[k];
+      if (!magazine_is_real(m) || m->count == 0) continue;
+      bytes += depot_magazine_bytes(m);
+      heap_limbo_put(ts->heap, m);
+      *pair[k] = &magazine_sentinel;
+    }
+  }
+  atomic_add_relaxed(&ts->heap->stat_thread_out, (int64_t)bytes);
+  return bytes;
+}
+
+/* Fold a retiring slot's class counters into its heap. */
+static void tcache_slot_fold(tslot *ts) {
+  pthread_mutex_lock(&tcache_list_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    atomic_add_relaxed(&ts->heap->stat_class_hits[c], atomic_load_relaxed(&ts->hits[c]));
+    atomic_add_relaxed(&ts->heap->stat_class_misses[c], atomic_load_relaxed(&ts->misses[c]));
+    atomic_store_relaxed(&ts->hits[c], 0);
+    atomic_store_relaxed(&ts->misses[c], 0);
+  }
+  pthread_mutex_unlock(&tcache_list_lock);
 }
 
 /* Give back everything a slot holds. Its non-empty magazines go to limbo,
@@ -82,15 +139,12 @@ static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
  * handle is found recycled; seals on live streams happen in the free path,
  * where the caller's handle is known to be valid. */
 static void tcache_slot_retire(tcache *tc, tslot *ts) {
+  tcache_slot_empty(ts);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    magazine *pair[2] = {ts->loaded[c], ts->prev[c]};
-    for (int k = 0; k < 2; k++) {
-      magazine *m = pair[k];
-      if (!magazine_is_real(m)) continue;
-      if (m->count == 0) magazine_put_empty(m);
-      else heap_limbo_put(ts->heap, m);
-    }
+    if (magazine_is_real(ts->loaded[c])) magazine_put_empty(ts->loaded[c]);
+    if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
   }
+  tcache_slot_fold(ts);
   tcache_publish(tc, ts->heap);
   epoch_stream_release(ts->rec);
   if (tc->last == ts) tc->last = &tc->dummy;
@@ -122,6 +176,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   ts->id = id;
   ts->handle = s;
   ts->heap = h;
+  atomic_store_relaxed(&ts->stats_heap, h);
   ts->rec = rec;
   ts->live = &tc->live[h->device];
   ts->alloc_ok = (h == sh);
@@ -167,7 +222,7 @@ static void tcache_oom_error(heap *h, size_t size, int rc) {
             detail);
 }
 
-static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id) {
+static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id, cudaStream_t s) {
   heap *h = ts->heap;
   if (size > SIZE_MAX - h->region.gran + 1) {
     error_set(MAGPIE_ERR_SIZE_OVERFLOW, "requested size %zu cannot be rounded up to the %zu-byte granularity",
@@ -179,21 +234,47 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id)
               h->device, h->total_mem);
     return NULL;
   }
-  slab *sl = NULL;
-  int rc = heap_large_alloc(h, size, id, &sl);
+  uintptr_t p = 0;
+  size_t bsize = 0;
+  int rc = heap_large_alloc(h, size, id, s, &p, &bsize);
   if (rc != MAGPIE_OK) {
     tcache_oom_error(h, size, rc);
     return NULL;
   }
-  atomic_owner_add_i64(ts->live, (int64_t)sl->size);
+  atomic_owner_add_i64(ts->live, (int64_t)bsize);
   tcache_publish(tc, h);
   if (!tc->check) tc->last = ts;
-  return (void *)sl->base;
+  return (void *)p;
 }
+
+/* Entry to a slow path: wait out a reclaimer at work on this cache, then
+ * give back if one asked. */
+static void tcache_enter_slow(tcache *tc) {
+  tcache_enter(tc);
+  while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
+  if (unlikely(atomic_load_relaxed(&tc->flush_req))) {
+    atomic_store_relaxed(&tc->flush_req, 0);
+    int flushed = 0;
+    for (int i = 0; i < TCACHE_SLOTS; i++) {
+      tslot *ts = &tc->slots[i];
+      if (ts->heap == NULL || tcache_slot_empty(ts) == 0) continue;
+      if (!flushed++) atomic_add_relaxed(&ts->heap->stat_threads_flushed, 1);
+    }
+  }
+}
+
+static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s);
 
 void *tcache_alloc_slow(size_t size, cudaStream_t s) {
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return NULL;
+  tcache_enter_slow(tc);
+  void *p = tcache_alloc_slow_in(tc, size, s);
+  tcache_leave(tc);
+  return p;
+}
+
+static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s) {
   if (size == 0) size = 1; /* a unique minimum block, like malloc(0) */
   uint64_t id = 0;
   if (tc->ops->stream_id(s, &id) != MAGPIE_OK) {
@@ -203,8 +284,9 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s) {
   }
   tslot *ts = tcache_slot_for_alloc(tc, s, id);
   if (ts == NULL) return NULL;
-  if (size > SIZECLASS_MAX_SIZE) return tcache_alloc_large(tc, ts, size, id);
+  if (size > SIZECLASS_MAX_SIZE) return tcache_alloc_large(tc, ts, size, id, s);
   unsigned c = sizeclass_of(size);
+  atomic_owner_inc_u64(&ts->misses[c]);
   int publish = 0;
   if (ts->loaded[c]->count == 0) {
     if (ts->prev[c]->count > 0) {
@@ -218,7 +300,8 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s) {
         tcache_oom_error(ts->heap, size, rc);
         return NULL;
       }
-      magazine_put_empty(ts->prev[c]);
+      atomic_add_relaxed(&ts->heap->stat_thread_in, (int64_t)depot_magazine_bytes(fresh));
+      if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = fresh;
       publish = 1;
@@ -240,27 +323,44 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s) {
   return p;
 }
 
-static int tcache_free_large(tcache *tc, tslot *ts, slab *sl, cudaStream_t s) {
+static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
   epoch_ticket t = {0};
+  size_t bsize = 0;
   int rc = epoch_seal(ts->rec, s, &t);
   if (rc != MAGPIE_OK) {
     /* Without an event the block cannot be ordered after the stream: keep
      * it allocated and tell the caller, who may retry. */
-    return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p: %s", (void *)sl->base,
-                     (void *)s, backend_error_detail());
+    return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p: %s", p, (void *)s,
+                     backend_error_detail());
   }
-  rc = large_free(ts->heap, sl, &t);
+  rc = large_free(ts->heap, (uintptr_t)p, &t, &bsize);
   if (rc != MAGPIE_OK) {
     epoch_ticket_release(&t);
-    return error_set(rc, "magpie_free_async(%p): block already free (double free)", (void *)sl->base);
+    if (rc == MAGPIE_ERR_DOUBLE_FREE)
+      return error_set(rc, "magpie_free_async(%p): block already free (double free)", p);
+    if (rc == MAGPIE_ERR_INVALID_POINTER)
+      return error_set(rc, "magpie_free_async(%p): not the start of an allocated large block", p);
+    return error_set(rc, "magpie_free_async(%p): out of host memory; the block stays allocated", p);
   }
-  atomic_owner_add_i64(ts->live, -(int64_t)sl->size);
+  atomic_owner_add_i64(ts->live, -(int64_t)bsize);
   tcache_publish(tc, ts->heap);
+  heap_note_cached(ts->heap);
   return MAGPIE_OK;
 }
 
+static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s);
+
 int tcache_free_slow(void *p, cudaStream_t s) {
   if (p == NULL) return MAGPIE_OK;
+  tcache *tc = tcache_tls;
+  if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
+  tcache_enter_slow(tc);
+  int rc = tcache_free_slow_in(tc, p, s);
+  tcache_leave(tc);
+  return rc;
+}
+
+static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s) {
   slab *sl = pagemap_lookup((uintptr_t)p);
   if (sl == NULL)
     return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not a pointer returned by magpie", p);
@@ -273,15 +373,13 @@ int tcache_free_slow(void *p, cudaStream_t s) {
                      "start",
                      p, off - start, sl->bsize, (void *)(sl->base + start));
   }
-  tcache *tc = tcache_tls;
-  if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
   uint64_t id = 0;
   if (tc->ops->stream_id(s, &id) != MAGPIE_OK)
     return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_free_async(%p): stream %p is not valid (%s); the block "
                      "stays allocated", p, (void *)s, backend_error_detail());
   tslot *ts = tcache_slot_for_free(tc, s, id, sl->heap);
   if (ts == NULL) return magpie_last_error();
-  if (sl->cls == SLAB_LARGE) return tcache_free_large(tc, ts, sl, s);
+  if (sl->cls == SLAB_LARGE) return tcache_free_large(tc, ts, p, s);
   if (tc->check && !slab_mark_free(sl, bi))
     return error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
   unsigned c = sl->cls;
@@ -316,13 +414,20 @@ int tcache_free_slow(void *p, cudaStream_t s) {
 
 static void tcache_destroy(void *arg) {
   tcache *tc = arg;
+  /* Leave the list first, so no new reclaimer can pick this cache, then
+   * wait out one that already did (it set steal under the list lock). */
+  atomic_store_relaxed(&tc->busy, 1);
+  atomic_thread_fence(memory_order_seq_cst);
+  pthread_mutex_lock(&tcache_list_lock);
+  if (tc->lprev) tc->lprev->lnext = tc->lnext;
+  else tcache_list = tc->lnext;
+  if (tc->lnext) tc->lnext->lprev = tc->lprev;
+  pthread_mutex_unlock(&tcache_list_lock);
+  while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
   for (int i = 0; i < TCACHE_SLOTS; i++)
     if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
   pthread_mutex_lock(&tcache_list_lock);
   for (int d = 0; d < HEAP_MAX_DEVICES; d++) tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
-  if (tc->lprev) tc->lprev->lnext = tc->lnext;
-  else tcache_list = tc->lnext;
-  if (tc->lnext) tc->lnext->lprev = tc->lprev;
   pthread_mutex_unlock(&tcache_list_lock);
   tcache_tls = NULL;
   meta_free(tc);
@@ -335,4 +440,105 @@ int64_t tcache_live_bytes(int device) {
   for (tcache *tc = tcache_list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[device]);
   pthread_mutex_unlock(&tcache_list_lock);
   return sum;
+}
+
+void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
+  pthread_mutex_lock(&tcache_list_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    hits[c] += atomic_load_relaxed(&h->stat_class_hits[c]);
+    misses[c] += atomic_load_relaxed(&h->stat_class_misses[c]);
+  }
+  for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
+    for (int i = 0; i < TCACHE_SLOTS; i++) {
+      tslot *ts = &tc->slots[i];
+      if (atomic_load_relaxed(&ts->stats_heap) != h) continue;
+      for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+        hits[c] += atomic_load_relaxed(&ts->hits[c]);
+        misses[c] += atomic_load_relaxed(&ts->misses[c]);
+      }
+    }
+  }
+  pthread_mutex_unlock(&tcache_list_lock);
+}
+
+/* Caches other than the caller's, each marked steal = 1 under the list
+ * lock; *n set. The array comes from host metadata (NULL if none). */
+static tcache **tcache_claim_others(int *n) {
+  tcache *self = tcache_tls;
+  *n = 0;
+  pthread_mutex_lock(&tcache_list_lock);
+  int count = 0;
+  for (tcache *tc = tcache_list; tc; tc = tc->lnext) count++;
+  tcache **all = count ? meta_alloc((size_t)count * sizeof *all) : NULL;
+  if (all != NULL) {
+    for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
+      if (tc == self || atomic_load_relaxed(&tc->steal) != 0) continue;
+      atomic_store_relaxed(&tc->steal, 1);
+      all[(*n)++] = tc;
+    }
+  }
+  pthread_mutex_unlock(&tcache_list_lock);
+  return all;
+}
+
+/* The heap's give-back step: take idle threads' magazines of h, ask busy
+ * threads to give theirs back at their next slow path. */
+static size_t tcache_reclaim_threads(heap *h) {
+  int n = 0;
+  tcache **all = tcache_claim_others(&n);
+  if (all == NULL) return 0;
+  int barrier = tcache_barrier();
+  size_t bytes = 0;
+  for (int i = 0; i < n; i++) {
+    tcache *tc = all[i];
+    if (barrier && atomic_load_acquire(&tc->busy) == 0) {
+      size_t got = 0;
+      for (int k = 0; k < TCACHE_SLOTS; k++)
+        if (tc->slots[k].heap == h) got += tcache_slot_empty(&tc->slots[k]);
+      if (got) atomic_add_relaxed(&h->stat_threads_stolen, 1);
+      bytes += got;
+    } else {
+      atomic_store_relaxed(&tc->flush_req, 1);
+    }
+    atomic_store_release(&tc->steal, 0);
+  }
+  meta_free(all);
+  return bytes;
+}
+
+void tcache_flush_self(heap *h) {
+  tcache *tc = tcache_tls;
+  if (tc == NULL) return;
+  tcache_enter_slow(tc);
+  for (int k = 0; k < TCACHE_SLOTS; k++)
+    if (tc->slots[k].heap == h) tcache_slot_empty(&tc->slots[k]);
+  tcache_leave(tc);
+}
+
+int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx) {
+  tcache *self = tcache_tls;
+  int n = 0, skipped = 0;
+  tcache **all = tcache_claim_others(&n);
+  int barrier = tcache_barrier();
+  if (self) tcache_enter_slow(self);
+  for (int i = 0; i <= n; i++) {
+    tcache *tc = i < n ? all[i] : self;
+    if (tc == NULL) continue;
+    if (tc != self && !(barrier && atomic_load_acquire(&tc->busy) == 0)) {
+      skipped++;
+    } else {
+      for (int k = 0; k < TCACHE_SLOTS; k++) {
+        tslot *ts = &tc->slots[k];
+        if (ts->heap != h) continue;
+        for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+          if (magazine_is_real(ts->loaded[c])) fn(ctx, ts->loaded[c], 1);
+          if (magazine_is_real(ts->prev[c])) fn(ctx, ts->prev[c], 0);
+        }
+      }
+    }
+    if (tc != self) atomic_store_release(&tc->steal, 0);
+  }
+  if (self) tcache_leave(self);
+  meta_free(all);
+  return skipped;
 }

@@ -16,7 +16,17 @@
  * INVARIANT: every block in slot.loaded/prev may be used by work enqueued on
  *            the slot's stream after now.
  * INVARIANT: tc->last is tc->dummy (whose magazines are the sentinel) or a
- *            slot whose heap is its stream's own device (alloc-capable). */
+ *            slot whose heap is its stream's own device (alloc-capable).
+ *
+ * Give-back from idle threads (asymmetric Dekker, as in hazard pointers).
+ * The owner marks itself `busy` with a plain store around every operation
+ * and then reads `steal`; a reclaimer sets `steal`, issues a process-wide
+ * barrier (membarrier), then reads `busy`. Either the reclaimer sees the
+ * owner busy (and only asks it, through flush_req, to give back at its next
+ * slow path) or the owner sees `steal` and waits in its slow path until the
+ * reclaimer, which took the idle thread's magazines, clears it. The fast
+ * paths pay two plain stores and one load, no fence: the barrier is the
+ * reclaimer's. */
 #ifndef MAGPIE_TCACHE_H
 #define MAGPIE_TCACHE_H
 
@@ -42,9 +52,30 @@ typedef struct tslot {
   int alloc_ok;         /* heap is the stream's own device */
   magazine *loaded[SIZECLASS_COUNT];
   magazine *prev[SIZECLASS_COUNT];
+  /* Allocations of each class served by a magazine (fast path) and by the
+   * slow path. Owner-written (relaxed load + store); read by statistics
+   * under tcache_list_lock; folded into the heap when the slot retires. */
+  _Atomic uint64_t hits[SIZECLASS_COUNT];
+  _Atomic uint64_t misses[SIZECLASS_COUNT];
+  /* heap, for statistics readers (owner-written, relaxed; a reader may
+   * miss a slot being set up or retired). */
+  _Atomic(heap *) stats_heap;
 } tslot;
 
 typedef struct tcache {
+  /* Owner: 1 (relaxed store) on entry to any operation, 0 (release store,
+   * pairing with the reclaimer's acquire load after its membarrier) on
+   * exit. */
+  _Atomic uint32_t busy;
+  /* Reclaimer: 1 (relaxed store, under tcache_list_lock) while it decides
+   * and possibly takes this cache's magazines; 0 (release) when done,
+   * pairing with the owner's acquire load in tcache_enter_slow. The owner
+   * reads it (relaxed) after marking itself busy. */
+  _Atomic uint32_t steal;
+  /* Reclaimer -> owner: empty your magazines at your next slow path
+   * (relaxed both sides: the owner's give-back publishes through the
+   * depot's stacks). */
+  _Atomic uint32_t flush_req;
   tslot *last; /* the fast paths' slot */
   const backend_ops *ops;
   int check;
@@ -66,10 +97,25 @@ int tcache_free_slow(void *ptr, cudaStream_t stream);
 
 static inline int tcache_special_handle(cudaStream_t s) { return (uintptr_t)s <= 2; }
 
+/* Mark the owner busy, then see whether a reclaimer is at work. The signal
+ * fence keeps the compiler from reordering the store after the load; the
+ * reclaimer's membarrier orders them for the processor. */
+static inline int tcache_enter(tcache *tc) {
+  atomic_store_relaxed(&tc->busy, 1);
+  atomic_signal_fence(memory_order_seq_cst);
+  return atomic_load_relaxed(&tc->steal) == 0;
+}
+
+static inline void tcache_leave(tcache *tc) { atomic_store_release(&tc->busy, 0); }
+
+static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) {
+  atomic_store_relaxed(p, atomic_load_relaxed(p) + 1);
+}
+
 static inline void *tcache_alloc(size_t size, cudaStream_t stream) {
   tcache *tc = tcache_tls;
   /* Size 0 goes to the slow path (a unique minimum block). */
-  if (likely(tc != NULL && size != 0 && size <= SIZECLASS_MAX_SIZE)) {
+  if (likely(tc != NULL && size != 0 && size <= SIZECLASS_MAX_SIZE && tcache_enter(tc))) {
     tslot *ts = tc->last;
     uint64_t id;
     if (likely(tc->ops->stream_id(stream, &id) == MAGPIE_OK && id == ts->id)) {
@@ -77,7 +123,10 @@ static inline void *tcache_alloc(size_t size, cudaStream_t stream) {
       magazine *m = ts->loaded[c];
       if (likely(m->count != 0)) {
         atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
-        return m->slots[--m->count];
+        atomic_owner_inc_u64(&ts->hits[c]);
+        void *p = m->slots[--m->count];
+        tcache_leave(tc);
+        return p;
       }
     }
   }
@@ -87,7 +136,7 @@ static inline void *tcache_alloc(size_t size, cudaStream_t stream) {
 static inline int tcache_free(void *ptr, cudaStream_t stream) {
   tcache *tc = tcache_tls;
   slab *sl = pagemap_lookup((uintptr_t)ptr);
-  if (likely(tc != NULL && sl != NULL)) {
+  if (likely(tc != NULL && sl != NULL && tcache_enter(tc))) {
     tslot *ts = tc->last;
     uint32_t c = sl->cls;
     uintptr_t off = (uintptr_t)ptr - sl->base;
@@ -98,6 +147,7 @@ static inline int tcache_free(void *ptr, cudaStream_t stream) {
       if (likely(m->count < m->cap)) {
         m->slots[m->count++] = ptr;
         atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
+        tcache_leave(tc);
         return MAGPIE_OK;
       }
     }
@@ -107,5 +157,19 @@ static inline int tcache_free(void *ptr, cudaStream_t stream) {
 
 /* Statistics: this device's live bytes over all threads, past and present. */
 int64_t tcache_live_bytes(int device);
+/* Statistics: per-class hits and misses of heap h (added to the arrays). */
+void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses);
+
+/* Give back the calling thread's magazines of heap h (to limbo). Only from
+ * a public entry point, never from inside an allocation. */
+void tcache_flush_self(heap *h);
+
+/* Snapshots: call fn on every magazine of heap h held by a thread cache
+ * (the caller's own included), each cache inspected while its owner is
+ * outside magpie. Returns how many busy caches could not be inspected. */
+int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);
+
+/* Set up give-back from idle threads (membarrier registration). */
+void tcache_module_init(void);
 
 #endif /* MAGPIE_TCACHE_H */

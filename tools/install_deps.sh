@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
 # bazel-bootstrap, used offline), cmocka, jemalloc, clang with its runtime
-# libraries (sanitizer builds, libFuzzer) and Relacy (model checking). Safe
-# to run repeatedly.
+# libraries (sanitizer builds, libFuzzer), Relacy (model checking),
+# matplotlib (the snapshot picture). Safe to run repeatedly.
 set -euo pipefail
 need=()
 command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
@@ -14,6 +14,8 @@ compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" 
 [ -e /usr/include/relacy/relacy.hpp ] || need+=(relacy-dev)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v gcc >/dev/null 2>&1 || need+=(build-essential)
+# tools/snapshot_png.py and its test draw with Debian's matplotlib.
+/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need+=(python3-matplotlib)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO=sudo

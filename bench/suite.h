@@ -1,0 +1,64 @@
+/* The comparative benchmark suite: options, result rows, workloads.
+ *
+ * Each workload runs every available allocator (bench/allocators.h) in this
+ * one process, prints a table and the issue's target for magpie, and writes
+ * its figures as CSV rows: workload,allocator,x,metric,value. */
+#ifndef MAGPIE_BENCH_SUITE_H
+#define MAGPIE_BENCH_SUITE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "bench/allocators.h"
+
+typedef struct suite_opts {
+  uint64_t seed;
+  int use[BA_COUNT]; /* allocators asked for (and available) */
+  /* 1: latency */
+  size_t lat_min, lat_max; /* sizes: powers of 4 from min to max */
+  long lat_pairs;          /* timed pairs per size for magpie and noop */
+  /* 2: scaling */
+  int scale_threads[16], scale_points;
+  double scale_seconds;
+  int scale_window;
+  size_t mix_min, mix_max; /* mixed sizes, powers of 2 */
+  /* 3: pipeline */
+  int pipe_threads, pipe_streams, pipe_temps, pipe_handoff_every, pipe_rounds;
+  double pipe_seconds;
+  size_t pipe_min, pipe_max;
+  /* 4: cross-thread frees */
+  int cross_pairs;
+  double cross_seconds;
+  /* 5: trace */
+  int trace_threads, trace_streams, trace_requests;
+  size_t trace_hidden; /* model width: scales every block of the trace */
+  int trace_layers;
+} suite_opts;
+
+/* One CSV row (no-op without --csv). */
+void suite_row(const char *workload, const char *alloc, const char *x, const char *metric, double value);
+/* A target line: "target ...: met|MISSED (detail)", also a CSV row. */
+void suite_target(const char *workload, const char *what, int met, const char *detail);
+
+double suite_now(void);
+uint64_t suite_rand(uint64_t *s); /* xorshift64* */
+/* Pins the calling thread to CPU i modulo the CPUs present. */
+void suite_pin(int i);
+const char *suite_size_name(size_t bytes, char *buf, size_t n);
+/* Mixed sizes: a power of two from min to max, uniformly over exponents. */
+size_t suite_mixed_size(uint64_t r, size_t min, size_t max);
+
+/* magpie's statistics as one line (and CSV rows): where its reserved
+ * memory sits, for reading a figure, not a measurement of its own. */
+void suite_magpie_stats(const char *workload, const char *when);
+/* Called at the start of each workload: says when magpie's peak of reserved
+ * memory already holds an earlier workload's (it cannot be restarted). */
+void suite_magpie_peak_note(void);
+
+void workload_latency(const suite_opts *o);
+void workload_scaling(const suite_opts *o);
+void workload_pipeline(const suite_opts *o);
+void workload_crossfree(const suite_opts *o);
+void workload_trace(const suite_opts *o);
+
+#endif

@@ -1,0 +1,161 @@
+/* Workload 2: thread scaling. T threads (--threads), each pinned to its own
+ * CPU and using its own stream, each keeping a window of --window live
+ * blocks of mixed sizes (--mix) and replacing a random one per step (free +
+ * alloc). Aggregate operations (allocs + frees) per second, and reserved
+ * memory against the sum of the threads' peak live bytes (requested
+ * sizes). Every allocator is reset before each point; magpie's peak cannot
+ * be restarted, so its figure is its peak over the workload so far (the
+ * points run from fewest threads to most). */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "bench/bench_dev.h"
+#include "bench/suite.h"
+
+typedef struct worker {
+  const suite_opts *o;
+  bench_alloc *a;
+  int index;
+  cudaStream_t stream;
+  uint64_t ops;
+  size_t peak_live;
+  pthread_barrier_t *start;
+} worker;
+
+static void *worker_main(void *arg) {
+  worker *w = arg;
+  const suite_opts *o = w->o;
+  suite_pin(w->index);
+  bench_dev_thread_init();
+  uint64_t seed = o->seed * 0x9E3779B97F4A7C15ull + (uint64_t)w->index + 1;
+  int window = o->scale_window;
+  void **live = calloc((size_t)window, sizeof *live);
+  size_t *sz = calloc((size_t)window, sizeof *sz);
+  size_t cur = 0;
+  uint64_t ops = 0;
+  pthread_barrier_wait(w->start);
+  if (live == NULL || sz == NULL) goto out;
+  double end = suite_now() + o->scale_seconds;
+  for (;;) {
+    for (int k = 0; k < 256; k++) {
+      uint64_t r = suite_rand(&seed);
+      int i = (int)(r % (uint64_t)window);
+      if (live[i]) {
+        w->a->free(live[i], sz[i], w->stream);
+        cur -= sz[i];
+        ops++;
+      }
+      sz[i] = suite_mixed_size(r >> 32, o->mix_min, o->mix_max);
+      live[i] = w->a->alloc(sz[i], w->stream);
+      if (live[i]) {
+        cur += sz[i];
+        if (cur > w->peak_live) w->peak_live = cur;
+      }
+      ops++;
+    }
+    if (suite_now() >= end) break;
+  }
+  for (int i = 0; i < window; i++)
+    if (live[i]) w->a->free(live[i], sz[i], w->stream);
+out:
+  w->ops = ops;
+  free(live);
+  free(sz);
+  return NULL;
+}
+
+static double run_point(const suite_opts *o, bench_alloc *a, int threads, cudaStream_t *streams,
+                        size_t *sum_peaks) {
+  worker *w = calloc((size_t)threads, sizeof *w);
+  pthread_t *t = calloc((size_t)threads, sizeof *t);
+  if (w == NULL || t == NULL) return 0;
+  pthread_barrier_t start;
+  pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
+  for (int i = 0; i < threads; i++) {
+    w[i] = (worker){.o = o, .a = a, .index = i, .stream = streams[i], .start = &start};
+    pthread_create(&t[i], NULL, worker_main, &w[i]);
+  }
+  pthread_barrier_wait(&start);
+  double t0 = suite_now();
+  uint64_t ops = 0;
+  size_t peaks = 0;
+  for (int i = 0; i < threads; i++) {
+    pthread_join(t[i], NULL);
+    ops += w[i].ops;
+    peaks += w[i].peak_live;
+  }
+  double el = suite_now() - t0;
+  pthread_barrier_destroy(&start);
+  free(w);
+  free(t);
+  *sum_peaks = peaks;
+  return (double)ops / el;
+}
+
+void workload_scaling(const suite_opts *o) {
+  bench_alloc *a = bench_allocs();
+  int maxt = 0;
+  for (int i = 0; i < o->scale_points; i++)
+    if (o->scale_threads[i] > maxt) maxt = o->scale_threads[i];
+  cudaStream_t *streams = calloc((size_t)maxt, sizeof *streams);
+  if (streams == NULL) return;
+  for (int i = 0; i < maxt; i++)
+    if ((streams[i] = bench_stream_create()) == NULL) return;
+  char lo[32], hi[32];
+  printf("\n== 2 scaling: each thread on its own stream, window %d live blocks of %s-%s, random frees, %.2f s "
+         "per point\n",
+         o->scale_window, suite_size_name(o->mix_min, lo, sizeof lo), suite_size_name(o->mix_max, hi, sizeof hi),
+         o->scale_seconds);
+  suite_magpie_peak_note();
+  printf("%7s %-16s %12s %9s %11s %14s\n", "threads", "allocator", "Mops/s", "x 1 thr", "magpie/x", "reserved/peaks");
+  double base[BA_COUNT] = {0}, mp16 = 0, mp1 = 0, ratio16 = 0;
+  int top = 0;
+  for (int pi = 0; pi < o->scale_points; pi++) {
+    int th = o->scale_threads[pi];
+    double mp = 0;
+    for (int w = 0; w < BA_COUNT; w++) {
+      if (!o->use[w]) continue;
+      a[w].reset();
+      size_t peaks = 0;
+      double r = run_point(o, &a[w], th, streams, &peaks);
+      uint64_t reserved = a[w].peak_reserved();
+      if (base[w] == 0) base[w] = r;
+      if (w == BA_MAGPIE) mp = r;
+      double ratio = peaks && reserved ? (double)reserved / (double)peaks : 0;
+      printf("%7d %-16s %12.2f %9.2f", th, a[w].name, r / 1e6, base[w] ? r / base[w] : 0);
+      if (w != BA_MAGPIE && mp > 0) printf(" %11.1f", mp / r);
+      else printf(" %11s", "");
+      if (ratio > 0) printf(" %14.2f\n", ratio);
+      else printf(" %14s\n", "n/a");
+      char x[16];
+      snprintf(x, sizeof x, "%d", th);
+      suite_row("scaling", a[w].name, x, "ops_per_s", r);
+      suite_row("scaling", a[w].name, x, "sum_peak_live_bytes", (double)peaks);
+      if (reserved) suite_row("scaling", a[w].name, x, "peak_reserved_bytes", (double)reserved);
+      if (w == BA_MAGPIE) {
+        if (th == 1) mp1 = r;
+        if (th >= top) {
+          top = th;
+          mp16 = r;
+          ratio16 = ratio;
+        }
+      }
+    }
+  }
+  if (o->use[BA_MAGPIE]) suite_magpie_stats("scaling", "after the last point");
+  if (o->use[BA_MAGPIE] && top >= 16) {
+    char d[160];
+    snprintf(d, sizeof d, "%.1f M ops/s at %d threads", mp16 / 1e6, top);
+    suite_target("scaling", "magpie >= 300 M ops/s at 16 threads", mp16 >= 300e6, d);
+    if (mp1 > 0) {
+      snprintf(d, sizeof d, "%.2fx its own 1-thread %.1f M ops/s", mp16 / mp1, mp1 / 1e6);
+      suite_target("scaling", "magpie 16 threads >= 8x 1 thread", mp16 >= 8 * mp1, d);
+    }
+    snprintf(d, sizeof d, "peak reserved / sum of per-thread peak live bytes = %.2f", ratio16);
+    suite_target("scaling", "magpie reserved <= 1.3x sum of per-thread peaks", ratio16 > 0 && ratio16 <= 1.3, d);
+  }
+  bench_device_sync();
+  for (int i = 0; i < maxt; i++) bench_stream_destroy(streams[i]);
+  free(streams);
+}

@@ -1,0 +1,383 @@
+/* Large blocks, the out-of-memory ladder, statistics and snapshots against
+ * the deterministic fake device (tests/fake_backend.c): splitting and
+ * coalescing, segments growing and shrinking by granule, stream rules,
+ * stealing from an idle thread, per-layer statistics after random
+ * operation sequences, and snapshots parsed back and checked against the
+ * statistics. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "magpie.h"
+#include "src/heap.h"
+#include "src/init.h"
+#include "src/large.h"
+#include "tests/fake_backend.h"
+#include "tests/json_mini.h"
+
+#define MiB ((size_t)1 << 20)
+
+/* reserved = in_use + thread + depot + pending + large free + overhead,
+ * whenever no thread is inside magpie. */
+static void check_layers(int dev) {
+  magpie_stats s;
+  assert_int_equal(magpie_stats_get(dev, &s), MAGPIE_OK);
+  size_t sum = s.in_use_bytes + s.thread_cached_bytes + s.depot_bytes + s.epoch_pending_bytes +
+               s.large_free_bytes + s.overhead_bytes;
+  if (sum != s.reserved_bytes)
+    fail_msg("reserved %zu != in_use %zu + thread %zu + depot %zu + pending %zu + large free %zu + overhead %zu",
+             s.reserved_bytes, s.in_use_bytes, s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes,
+             s.large_free_bytes, s.overhead_bytes);
+  assert_int_equal(s.cached_bytes, s.reserved_bytes - s.in_use_bytes);
+  assert_true(s.peak_reserved_bytes >= s.reserved_bytes);
+  assert_true(s.large_mapped_bytes <= s.reserved_bytes);
+}
+
+/* Free blocks in the large layer (under its lock). */
+static int large_free_count(int dev) {
+  heap *h = heap_peek(dev);
+  int n = 0;
+  pthread_mutex_lock(&h->large.lock);
+  for (lblock *b = h->large.free; b; b = b->fnext) n++;
+  pthread_mutex_unlock(&h->large.lock);
+  return n;
+}
+
+static void test_split_and_coalesce(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  char *a = magpie_malloc_async(3 * MiB, s);
+  char *b = magpie_malloc_async(5 * MiB, s);
+  char *c = magpie_malloc_async(3 * MiB, s);
+  assert_non_null(a);
+  /* Carved one after another out of one segment, not rounded to 2 MiB. */
+  assert_ptr_equal(b, a + 3 * MiB);
+  assert_ptr_equal(c, b + 5 * MiB);
+  memset(a, 1, 3 * MiB);
+  memset(b, 2, 5 * MiB);
+  memset(c, 3, 3 * MiB);
+  check_layers(0);
+  /* A hole of 5 MiB: a 4 MiB request takes it (best fit: the segment's
+   * tail is larger), leaving 1 MiB split off. */
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
+  char *d = magpie_malloc_async(4 * MiB, s);
+  assert_ptr_equal(d, b);
+  assert_int_equal(magpie_usable_size(d), 4 * MiB);
+  char *e = magpie_malloc_async(1 * MiB + 4096, s); /* > 1 MiB: large, does not fit the 1 MiB rest */
+  assert_true(e > c);
+  /* Freeing everything on one stream merges the neighbours back into one
+   * block waiting on s, beside the never-used (ready) rest of the segment. */
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(d, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(e, s), MAGPIE_OK);
+  assert_int_equal(large_free_count(0), 2);
+  check_layers(0);
+  /* The whole merged range serves one block of their total size. */
+  char *f = magpie_malloc_async(12 * MiB, s);
+  assert_ptr_equal(f, a);
+  assert_int_equal(magpie_free_async(f, s), MAGPIE_OK);
+  /* Once s's work completed, the two merge. */
+  fake_stream_complete(s);
+  large_reclaim(heap_peek(0));
+  assert_int_equal(large_free_count(0), 1);
+  check_layers(0);
+}
+
+static void test_segment_grows_and_shrinks(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  magpie_stats s0, s1, s2;
+  assert_int_equal(magpie_stats_get(0, &s0), MAGPIE_OK);
+  char *x = magpie_malloc_async(10 * MiB, s);
+  char *y = magpie_malloc_async(10 * MiB, s);
+  char *z = magpie_malloc_async(10 * MiB, s);
+  assert_int_equal(magpie_stats_get(0, &s1), MAGPIE_OK);
+  /* Grown granule by granule: 30 MiB mapped for 30 MiB of blocks. */
+  assert_int_equal(s1.large_mapped_bytes - s0.large_mapped_bytes, 30 * MiB);
+  memset(x, 0x11, 10 * MiB);
+  memset(z, 0x33, 10 * MiB);
+  assert_int_equal(magpie_free_async(y, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  /* Shrink: the hole's granules go back; its neighbours stay mapped. */
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &s2), MAGPIE_OK);
+  assert_int_equal(s1.large_mapped_bytes - s2.large_mapped_bytes, 10 * MiB);
+  assert_true(s2.large_bytes_unmapped >= 10 * MiB);
+  for (size_t i = 0; i < 10 * MiB; i += 4096) assert_true(x[i] == 0x11 && z[i] == 0x33);
+  check_layers(0);
+  /* Growing again into the hole (an exact fit) maps it back. */
+  char *w = magpie_malloc_async(10 * MiB, t);
+  assert_ptr_equal(w, y);
+  memset(w, 0x22, 10 * MiB);
+  assert_int_equal(magpie_free_async(x, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(z, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(w, t), MAGPIE_OK);
+  fake_stream_complete(s);
+  fake_stream_complete(t);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &s2), MAGPIE_OK);
+  assert_int_equal(s2.large_mapped_bytes, 0);
+  check_layers(0);
+}
+
+static void test_large_stream_rules(void **state) {
+  (void)state;
+  /* Device 1 holds 24 MiB. */
+  fake_set_current_device(1);
+  cudaStream_t a = fake_stream_create(1), b = fake_stream_create(1);
+  char *p = magpie_malloc_async(8 * MiB, a);
+  assert_non_null(p);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  /* Freeing stream: at once. */
+  char *q = magpie_malloc_async(8 * MiB, a);
+  assert_ptr_equal(q, p);
+  assert_int_equal(magpie_free_async(q, a), MAGPIE_OK);
+  /* Another stream, while A's work is pending and memory is plentiful:
+   * new memory, not A's block. */
+  char *r = magpie_malloc_async(12 * MiB, b);
+  assert_non_null(r);
+  assert_ptr_not_equal(r, p);
+  /* Under pressure: B takes A's pending block by waiting on its event, not
+   * by a host wait. */
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(1, &st0), MAGPIE_OK);
+  fake_counters c0, c1;
+  fake_get_counters(&c0);
+  char *u = magpie_malloc_async(8 * MiB, b);
+  fake_get_counters(&c1);
+  assert_int_equal(magpie_stats_get(1, &st1), MAGPIE_OK);
+  assert_ptr_equal(u, p);
+  assert_int_equal(st1.stream_waits - st0.stream_waits, 1);
+  assert_int_equal(c1.event_syncs, c0.event_syncs);
+  assert_int_equal(c1.device_syncs, c0.device_syncs);
+  assert_int_equal(magpie_free_async(u, b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(r, b), MAGPIE_OK);
+  fake_stream_complete(a);
+  fake_stream_complete(b);
+  check_layers(1);
+  fake_set_current_device(0);
+}
+
+/* ---- an idle thread's magazines ---- */
+
+static pthread_mutex_t idle_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t idle_cv = PTHREAD_COND_INITIALIZER;
+static int idle_phase;
+static cudaStream_t idle_stream;
+
+static void *idle_worker(void *arg) {
+  (void)arg;
+  fake_set_current_device(2);
+  void *p[256];
+  int n = 0;
+  while (n < 256 && (p[n] = magpie_malloc_async(64 * 1024, idle_stream)) != NULL) n++;
+  for (int i = 0; i < n; i++) magpie_free_async(p[i], idle_stream);
+  pthread_mutex_lock(&idle_mu);
+  idle_phase = 1;
+  pthread_cond_broadcast(&idle_cv);
+  while (idle_phase != 2) pthread_cond_wait(&idle_cv, &idle_mu); /* idle, caches full */
+  pthread_mutex_unlock(&idle_mu);
+  return NULL;
+}
+
+static void test_idle_thread_gives_back(void **state) {
+  (void)state;
+  /* Device 2 holds 16 MiB; the idle thread's magazines hold some of it. */
+  idle_stream = fake_stream_create(2);
+  pthread_t t;
+  pthread_create(&t, NULL, idle_worker, NULL);
+  pthread_mutex_lock(&idle_mu);
+  while (idle_phase != 1) pthread_cond_wait(&idle_cv, &idle_mu);
+  pthread_mutex_unlock(&idle_mu);
+  fake_stream_complete(idle_stream);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(2, &st0), MAGPIE_OK);
+  assert_true(st0.thread_cached_bytes > 0);
+  /* A block as large as most of the device: only the idle thread's
+   * memory makes room for it. */
+  fake_set_current_device(2);
+  cudaStream_t s = fake_stream_create(2);
+  void *big = magpie_malloc_async(15 * MiB, s);
+  assert_non_null(big);
+  assert_int_equal(magpie_stats_get(2, &st1), MAGPIE_OK);
+  assert_true(st1.threads_stolen > st0.threads_stolen || st1.threads_flushed > st0.threads_flushed);
+  assert_true(st1.ladder_steps[HEAP_STEP_THREADS] > 0);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  pthread_mutex_lock(&idle_mu);
+  idle_phase = 2;
+  pthread_cond_broadcast(&idle_cv);
+  pthread_mutex_unlock(&idle_mu);
+  pthread_join(t, NULL);
+  check_layers(2);
+  fake_set_current_device(0);
+}
+
+/* ---- random sequences, invariants after every step, snapshots ---- */
+
+static char *snapshot_text(int dev) {
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  assert_int_equal(magpie_snapshot_json(dev, f), MAGPIE_OK);
+  fclose(f);
+  return buf;
+}
+
+/* Parse a snapshot back and check its blocks add up to its statistics. */
+static void check_snapshot(int dev) {
+  char *text = snapshot_text(dev);
+  jm *doc = jm_parse(text);
+  if (doc == NULL) fail_msg("snapshot is not valid JSON: %.200s", text);
+  assert_int_equal(jm_num(doc, "magpie_snapshot"), 1);
+  assert_int_equal(jm_num(doc, "threads_skipped"), 0);
+  const jm *st = jm_get(doc, "stats");
+  const jm *segs = jm_get(doc, "segments");
+  assert_non_null(st);
+  assert_non_null(segs);
+  size_t in_use = 0, thread = 0, depot = 0, pending = 0, large_free = 0, large_mapped = 0, slabs = 0;
+  for (size_t i = 0; i < segs->n; i++) {
+    const jm *sg = segs->kids[i];
+    if (strcmp(jm_str(sg, "kind"), "slab") == 0) {
+      slabs++;
+      size_t bs = jm_num(sg, "block_size"), nb = 0;
+      const jm *runs = jm_get(sg, "runs");
+      for (size_t r = 0; r < runs->n; r++) {
+        const char *name = runs->kids[r]->kids[0]->str;
+        size_t count = runs->kids[r]->kids[1]->num;
+        nb += count;
+        if (strcmp(name, "in_use") == 0) in_use += count * bs;
+        else if (strcmp(name, "thread") == 0) thread += count * bs;
+        else if (strcmp(name, "depot") == 0) depot += count * bs;
+        else if (strcmp(name, "pending") == 0 || strcmp(name, "limbo") == 0) pending += count * bs;
+        else assert_string_equal(name, "unused");
+      }
+      assert_int_equal(nb, jm_num(sg, "blocks"));
+    } else {
+      assert_string_equal(jm_str(sg, "kind"), "large_segment");
+      const jm *runs = jm_get(sg, "mapped");
+      for (size_t r = 0; r < runs->n; r++) large_mapped += runs->kids[r]->kids[1]->num * jm_num(sg, "granule");
+      const jm *blocks = jm_get(sg, "blocks");
+      uintptr_t next = jm_num(sg, "base");
+      for (size_t k = 0; k < blocks->n; k++) {
+        const jm *b = blocks->kids[k];
+        assert_int_equal(jm_num(b, "base"), next); /* blocks tile the segment */
+        next += jm_num(b, "size");
+        const char *state = jm_str(b, "state");
+        if (strcmp(state, "in_use") == 0) in_use += jm_num(b, "size");
+        else if (strcmp(state, "free") == 0) large_free += jm_num(b, "mapped");
+        else assert_string_equal(state, "pending"), pending += jm_num(b, "mapped");
+      }
+      assert_int_equal(next, jm_num(sg, "base") + jm_num(sg, "size"));
+    }
+  }
+  assert_int_equal(in_use, jm_num(st, "in_use_bytes"));
+  assert_int_equal(thread, jm_num(st, "thread_cached_bytes"));
+  assert_int_equal(depot, jm_num(st, "depot_bytes"));
+  assert_int_equal(pending, jm_num(st, "epoch_pending_bytes"));
+  assert_int_equal(large_free, jm_num(st, "large_free_bytes"));
+  assert_int_equal(large_mapped, jm_num(st, "large_mapped_bytes"));
+  assert_int_equal(slabs, jm_num(st, "slab_count"));
+  free(text);
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng(void) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return rng_state;
+}
+
+static void test_random_sequences_keep_invariants(void **state) {
+  (void)state;
+  enum { LIVE = 96, STEPS = 3000, STREAMS = 3 };
+  cudaStream_t st[STREAMS];
+  for (int i = 0; i < STREAMS; i++) st[i] = fake_stream_create(0);
+  void *live[LIVE] = {0};
+  size_t size[LIVE] = {0};
+  size_t expect_in_use = 0;
+  magpie_stats base;
+  assert_int_equal(magpie_stats_get(0, &base), MAGPIE_OK);
+  for (int step = 0; step < STEPS; step++) {
+    int k = (int)(rng() % LIVE);
+    cudaStream_t s = st[rng() % STREAMS];
+    uint64_t op = rng() % 100;
+    if (op < 3) {
+      fake_stream_complete(s);
+    } else if (op < 4) {
+      assert_int_equal(magpie_trim(0, (rng() % 4) * MiB), MAGPIE_OK);
+    } else if (live[k] == NULL) {
+      size_t sz = rng() % 4 == 0 ? MiB + rng() % (24 * MiB) : 1 + rng() % (256 * 1024);
+      live[k] = magpie_malloc_async(sz, s);
+      assert_non_null(live[k]);
+      size[k] = magpie_usable_size(live[k]);
+      assert_true(size[k] >= sz);
+      expect_in_use += size[k];
+    } else {
+      assert_int_equal(magpie_free_async(live[k], s), MAGPIE_OK);
+      expect_in_use -= size[k];
+      live[k] = NULL;
+    }
+    check_layers(0);
+    magpie_stats now;
+    assert_int_equal(magpie_stats_get(0, &now), MAGPIE_OK);
+    assert_int_equal(now.in_use_bytes - base.in_use_bytes, expect_in_use);
+    if (step % 500 == 0) check_snapshot(0);
+  }
+  for (int k = 0; k < LIVE; k++)
+    if (live[k]) assert_int_equal(magpie_free_async(live[k], st[0]), MAGPIE_OK);
+  for (int i = 0; i < STREAMS; i++) fake_stream_complete(st[i]);
+  check_layers(0);
+  check_snapshot(0);
+  /* Everything free and complete: trimming to 0 leaves only overhead and
+   * what thread caches of exited threads... there are none here. */
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  magpie_stats end;
+  assert_int_equal(magpie_stats_get(0, &end), MAGPIE_OK);
+  assert_int_equal(end.reserved_bytes, end.in_use_bytes);
+  check_snapshot(0);
+}
+
+static void test_snapshot_bad_input(void **state) {
+  (void)state;
+  assert_int_equal(magpie_snapshot_json(0, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  FILE *f = tmpfile();
+  assert_int_equal(magpie_snapshot_json(99, f), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(magpie_last_error_message(), "no device 99"));
+  fclose(f);
+  assert_int_equal(magpie_trim(-1, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  /* A device with nothing allocated yet: an empty, valid snapshot. */
+  char *text = snapshot_text(3);
+  jm *doc = jm_parse(text);
+  assert_non_null(doc);
+  assert_int_equal(jm_get(doc, "segments")->n, 0);
+  free(text);
+}
+
+int main(void) {
+  fake_set_devices(4);
+  fake_set_capacity(1, 24 * MiB);
+  fake_set_capacity(2, 16 * MiB);
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  if (global_init_slow(&cfg, fake_backend()) != MAGPIE_OK) return 1;
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_split_and_coalesce),
+      cmocka_unit_test(test_segment_grows_and_shrinks),
+      cmocka_unit_test(test_large_stream_rules),
+      cmocka_unit_test(test_idle_thread_gives_back),
+      cmocka_unit_test(test_random_sequences_keep_invariants),
+      cmocka_unit_test(test_snapshot_bad_input),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}

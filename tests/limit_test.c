@@ -1,0 +1,132 @@
+/* Limits, trimming and the release threshold on the simulated device. The
+ * environment (tests/BUILD) sets MAGPIE_SIM_MEMORY=512m and
+ * MAGPIE_CONF=limit=25%,release_threshold=16m: magpie may hold 128 MiB and
+ * gives back, in the background, what it caches above 16 MiB. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "magpie.h"
+#include "magpie_sim.h"
+
+#define MiB ((size_t)1 << 20)
+#define LIMIT (128 * MiB)
+#define THRESHOLD (16 * MiB)
+
+static void sleep_ms(int ms) {
+  struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&t, NULL);
+}
+
+static void test_limit_caps_reserved(void **state) {
+  (void)state;
+  cudaStream_t s = magpie_sim_stream_create();
+  void *held[512];
+  int n = 0;
+  /* Mixed sizes until the limit (not the 512 MiB device) says no. */
+  while (n < 512) {
+    size_t sz = n % 3 == 0 ? 3 * MiB : 200 * 1024;
+    void *p = magpie_malloc_async(sz, s);
+    if (p == NULL) break;
+    held[n++] = p;
+    magpie_stats st;
+    assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+    assert_true(st.reserved_bytes <= LIMIT);
+  }
+  assert_true(n > 0 && n < 512);
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_OUT_OF_MEMORY);
+  const char *msg = magpie_last_error_message();
+  if (strstr(msg, "limit 134217728 bytes") == NULL) fail_msg("message: %s", msg);
+  assert_non_null(strstr(msg, "in use"));
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.limit_bytes, LIMIT);
+  assert_true(st.ladder_steps[5] > 0); /* went down the ladder, then failed */
+  size_t dev_free = 0, dev_total = 0;
+  assert_int_equal(magpie_sim_mem_info(0, &dev_free, &dev_total), MAGPIE_OK);
+  assert_true(dev_total - dev_free <= LIMIT);
+  /* Free everything with the stream's work pending: a block of most of the
+   * limit still comes (the ladder waits for the epochs). */
+  for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(held[i], s), MAGPIE_OK);
+  cudaStream_t t = magpie_sim_stream_create();
+  void *big = magpie_malloc_async(LIMIT - 16 * MiB, t);
+  if (big == NULL) fail_msg("%s", magpie_last_error_message());
+  assert_int_equal(magpie_free_async(big, t), MAGPIE_OK);
+  /* Past the limit: a clear failure. */
+  assert_null(magpie_malloc_async(LIMIT + 2 * MiB, t));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_OUT_OF_MEMORY);
+  magpie_sim_stream_synchronize(s);
+  magpie_sim_stream_synchronize(t);
+  magpie_sim_stream_destroy(s);
+  magpie_sim_stream_destroy(t);
+}
+
+static void test_trim_keeps_what_is_asked(void **state) {
+  (void)state;
+  cudaStream_t s = magpie_sim_stream_create();
+  void *p[40];
+  for (int i = 0; i < 40; i++) assert_non_null(p[i] = magpie_malloc_async(i % 2 ? 2 * MiB + 4096 : 100 * 1024, s));
+  for (int i = 0; i < 40; i += 2) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  for (int i = 1; i < 20; i += 2) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  magpie_sim_stream_synchronize(s);
+  magpie_stats before, after;
+  assert_int_equal(magpie_stats_get(0, &before), MAGPIE_OK);
+  assert_int_equal(magpie_trim(0, 8 * MiB), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &after), MAGPIE_OK);
+  assert_int_equal(after.in_use_bytes, before.in_use_bytes);
+  assert_true(after.reserved_bytes - after.in_use_bytes <= 8 * MiB);
+  for (int i = 21; i < 40; i += 2) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  magpie_sim_stream_synchronize(s);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &after), MAGPIE_OK);
+  assert_int_equal(after.in_use_bytes, 0);
+  assert_int_equal(after.reserved_bytes, 0);
+  magpie_sim_stream_destroy(s);
+}
+
+static void test_release_threshold_in_background(void **state) {
+  (void)state;
+  cudaStream_t s = magpie_sim_stream_create();
+  void *p[10];
+  for (int i = 0; i < 10; i++) assert_non_null(p[i] = magpie_malloc_async(10 * MiB, s));
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.reserved_bytes >= 100 * MiB);
+  for (int i = 0; i < 10; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  magpie_sim_stream_synchronize(s);
+  /* No call into magpie from here: the background thread gives back what
+   * is cached above the threshold. */
+  int ok = 0;
+  for (int i = 0; i < 100 && !ok; i++) {
+    sleep_ms(50);
+    assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+    ok = st.reserved_bytes - st.in_use_bytes <= THRESHOLD;
+  }
+  if (!ok) fail_msg("still %zu bytes cached above the %zu-byte threshold", st.reserved_bytes - st.in_use_bytes,
+                    THRESHOLD);
+  assert_true(st.large_bytes_unmapped > 0);
+  magpie_sim_stream_destroy(s);
+}
+
+static void test_config_errors(void **state) {
+  (void)state;
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  assert_int_equal(magpie_init(&cfg), MAGPIE_ERR_ALREADY_INITIALIZED);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_limit_caps_reserved),
+      cmocka_unit_test(test_trim_keeps_what_is_asked),
+      cmocka_unit_test(test_release_threshold_in_background),
+      cmocka_unit_test(test_config_errors),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
