@@ -91,6 +91,31 @@ MAGPIE_API int magpie_sim_stream_wait_event(cudaStream_t s, magpie_sim_event e);
 /* Capacity and use of the simulated device memory, in bytes. */
 MAGPIE_API int magpie_sim_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
 
+/* Stream-order checker. While on, every block magpie hands out is checked
+ * against the uses recorded when its bytes were last freed: each such use
+ * (everything enqueued on the freeing stream before the free) must be
+ * ordered before the receiving stream's future work, through stream order,
+ * stream waits and waits on events, or have been observed complete by the
+ * host (an event query that reported completion, an event, stream or device
+ * synchronize). Vector clocks kept at enqueue time decide this, not timing:
+ * a premature reuse is reported even when the two uses never overlap in
+ * time. Each violation is counted and the first few are printed to stderr.
+ * On with MAGPIE_CONF=check_streams=1 (magpie_config.check_streams) when
+ * magpie uses the simulated device, or switched here; blocks handed out
+ * while it was off are not tracked. It serialises magpie's allocation calls
+ * on one lock: for tests, not for speed. */
+MAGPIE_API int magpie_sim_check_enable(int on);
+MAGPIE_API int magpie_sim_check_enabled(void);
+/* Violations found so far, and hand-outs checked. */
+MAGPIE_API uint64_t magpie_sim_check_violations(void);
+MAGPIE_API uint64_t magpie_sim_check_handouts(void);
+/* Operations the checker could not track for lack of host memory (its
+ * verdicts may then miss violations; never invents one). */
+MAGPIE_API uint64_t magpie_sim_check_incomplete(void);
+/* Copies the first violation's message ("" if none) into buf; returns its
+ * length. */
+MAGPIE_API size_t magpie_sim_check_message(char *buf, size_t len);
+
 #ifdef __cplusplus
 }
 #endif

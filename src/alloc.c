@@ -1,17 +1,34 @@
 /* The public allocation API: thin wrappers over the thread-cache fast
- * paths (tcache.h), which fall through to the slow paths in tcache.c. */
+ * paths (tcache.h), which fall through to the slow paths in tcache.c. The
+ * simulated device's stream-order checker watches hand-outs and frees here,
+ * behind one read-mostly flag (sim_check.h). */
 #include "error.h"
 #include "init.h"
 #include "large.h"
+#include "sim_check.h"
 #include "tcache.h"
 
-MAGPIE_API void *magpie_malloc_async(size_t size, cudaStream_t stream) { return tcache_alloc(size, stream); }
+static inline void *alloc_checked(size_t size, cudaStream_t stream) {
+  void *p = tcache_alloc(size, stream);
+  if (unlikely(atomic_load_relaxed(&sim_check_on)) && p != NULL) {
+    size_t usable = magpie_usable_size(p);
+    sim_check_handout(p, usable > size ? usable : size, stream);
+  }
+  return p;
+}
 
-MAGPIE_API int magpie_free_async(void *ptr, cudaStream_t stream) { return tcache_free(ptr, stream); }
+static inline int free_checked(void *ptr, cudaStream_t stream) {
+  if (unlikely(atomic_load_relaxed(&sim_check_on))) sim_check_free(ptr, stream);
+  return tcache_free(ptr, stream);
+}
 
-MAGPIE_API void *magpie_malloc(size_t size) { return tcache_alloc(size, (cudaStream_t)0); }
+MAGPIE_API void *magpie_malloc_async(size_t size, cudaStream_t stream) { return alloc_checked(size, stream); }
 
-MAGPIE_API int magpie_free(void *ptr) { return tcache_free(ptr, (cudaStream_t)0); }
+MAGPIE_API int magpie_free_async(void *ptr, cudaStream_t stream) { return free_checked(ptr, stream); }
+
+MAGPIE_API void *magpie_malloc(size_t size) { return alloc_checked(size, (cudaStream_t)0); }
+
+MAGPIE_API int magpie_free(void *ptr) { return free_checked(ptr, (cudaStream_t)0); }
 
 MAGPIE_API size_t magpie_usable_size(const void *ptr) {
   slab *sl = pagemap_lookup((uintptr_t)ptr);
@@ -40,11 +57,11 @@ MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stre
     error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_torch_malloc: negative size %zd", size);
     return NULL;
   }
-  return tcache_alloc((size_t)size, stream);
+  return alloc_checked((size_t)size, stream);
 }
 
 MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
   (void)size;
   (void)device;
-  tcache_free(ptr, stream); /* errors are kept in magpie_last_error */
+  free_checked(ptr, stream); /* errors are kept in magpie_last_error */
 }

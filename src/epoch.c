@@ -107,6 +107,9 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
 enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
   stream_rec *r = t->rec;
   if (r == NULL) return EPOCH_READY_DONE;
+#ifdef MAGPIE_TEST_BREAK_EPOCH_CHECK
+  return EPOCH_READY_DONE; /* deliberately broken build: tests/BUILD expects its tests to fail */
+#endif
   if (r->id == stream_id) return EPOCH_READY_SAME;
   if (atomic_load_acquire(&r->done) >= t->seq) return EPOCH_READY_DONE;
   if (r->table->ops->event_query(t->ev->ev) == MAGPIE_OK) {

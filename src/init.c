@@ -12,6 +12,7 @@
 #include "error.h"
 #include "heap.h"
 #include "magazine.h"
+#include "sim_check.h"
 #include "tcache.h"
 #include "sizeclass.h"
 #include "stats.h"
@@ -110,6 +111,8 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   epoch_module_init();
   heap_module_init(ops);
   if (c.verbose) atexit(init_verbose_atexit);
+  /* The stream-order checker exists only on the simulated device. */
+  if (c.check_streams && ops == backend_sim()) atomic_store_relaxed(&sim_check_on, 1);
   atomic_store_release(&global_state_v, GLOBAL_READY);
   pthread_mutex_unlock(&init_lock);
   return MAGPIE_OK;

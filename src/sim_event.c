@@ -51,6 +51,10 @@ struct sim_cell {
    * which so orders every holder's accesses before the free. */
   _Atomic uint32_t refs;
   struct sim_cell *reap_next; /* written by the last dropper before its push */
+  /* The stream-order checker's clock at the marker (NULL when it is off):
+   * written by the recording host before the marker is pushed and the cell
+   * published under the event lock; immutable after; freed with the cell. */
+  struct sim_vc *vc;
 };
 
 struct sim_cell *sim_event_cell_new(uint32_t refs) {
@@ -59,6 +63,7 @@ struct sim_cell *sim_event_cell_new(uint32_t refs) {
   atomic_init(&c->state, SIM_CELL_PENDING);
   atomic_init(&c->refs, refs);
   c->reap_next = NULL;
+  c->vc = NULL;
   return c;
 }
 
@@ -116,6 +121,7 @@ static void *sim_event_reaper(void *arg) {
       struct sim_cell *next = c->reap_next;
       /* Acquire the release sequence of every holder's decrement. */
       (void)atomic_load_explicit(&c->refs, memory_order_acquire);
+      sim_vc_free(c->vc);
       free(c);
       c = next;
     }
@@ -245,6 +251,7 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
     pthread_mutex_unlock(&e->lock);
     return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for an event record");
   }
+  c->vc = sim_check_mark(s);
   rc = sim_stream_enqueue_marker(s, c);
   if (rc != MAGPIE_OK) {
     pthread_mutex_unlock(&e->lock);
@@ -264,6 +271,7 @@ int sim_event_query(magpie_sim_event e) {
   if (rc != MAGPIE_OK) return rc;
   /* Never recorded: complete, as in CUDA. */
   rc = e->cell == NULL || sim_event_cell_is_complete(e->cell) ? MAGPIE_OK : MAGPIE_SIM_NOT_READY;
+  if (rc == MAGPIE_OK && e->cell != NULL) sim_check_observe(e->cell->vc);
   pthread_mutex_unlock(&e->lock);
   return rc;
 }
@@ -285,6 +293,7 @@ int sim_event_synchronize(magpie_sim_event e) {
   int rc = sim_event_take_cell(e, &c);
   if (rc != MAGPIE_OK || c == NULL) return rc;
   sim_event_cell_wait(c);
+  sim_check_observe(c->vc);
   sim_event_cell_unref(c);
   return MAGPIE_OK;
 }
@@ -296,6 +305,7 @@ int sim_event_stream_wait(cudaStream_t h, magpie_sim_event e) {
   struct sim_cell *c;
   rc = sim_event_take_cell(e, &c);
   if (rc != MAGPIE_OK || c == NULL) return rc; /* never recorded: nothing to wait for */
+  sim_check_join_vc(s, c->vc);
   rc = sim_stream_enqueue_wait(s, c);
   if (rc != MAGPIE_OK) sim_event_cell_unref(c);
   return rc;

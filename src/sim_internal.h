@@ -206,4 +206,29 @@ int sim_memory_unmap(int device, uintptr_t addr, size_t size);
 int sim_memory_alloc(int device, size_t size, uintptr_t *out);
 int sim_memory_free(int device, uintptr_t ptr, size_t size);
 
+/* ---- stream-order checker (sim_check.c; model in its header comment) ---- */
+
+struct sim_vc;           /* a vector clock: stream id -> operation count */
+struct sim_check_stream; /* the checker's state of one stream */
+
+/* The checker's state slot of s (under the checker's lock) and s's id. */
+struct sim_check_stream **sim_stream_check_state(struct sim_stream *s);
+uint64_t sim_stream_uid(const struct sim_stream *s);
+
+/* Hooks, called by host threads at enqueue time; each does nothing while
+ * the checker is off. */
+void sim_check_launch(struct sim_stream *s); /* work enqueued on s */
+/* A marker enqueued on s (event record, synchronize): a new point on s and
+ * a copy of s's clock there for whoever observes the marker; NULL when off. */
+struct sim_vc *sim_check_mark(struct sim_stream *s);
+void sim_check_join_stream(struct sim_stream *waiter, struct sim_stream *waited);
+void sim_check_join_vc(struct sim_stream *waiter, const struct sim_vc *vc);
+/* A host saw the work up to vc complete. */
+void sim_check_observe(const struct sim_vc *vc);
+/* Clocks of all of device's streams (for device synchronize); NULL when off. */
+struct sim_vc *sim_check_device_snapshot(int device);
+/* s is being destroyed: its final clock stays known to device synchronize. */
+void sim_check_stream_retire(struct sim_stream *s);
+void sim_vc_free(struct sim_vc *vc);
+
 #endif /* MAGPIE_SIM_INTERNAL_H */

@@ -93,6 +93,9 @@ struct sim_stream {
    * ThreadSanitizer (see the top of this file). */
   _Atomic uint32_t wake;
   struct sim_node *exit_node; /* preallocated so destroy cannot fail */
+  /* The stream-order checker's state: host threads only, under the
+   * checker's lock (sim_check.c); the worker never touches it. */
+  struct sim_check_stream *chk;
 };
 
 /* The device registry: every stream of a device that can still have work
@@ -419,6 +422,7 @@ fail_reg:
  * returned. */
 static void sim_stream_retire(struct sim_stream *s) {
   struct sim_reg_entry *e = sim_stream_entry(s);
+  sim_check_stream_retire(s); /* before the push: then the worker may free s */
   atomic_fetch_add_explicit(&e->pins, 1, memory_order_relaxed);
   sim_stream_push(s, s->exit_node);
   atomic_fetch_sub_explicit(&e->pins, 1, memory_order_release);
@@ -514,6 +518,10 @@ uint64_t sim_stream_id_slow(cudaStream_t h) {
 }
 
 int sim_stream_device(const struct sim_stream *s) { return s->device; }
+
+uint64_t sim_stream_uid(const struct sim_stream *s) { return s->id; }
+
+struct sim_check_stream **sim_stream_check_state(struct sim_stream *s) { return &s->chk; }
 
 int sim_stream_device_of_handle(cudaStream_t h) {
   struct sim_slot *slot = sim_stream_slot_of(h);
@@ -621,6 +629,7 @@ int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg) {
   struct sim_stream *s;
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;
+  sim_check_launch(s);
   return sim_stream_enqueue(s, SIM_NODE_CLOSURE, fn, arg, NULL);
 }
 
@@ -642,6 +651,7 @@ int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited) {
     sim_event_cell_unref(c);
     return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream wait");
   }
+  sim_check_join_stream(a, b);
   sim_stream_push(b, marker);
   sim_stream_push(a, wait);
   return MAGPIE_OK;
@@ -653,14 +663,18 @@ int sim_stream_synchronize(cudaStream_t h) {
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c = sim_event_cell_new(2);
   if (c == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a synchronize");
+  struct sim_vc *vc = sim_check_mark(s);
   rc = sim_stream_enqueue_marker(s, c);
   if (rc != MAGPIE_OK) {
+    sim_vc_free(vc);
     sim_event_cell_unref(c);
     sim_event_cell_unref(c);
     return rc;
   }
   sim_event_cell_wait(c);
   sim_event_cell_unref(c);
+  sim_check_observe(vc);
+  sim_vc_free(vc);
   return MAGPIE_OK;
 }
 
@@ -671,6 +685,8 @@ int sim_stream_device_synchronize(int device) {
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
                     device, sim_ndevices);
   struct sim_device *d = &sim_devices[device];
+  /* The checker's clocks as of now: what the markers below will cover. */
+  struct sim_vc *vc = sim_check_device_snapshot(device);
   uint32_t high = atomic_load_explicit(&d->reg_high, memory_order_relaxed);
   struct sim_cell **cells = NULL;
   size_t ncells = 0, cap = 0;
@@ -714,6 +730,8 @@ int sim_stream_device_synchronize(int device) {
   /* Destroyed streams whose workers already finished: their work is done,
    * and this acquire orders it before the caller (see sim_device.retired). */
   (void)atomic_load_explicit(&d->retired, memory_order_acquire);
+  if (rc == MAGPIE_OK) sim_check_observe(vc);
+  sim_vc_free(vc);
   return rc;
 }
 

@@ -189,6 +189,9 @@ static tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id) {
   for (int i = 0; i < TCACHE_SLOTS; i++) {
     tslot *ts = &tc->slots[i];
     if (ts->heap != NULL && ts->id == id && ts->alloc_ok) return ts;
+#ifdef MAGPIE_TEST_IGNORE_STREAM_ID /* deliberately broken build: tests/BUILD expects its tests to fail */
+    if (ts->heap != NULL && ts->handle == s && ts->alloc_ok) return (ts->id = id, ts);
+#endif
   }
   /* A slot that has this (non-special) handle but another id belonged to a
    * stream that was destroyed and its handle value reused. */

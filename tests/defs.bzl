@@ -18,3 +18,38 @@ def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwarg
         tags = tags,
         **kwargs
     )
+
+def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], env = {}, size = "small"):
+    """Builds magpie with `define` (a deliberate bug, see src/epoch.c and
+    src/tcache.c), links the test sources against it, and passes only if
+    that test binary fails with `pattern` in its output
+    (tests/expect_failure.sh)."""
+    native.cc_library(
+        name = name + "_lib",
+        testonly = True,
+        srcs = ["//:lib_srcs"],
+        copts = MAGPIE_COPTS + ["-fvisibility=hidden", "-D" + define],
+        linkopts = ["-lpthread", "-ldl"],
+        deps = ["//:public_headers", "@system_libs//:jemalloc_private"],
+        alwayslink = True,
+        linkstatic = True,
+    )
+    native.cc_binary(
+        name = name + "_bin",
+        testonly = True,
+        srcs = test_srcs,
+        copts = MAGPIE_COPTS,
+        deps = [
+            ":" + name + "_lib",
+            "@system_libs//:cmocka",
+        ],
+        linkstatic = True,
+    )
+    native.sh_test(
+        name = name,
+        size = size,
+        srcs = ["expect_failure.sh"],
+        args = ["$(location :" + name + "_bin)", pattern] + args,
+        data = [":" + name + "_bin"],
+        env = env,
+    )

@@ -309,12 +309,20 @@ static void test_stress(void **state) {
                 (unsigned long long)st.limbo_magazines, st.reserved_bytes);
   assert_true(st.events_recorded > 0);
   assert_true(st.cross_stream_migrations > 0);
+  /* The simulated device's own checker (vector clocks, no timing) agrees. */
+  char msg[512];
+  magpie_sim_check_message(msg, sizeof msg);
+  if (magpie_sim_check_violations() != 0) print_message("%s\n", msg);
+  assert_int_equal(magpie_sim_check_violations(), 0);
+  assert_true(magpie_sim_check_handouts() >= (uint64_t)atomic_load(&handouts_checked));
+  assert_int_equal(magpie_sim_check_incomplete(), 0);
 }
 
 int main(void) {
   magpie_config cfg;
   magpie_config_default(&cfg);
   cfg.backend = MAGPIE_BACKEND_SIM;
+  cfg.check_streams = 1;
   /* This checker sees the waits the test enqueues, not the ones magpie
    * adds itself to reuse another stream's large block (reuse_wait), which
    * the simulated device's own stream-order checker covers: off here. */

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
-# bazel-bootstrap, used offline), cmocka, jemalloc, clang (for the
-# sanitizer builds), matplotlib (the snapshot picture). Safe to run repeatedly.
+# bazel-bootstrap, used offline), cmocka, jemalloc, clang with its runtime
+# libraries (sanitizer builds, libFuzzer), Relacy (model checking),
+# matplotlib (the snapshot picture). Safe to run repeatedly.
 set -euo pipefail
 need=()
 command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
 [ -e /usr/include/cmocka.h ] || need+=(libcmocka-dev)
 [ -e /usr/include/jemalloc/jemalloc.h ] || need+=(libjemalloc-dev)
 command -v clang >/dev/null 2>&1 || need+=(clang)
+compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null ||
+  need+=(libclang-rt-14-dev)
+[ -e /usr/include/relacy/relacy.hpp ] || need+=(relacy-dev)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v gcc >/dev/null 2>&1 || need+=(build-essential)
 # tools/snapshot_png.py and its test draw with Debian's matplotlib.
 /usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need+=(python3-matplotlib)

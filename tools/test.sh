@@ -2,9 +2,12 @@
 # Runs magpie's whole test suite (no GPU needed; GPU tests are tagged and
 # run by tools/gpu_suite.sh on a GPU machine): the plain build, then again
 # under ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer
-# (clang; configs in .bazelrc). Extra arguments go to every `bazel test`.
+# (clang; configs in .bazelrc), then the libFuzzer target for a bounded time
+# (MAGPIE_FUZZ_SECONDS, default 60; 0 skips it). Extra arguments go to every
+# `bazel test`. The model checker (tests/model) runs in the plain build only:
+# Relacy's fibers and own instrumentation do not mix with the sanitizers.
 # Ends with one line "N passed, N failed" counting the cmocka test cases of
-# every test binary in every run.
+# every test binary in every run, plus one for the fuzzing run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tools/install_deps.sh || exit 1
@@ -25,7 +28,13 @@ count_logs() {
 
 for config in "" tsan asan; do
   echo "=== bazel test //... ${config:+--config=$config}"
-  bazel test ${config:+--config=$config} //... "$@"
+  p0=$passed
+  f0=$failed
+  if [ -z "$config" ]; then
+    bazel test //... "$@"
+  else
+    bazel test --config="$config" "$@" -- //... -//tests/model:all
+  fi
   rc=$?
   if [ "$rc" -ne 0 ]; then
     status=$rc
@@ -35,6 +44,28 @@ for config in "" tsan asan; do
   else
     count_logs
   fi
+  echo "--- ${config:-plain}: $((passed - p0)) passed, $((failed - f0)) failed"
 done
+
+fuzz_seconds=${MAGPIE_FUZZ_SECONDS:-60}
+if [ "$fuzz_seconds" -gt 0 ]; then
+  echo "=== fuzzing //tests/fuzz:alloc_fuzz for ${fuzz_seconds} s"
+  work=$(mktemp -d)
+  # New inputs go to a scratch directory; the seed corpus stays as committed.
+  # Leak checking is off for the reason given in .bazelrc (asan config).
+  if bazel build --config=fuzz //tests/fuzz:alloc_fuzz &&
+    ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:quarantine_size_mb=16 \
+      bazel-bin/tests/fuzz/alloc_fuzz -max_total_time="$fuzz_seconds" -print_final_stats=1 \
+      -rss_limit_mb=3072 -artifact_prefix="$work/" "$work" tests/fuzz/corpus 2>"$work/log"; then
+    grep -E '^(Done|stat::number_of_executed_units|stat::new_units_added|stat::peak_rss_mb)' "$work/log"
+    passed=$((passed + 1))
+  else
+    tail -n 60 "$work/log"
+    echo "fuzzing found a failure; reproducer(s): $(ls "$work" | grep -E '^(crash|leak|oom|timeout)-' || true)"
+    failed=$((failed + 1))
+    status=1
+  fi
+  rm -rf "$work"
+fi
 echo "${passed} passed, ${failed} failed"
 exit "$status"

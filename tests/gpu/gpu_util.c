@@ -57,6 +57,8 @@ int gpu_env_init(gpu_env *env) {
   GPU_UTIL_TRY(cuModuleGetFunction(&env->stamp, env->module, "gpu_stamp"));
   GPU_UTIL_TRY(cuModuleGetFunction(&env->check_stamp, env->module, "gpu_check_stamp"));
   GPU_UTIL_TRY(cuModuleGetFunction(&env->delay, env->module, "gpu_delay"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->batch_stamp, env->module, "gpu_batch_stamp"));
+  GPU_UTIL_TRY(cuModuleGetFunction(&env->batch_check, env->module, "gpu_batch_check"));
   return 0;
 }
 
@@ -108,4 +110,18 @@ CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns) {
   unsigned long long t = ns;
   void *args[] = {&t};
   return cuLaunchKernel(env->delay, 1, 1, 1, 1, 1, 1, 0, s, args, NULL);
+}
+
+CUresult gpu_batch_stamp(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
+                         unsigned n) {
+  if (n == 0) return CUDA_SUCCESS;
+  void *args[] = {&ptrs, &tags, &words, &n};
+  return cuLaunchKernel(env->batch_stamp, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
+}
+
+CUresult gpu_batch_check(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
+                         unsigned n, CUdeviceptr bad) {
+  if (n == 0) return CUDA_SUCCESS;
+  void *args[] = {&ptrs, &tags, &words, &n, &bad};
+  return cuLaunchKernel(env->batch_check, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
 }

@@ -16,7 +16,7 @@ typedef struct gpu_env {
   CUdevice device;
   CUcontext ctx; /* device 0's primary context, shared with magpie */
   CUmodule module;
-  CUfunction fill_u32, check_u32, hold, stamp, check_stamp, delay;
+  CUfunction fill_u32, check_u32, hold, stamp, check_stamp, delay, batch_stamp, batch_check;
   char name[128];
   int driver_version;
 } gpu_env;
@@ -53,6 +53,14 @@ CUresult gpu_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, 
 CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
                          uint64_t expect, uint64_t tag, int restamp, CUdeviceptr bad);
 CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns);
+/* Batches of n blocks: ptrs, tags and words are device pointers of
+ * host-mapped arrays (read when the kernel runs). Stamp writes each block's
+ * tag over its probe words (up to 64, first and last included); check
+ * counts probe words that differ into *bad. */
+CUresult gpu_batch_stamp(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
+                         unsigned n);
+CUresult gpu_batch_check(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
+                         unsigned n, CUdeviceptr bad);
 
 /* Monotonic wall clock, nanoseconds. */
 uint64_t gpu_now_ns(void);

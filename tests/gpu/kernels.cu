@@ -96,3 +96,34 @@ extern "C" __global__ void gpu_delay(u64 ns) {
   while (gpu_now_ns() - t0 < ns) {
   }
 }
+
+// Batches (the soak test): one thread block per entry of a batch of blocks
+// whose pointers, tags and sizes sit in host-mapped pinned memory. Each
+// block's probe words (up to 64, spread over the whole block, first and
+// last included) get the tag, or are checked against it.
+__device__ static u64 gpu_probe(u64 words, unsigned j) {
+  u64 step = words > 64 ? (words - 1) / 63 : 1;
+  u64 w = (u64)j * step;
+  return w < words ? w : words - 1;
+}
+
+extern "C" __global__ void gpu_batch_stamp(u64 *const *ptrs, const u64 *tags, const u64 *words, unsigned n) {
+  unsigned b = blockIdx.x;
+  if (b >= n)
+    return;
+  u64 *p = ptrs[b];
+  u64 w = words[b];
+  if (threadIdx.x < 64 && (u64)threadIdx.x < (w < 64 ? w : 64))
+    p[gpu_probe(w, threadIdx.x)] = tags[b];
+}
+
+extern "C" __global__ void gpu_batch_check(u64 *const *ptrs, const u64 *tags, const u64 *words, unsigned n,
+                                           unsigned int *bad) {
+  unsigned b = blockIdx.x;
+  if (b >= n)
+    return;
+  u64 *p = ptrs[b];
+  u64 w = words[b];
+  if (threadIdx.x < 64 && (u64)threadIdx.x < (w < 64 ? w : 64) && p[gpu_probe(w, threadIdx.x)] != tags[b])
+    atomicAdd(bad, 1u);
+}
