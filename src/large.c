@@ -149,26 +149,25 @@ static int large_mergeable(lblock *a, lblock *b, lticket **deferred) {
   return 1;
 }
 
+/* Fold free block b into its lower neighbour a (mergeable). */
+static void large_absorb(large_cache *c, lblock *a, lblock *b) {
+  a->size += b->size;
+  a->next = b->next;
+  if (b->next) b->next->prev = a;
+  large_free_unlink(c, b);
+  meta_free(b);
+}
+
 /* Merge free block b with free neighbours it may join; returns the block
  * that now contains b. */
 static lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
   lblock *p = b->prev;
   if (p && p->state == LBLOCK_FREE && large_mergeable(p, b, deferred)) {
-    p->size += b->size;
-    p->next = b->next;
-    if (b->next) b->next->prev = p;
-    large_free_unlink(c, b);
-    meta_free(b);
+    large_absorb(c, p, b);
     b = p;
   }
   lblock *n = b->next;
-  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, deferred)) {
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    large_free_unlink(c, n);
-    meta_free(n);
-  }
+  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, deferred)) large_absorb(c, b, n);
   return b;
 }
 

@@ -49,25 +49,12 @@ static uint64_t hold_timeout_ns(void) {
 
 static int group_setup(void **state) {
   (void)state;
-  if (gpu_env_init(&env) != 0)
-    return -1;
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  cfg.backend = MAGPIE_BACKEND_CUDA;
-  int rc = magpie_init(&cfg);
-  if (rc != MAGPIE_OK) {
-    fprintf(stderr, "magpie_init(cuda): %d: %s\n", rc, magpie_last_error_message());
-    return -1;
-  }
-  void *h = NULL;
-  CUresult r = cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
-  if (r != CUDA_SUCCESS || cuMemHostGetDevicePointer(&dev_flag, h, 0) != CUDA_SUCCESS) {
-    fprintf(stderr, "cuMemHostAlloc(DEVICEMAP): %s\n", gpu_err(r));
-    return -1;
-  }
-  host_flag = h;
-  host_status = (_Atomic int *)((char *)h + 256); /* its own cache line */
-  dev_status = dev_flag + 256;
+  gpu_host_words w;
+  if (gpu_magpie_setup(&env, &w) != 0) return -1;
+  host_flag = w.flag;
+  host_status = w.status; /* its own cache line */
+  dev_flag = w.dev_flag;
+  dev_status = w.dev_status;
   printf("device 0: %s, driver %d, magpie %s\n", env.name, env.driver_version,
          magpie_version());
   return 0;

@@ -56,22 +56,13 @@ static void print_stats(const char *when) {
 
 static int group_setup(void **state) {
   (void)state;
-  if (gpu_env_init(&env) != 0) return -1;
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  cfg.backend = MAGPIE_BACKEND_CUDA;
-  if (magpie_init(&cfg) != MAGPIE_OK) {
-    fprintf(stderr, "magpie_init: %s\n", magpie_last_error_message());
-    return -1;
-  }
-  void *h = NULL;
-  if (cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE) != CUDA_SUCCESS ||
-      cuMemHostGetDevicePointer(&dev_flag, h, 0) != CUDA_SUCCESS)
-    return -1;
-  host_flag = h;
-  host_status = (_Atomic int *)((char *)h + 256);
-  dev_status = dev_flag + 256;
-  dev_bad = dev_flag + 512;
+  gpu_host_words w;
+  if (gpu_magpie_setup(&env, &w) != 0) return -1;
+  host_flag = w.flag;
+  host_status = w.status;
+  dev_flag = w.dev_flag;
+  dev_status = w.dev_status;
+  dev_bad = w.dev_bad;
   /* The hog: everything but a few GiB. */
   const char *v = getenv("MAGPIE_GPU_PRESSURE_FREE_GIB");
   size_t leave = (size_t)(v ? atol(v) : 6) * GiB;

@@ -28,23 +28,12 @@ static CUdeviceptr dev_flag, dev_status;
 
 static int group_setup(void **state) {
   (void)state;
-  if (gpu_env_init(&env) != 0) return -1;
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  cfg.backend = MAGPIE_BACKEND_CUDA;
-  if (magpie_init(&cfg) != MAGPIE_OK) {
-    fprintf(stderr, "magpie_init(cuda): %s\n", magpie_last_error_message());
-    return -1;
-  }
-  void *h = NULL;
-  CUresult r = cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
-  if (r != CUDA_SUCCESS || cuMemHostGetDevicePointer(&dev_flag, h, 0) != CUDA_SUCCESS) {
-    fprintf(stderr, "cuMemHostAlloc(DEVICEMAP): %s\n", gpu_err(r));
-    return -1;
-  }
-  host_flag = h;
-  host_status = (_Atomic int *)((char *)h + 256);
-  dev_status = dev_flag + 256;
+  gpu_host_words w;
+  if (gpu_magpie_setup(&env, &w) != 0) return -1;
+  host_flag = w.flag;
+  host_status = w.status;
+  dev_flag = w.dev_flag;
+  dev_status = w.dev_status;
   return 0;
 }
 

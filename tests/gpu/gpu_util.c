@@ -5,6 +5,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "magpie.h"
 #include "tests/gpu/kernels_ptx.h"
 
 const char *gpu_err(CUresult r) {
@@ -124,4 +125,28 @@ CUresult gpu_batch_check(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdev
   if (n == 0) return CUDA_SUCCESS;
   void *args[] = {&ptrs, &tags, &words, &n, &bad};
   return cuLaunchKernel(env->batch_check, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
+}
+
+int gpu_magpie_setup(gpu_env *env, gpu_host_words *w) {
+  if (gpu_env_init(env) != 0) return -1;
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  cfg.backend = MAGPIE_BACKEND_CUDA;
+  int rc = magpie_init(&cfg);
+  if (rc != MAGPIE_OK) {
+    fprintf(stderr, "magpie_init(cuda): %d: %s\n", rc, magpie_last_error_message());
+    return -1;
+  }
+  void *h = NULL;
+  CUresult r = cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
+  if (r == CUDA_SUCCESS) r = cuMemHostGetDevicePointer(&w->dev_flag, h, 0);
+  if (r != CUDA_SUCCESS) {
+    fprintf(stderr, "cuMemHostAlloc(DEVICEMAP): %s\n", gpu_err(r));
+    return -1;
+  }
+  w->flag = h;
+  w->status = (_Atomic int *)((char *)h + 256);
+  w->dev_status = w->dev_flag + 256;
+  w->dev_bad = w->dev_flag + 512;
+  return 0;
 }

@@ -62,6 +62,19 @@ CUresult gpu_batch_stamp(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdev
 CUresult gpu_batch_check(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
                          unsigned n, CUdeviceptr bad);
 
+/* Words a kernel and the host share through host-mapped pinned memory,
+ * each on its own cache line: a flag the host sets, a status the kernel
+ * writes, a counter of bad words. */
+typedef struct gpu_host_words {
+  _Atomic int *flag, *status;
+  CUdeviceptr dev_flag, dev_status, dev_bad;
+} gpu_host_words;
+
+/* The set-up the allocator's GPU tests share: gpu_env_init, magpie_init on
+ * the CUDA backend, and the host-mapped words. 0 on success; else prints
+ * why. */
+int gpu_magpie_setup(gpu_env *env, gpu_host_words *w);
+
 /* Monotonic wall clock, nanoseconds. */
 uint64_t gpu_now_ns(void);
 
