@@ -69,8 +69,8 @@ typedef struct tcache {
   _Atomic uint32_t busy;
   /* Reclaimer: 1 (relaxed store, under tcache_list_lock) while it decides
    * and possibly takes this cache's magazines; 0 (release) when done,
-   * pairing with the owner's acquire load in tcache_enter_slow. The owner
-   * reads it (relaxed) after marking itself busy. */
+   * pairing with the owner's acquire loads in tcache_enter and
+   * tcache_enter_slow, which come after the owner marked itself busy. */
   _Atomic uint32_t steal;
   /* Reclaimer -> owner: empty your magazines at your next slow path
    * (relaxed both sides: the owner's give-back publishes through the
@@ -103,7 +103,10 @@ static inline int tcache_special_handle(cudaStream_t s) { return (uintptr_t)s <=
 static inline int tcache_enter(tcache *tc) {
   atomic_store_relaxed(&tc->busy, 1);
   atomic_signal_fence(memory_order_seq_cst);
-  return atomic_load_relaxed(&tc->steal) == 0;
+  /* Acquire: a reclaimer that looked at this cache stored 0 with release
+   * after its last read; the owner's writes that follow are ordered after
+   * those reads (a plain load on x86-64). */
+  return atomic_load_acquire(&tc->steal) == 0;
 }
 
 static inline void tcache_leave(tcache *tc) { atomic_store_release(&tc->busy, 0); }
