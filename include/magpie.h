@@ -87,6 +87,9 @@ typedef struct magpie_config {
    * cache passes its reserve (cudaMallocAsync's internal dependencies);
    * 0: only under memory pressure. */
   int reuse_wait;
+  /* N > 0: time every device call and report on stderr those taking N ms
+   * or more (diagnostics; costs two clock reads per call). */
+  unsigned slow_call_ms;
 } magpie_config;
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg);

@@ -14,6 +14,7 @@
 #include "magazine.h"
 #include "sim_check.h"
 #include "tcache.h"
+#include "backend_timed.h"
 #include "sizeclass.h"
 #include "stats.h"
 
@@ -104,6 +105,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
     return rc;
   }
   global_cfg = c;
+  if (c.slow_call_ms) ops = backend_timed(ops, c.slow_call_ms);
   global_backend = ops;
   sizeclass_init(c.magazine_bytes, gran);
   magazine_module_init();
@@ -112,7 +114,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   heap_module_init(ops);
   if (c.verbose) atexit(init_verbose_atexit);
   /* The stream-order checker exists only on the simulated device. */
-  if (c.check_streams && ops == backend_sim()) atomic_store_relaxed(&sim_check_on, 1);
+  if (c.check_streams && strcmp(ops->name, "sim") == 0) atomic_store_relaxed(&sim_check_on, 1);
   atomic_store_release(&global_state_v, GLOBAL_READY);
   pthread_mutex_unlock(&init_lock);
   return MAGPIE_OK;

@@ -15,6 +15,7 @@
  * | check_streams  | 0       | 1: simulated device checks stream order        |
  * | reuse_wait     | 1       | 0: reuse other streams' large blocks through a |
  * |                |         | stream wait only under memory pressure         |
+ * | slow_call_ms   | 0       | N: report device calls taking N ms or more     |
  *
  * Sizes take k, m, g suffixes (powers of 1024). */
 #include <ctype.h>
@@ -88,10 +89,15 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
   else if (strcmp(key, "release_threshold") == 0) ok = options_size(val, &cfg->release_threshold);
   else if (strcmp(key, "check_streams") == 0) ok = options_bool(val, &cfg->check_streams);
   else if (strcmp(key, "reuse_wait") == 0) ok = options_bool(val, &cfg->reuse_wait);
+  else if (strcmp(key, "slow_call_ms") == 0) {
+    size_t ms = 0;
+    ok = options_size(val, &ms) && ms <= 3600000;
+    cfg->slow_call_ms = (unsigned)ms;
+  }
   else
     return error_set(MAGPIE_ERR_CONFIG,
                      "MAGPIE_CONF: unknown key '%s' (known: backend, check, verbose, magazine_bytes, limit, "
-                     "release_threshold, check_streams, reuse_wait)", key);
+                     "release_threshold, check_streams, reuse_wait, slow_call_ms)", key);
   if (!ok) return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_CONF: bad value '%s' for key '%s'", val, key);
   return MAGPIE_OK;
 }

@@ -3,6 +3,7 @@
 
 #include <string.h>
 
+#include "backend_timed.h"
 #include "error.h"
 #include "heap.h"
 #include "large.h"
@@ -104,6 +105,7 @@ void stats_print(int device, FILE *out) {
           (unsigned long long)s.ladder_steps[1], (unsigned long long)s.ladder_steps[2],
           (unsigned long long)s.ladder_steps[3], (unsigned long long)s.ladder_steps[4],
           (unsigned long long)s.ladder_steps[5]);
+  backend_timed_print(out);
   fputs("  size class: hits / misses\n", out);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     if (s.class_hits[c] == 0 && s.class_misses[c] == 0) continue;

@@ -2,14 +2,16 @@
 # A snapshot of a mixed workload on the simulated device, drawn by
 # tools/snapshot_png.py: the JSON parses, the picture is a PNG of
 # reasonable size, and the printed totals match the snapshot's statistics.
-# The same run checks what MAGPIE_CONF=verbose=1 prints at exit.
+# The same run checks what MAGPIE_CONF=verbose=1 prints at exit (with
+# slow_call_ms on: the slowest device call of each kind).
 set -euo pipefail
 example=$1
 tool=$2
 out=${TEST_TMPDIR:-/tmp}
-MAGPIE_BACKEND=sim MAGPIE_CONF=verbose=1 "$example" "$out/snap.json" 2> "$out/verbose.txt"
+MAGPIE_BACKEND=sim MAGPIE_CONF=verbose=1,slow_call_ms=1000000 "$example" "$out/snap.json" 2> "$out/verbose.txt"
 # verbose=1: statistics by layer, the ladder and per-class hits at exit.
-for want in "cached by layer: thread magazines" "out-of-memory ladder: reclaim" "size class: hits / misses"; do
+for want in "cached by layer: thread magazines" "out-of-memory ladder: reclaim" "size class: hits / misses" \
+  "slowest device call of each kind (ms): " " map "; do
   grep -q "$want" "$out/verbose.txt" || { echo "verbose=1 output lacks '$want':"; cat "$out/verbose.txt"; exit 1; }
 done
 py=python3
