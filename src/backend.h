@@ -26,6 +26,11 @@
 
 typedef struct backend_ops {
   const char *name; /* "cuda" or "sim" */
+  /* Events to create ahead of need, at heap creation and in the background
+   * when the pool runs low (0: create on demand). Where creating an event
+   * can stall behind a busy device (CUDA), none is created on an
+   * allocation path in the steady state. */
+  int event_prefill;
 
   /* Load the driver / start the simulator. MAGPIE_ERR_NO_DEVICE if there is
    * no device to drive. Idempotent. */

@@ -154,6 +154,7 @@ const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms
   timed_inner = inner;
   timed_threshold_ns = (uint64_t)threshold_ms * 1000000ull;
   timed_ops.name = inner->name;
+  timed_ops.event_prefill = inner->event_prefill;
   return &timed_ops;
 }
 

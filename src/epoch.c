@@ -68,10 +68,12 @@ void epoch_stream_release(stream_rec *r) {
   meta_free(r);
 }
 
-static event_node *epoch_event_get(epoch_table *t) {
-  event_node *e = (event_node *)stack_pop(&t->free_events, &event_registry);
-  if (e != NULL) return e;
-  e = registry_new(&event_registry);
+static void (*epoch_low_hook)(void);
+
+void epoch_set_low_hook(void (*fn)(void)) { epoch_low_hook = fn; }
+
+static event_node *epoch_event_new(epoch_table *t) {
+  event_node *e = registry_new(&event_registry);
   if (e == NULL) return NULL;
   e->device = t->device;
   if (t->ops->event_create(t->device, &e->ev) != MAGPIE_OK) {
@@ -80,6 +82,32 @@ static event_node *epoch_event_get(epoch_table *t) {
   }
   atomic_add_relaxed(&t->events_created, 1);
   return e;
+}
+
+int epoch_pool_fill(epoch_table *t, int64_t n) {
+  int rc = MAGPIE_OK;
+  while (stack_count(&t->free_events) < n) {
+    event_node *e = epoch_event_new(t);
+    if (e == NULL) {
+      rc = MAGPIE_ERR_BACKEND;
+      break;
+    }
+    stack_push(&t->free_events, &event_registry, &e->link);
+  }
+  atomic_store_release(&t->refill_asked, 0);
+  return rc;
+}
+
+/* An event from the pool. Creating one can take tens of milliseconds while
+ * the device is busy (measured on an H200 under a kernel-heavy load), so
+ * the pool is refilled in the background before it runs dry; creating one
+ * here is the fallback. */
+static event_node *epoch_event_get(epoch_table *t) {
+  event_node *e = (event_node *)stack_pop(&t->free_events, &event_registry);
+  if (t->ops->event_prefill > 0 && stack_count(&t->free_events) < t->ops->event_prefill / 4 &&
+      epoch_low_hook != NULL && atomic_exchange_acq_rel(&t->refill_asked, 1) == 0)
+    epoch_low_hook();
+  return e != NULL ? e : epoch_event_new(t);
 }
 
 int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {

@@ -69,6 +69,10 @@ typedef struct epoch_table {
   pthread_mutex_t lock; /* guards buckets */
   stream_rec *buckets[EPOCH_BUCKETS];
   stack free_events; /* event_nodes of this device, not in use */
+  /* 1 while a refill of free_events has been asked for and not done:
+   * exchanged by the thread that finds the pool low, reset (release) by
+   * the filler. Keeps the background thread from being woken per event. */
+  _Atomic int refill_asked;
   _Atomic uint64_t events_recorded;
   _Atomic uint64_t events_created;
   _Atomic int64_t live_records;
@@ -87,6 +91,14 @@ int epoch_table_init(epoch_table *t, int device, const backend_ops *ops);
 stream_rec *epoch_stream_acquire(epoch_table *t, uint64_t id);
 void epoch_stream_release(stream_rec *r);
 static inline void epoch_stream_ref(stream_rec *r) { atomic_add_relaxed(&r->refs, 1); }
+
+/* The event pool: where the backend asks for it (event_prefill), filled at
+ * heap creation and, when it falls below a quarter of that, refilled by
+ * the heap's background thread (epoch_pool_fill), which the hook wakes. */
+void epoch_set_low_hook(void (*fn)(void));
+/* Create events until the pool holds n. MAGPIE_ERR_BACKEND if creating
+ * one failed (the pool keeps what was made). */
+int epoch_pool_fill(epoch_table *t, int64_t n);
 
 /* Seal now: record an event on `handle`, which must currently name r's
  * stream. The ticket holds a reference to r. */

@@ -23,7 +23,12 @@ static _Atomic(heap *) heaps[HEAP_MAX_DEVICES];
 
 static void heap_wake_maintenance(void);
 
-void heap_module_init(const backend_ops *ops) { heap_ops = ops; }
+static void heap_events_low(void);
+
+void heap_module_init(const backend_ops *ops) {
+  heap_ops = ops;
+  epoch_set_low_hook(heap_events_low);
+}
 
 heap *heap_peek(int device) {
   if (device < 0 || device >= HEAP_MAX_DEVICES) return NULL;
@@ -69,6 +74,9 @@ static heap *heap_create(int device) {
   large_init(&h->large);
   pthread_mutex_init(&h->slab_lock, NULL);
   pthread_mutex_init(&h->reclaim_lock, NULL);
+  /* Events made now, while the device is likely idle (a failure here only
+   * leaves creation to later). */
+  if (ops->event_prefill > 0) epoch_pool_fill(&h->epochs, ops->event_prefill);
   if (h->release_threshold != SIZE_MAX) heap_wake_maintenance(); /* starts its timer */
   return h;
 }
@@ -231,9 +239,10 @@ int heap_trim(heap *h, size_t keep) {
 /* ---- limbo and the maintenance thread ----
  *
  * One background thread per process: it drains limbo (a device
- * synchronisation, never on an allocation path) and, for heaps with a
- * release threshold, gives cached memory above it back to the driver, so
- * that no driver call of that kind lands on the hot path. */
+ * synchronisation, never on an allocation path), for heaps with a release
+ * threshold gives cached memory above it back to the driver, and refills
+ * event pools that run low, so that no driver call of those kinds lands on
+ * an allocation path. */
 
 static pthread_mutex_t reaper_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t reaper_cv = PTHREAD_COND_INITIALIZER;
@@ -314,6 +323,7 @@ static void *heap_reaper_main(void *arg) {
       if (h == NULL) continue;
       heap_reap(h);
       heap_release_above_threshold(h);
+      if (atomic_load_acquire(&h->epochs.refill_asked)) epoch_pool_fill(&h->epochs, h->ops->event_prefill);
     }
   }
   return NULL;
@@ -333,6 +343,14 @@ static int heap_reaper_signal_locked(void) {
   }
   pthread_cond_signal(&reaper_cv);
   return reaper_started;
+}
+
+/* The event pool of some heap runs low (epoch.c's hook): refill it in the
+ * background thread. */
+static void heap_events_low(void) {
+  pthread_mutex_lock(&reaper_lock);
+  heap_reaper_signal_locked();
+  pthread_mutex_unlock(&reaper_lock);
 }
 
 static void heap_wake_maintenance(void) {
