@@ -139,7 +139,8 @@ void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { heap_threads_reclaim
 size_t heap_cached_bytes(heap *h) {
   size_t reserved = atomic_load_relaxed(&h->region.mapped);
   int64_t used = atomic_load_relaxed(&h->stat_in_use_published);
-  return used > 0 && (size_t)used < reserved ? reserved - (size_t)used : (used > 0 ? 0 : reserved);
+  size_t in_use = used > 0 ? (size_t)used : 0;
+  return reserved > in_use ? reserved - in_use : 0;
 }
 
 void heap_note_cached(heap *h) {
@@ -181,6 +182,19 @@ int heap_relieve(heap *h, enum heap_step step) {
   return got > 0;
 }
 
+/* The out-of-memory ladder, cheapest step first, shared by small refills
+ * and large allocations. */
+static const enum heap_step heap_ladder[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_THREADS, HEAP_STEP_WAIT,
+                                             HEAP_STEP_UNMAP};
+enum { HEAP_LADDER_LEN = sizeof heap_ladder / sizeof heap_ladder[0] };
+
+/* Run ladder step i; nonzero if retrying the allocation can now succeed.
+ * The threads step only moves magazines to limbo, which the wait step
+ * drains, so no retry follows it. */
+static int heap_ladder_step(heap *h, unsigned i) {
+  return heap_relieve(h, heap_ladder[i]) && heap_ladder[i] != HEAP_STEP_THREADS;
+}
+
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   record_poll(h); /* recorded blocks whose streams completed (record.c) */
   magazine *m = depot_take(h, cls, stream_id);
@@ -190,12 +204,9 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   }
   int rc = slab_carve(h, cls, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
-  /* Pressure: down the ladder, cheapest step first, retrying after each
-   * step that can have helped. Nothing here runs on the fast path. */
-  static const enum heap_step ladder[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_THREADS,
-                                          HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
-  for (unsigned i = 0; i < sizeof ladder / sizeof ladder[0]; i++) {
-    if (!heap_relieve(h, ladder[i]) || ladder[i] == HEAP_STEP_THREADS) continue;
+  /* Pressure: down the ladder. Nothing here runs on the fast path. */
+  for (unsigned i = 0; i < HEAP_LADDER_LEN; i++) {
+    if (!heap_ladder_step(h, i)) continue;
     if ((m = depot_take(h, cls, stream_id)) != NULL) {
       *out = m;
       return MAGPIE_OK;
@@ -214,12 +225,8 @@ int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stre
   /* Before any host-side wait: reuse a block another stream freed by
    * making this stream wait on the free's event. */
   rc = large_alloc(h, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
-  static const enum heap_step ladder[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_THREADS,
-                                          HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
-  for (unsigned i = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && i < sizeof ladder / sizeof ladder[0]; i++) {
-    if (!heap_relieve(h, ladder[i]) || ladder[i] == HEAP_STEP_THREADS) continue;
-    rc = large_alloc(h, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
-  }
+  for (unsigned i = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && i < HEAP_LADDER_LEN; i++)
+    if (heap_ladder_step(h, i)) rc = large_alloc(h, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
   if (rc == MAGPIE_ERR_OUT_OF_MEMORY) atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
   return rc;
 }
@@ -285,15 +292,17 @@ static void heap_reap_wait(heap *h) {
 /* Release threshold: give back what is cached above it, cheapest first.
  * Thread caches are left alone (emptying them needs a device
  * synchronisation; they are bounded by the magazine size). */
+/* Cached bytes above the release threshold (0 if none). */
+static size_t heap_excess(heap *h) {
+  size_t cached = heap_cached_bytes(h);
+  return cached > h->release_threshold ? cached - h->release_threshold : 0;
+}
+
 static void heap_release_above_threshold(heap *h) {
-  if (h->release_threshold == SIZE_MAX || heap_cached_bytes(h) <= h->release_threshold) return;
-  static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_UNMAP, HEAP_STEP_SLABS};
-  for (unsigned i = 0; i < sizeof steps / sizeof steps[0]; i++) {
-    if (heap_cached_bytes(h) <= h->release_threshold) break;
-    if (steps[i] == HEAP_STEP_UNMAP) large_release(h, heap_cached_bytes(h) - h->release_threshold);
-    else if (steps[i] == HEAP_STEP_SLABS) slab_release_free(h, heap_cached_bytes(h) - h->release_threshold);
-    else heap_relieve(h, steps[i]);
-  }
+  if (h->release_threshold == SIZE_MAX || heap_excess(h) == 0) return;
+  heap_relieve(h, HEAP_STEP_RECLAIM);
+  if (heap_excess(h) > 0) large_release(h, heap_excess(h));
+  if (heap_excess(h) > 0) slab_release_free(h, heap_excess(h));
 }
 
 static void *heap_reaper_main(void *arg) {

@@ -402,8 +402,9 @@ static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
 #define LARGE_QUERY_MAX 64
 
 /* Query, outside the lock, the latest pending ticket of each stream with
- * free blocks waiting on it, then merge what completed (lock held on entry
- * and exit). Returns how many tickets were queried. */
+ * free blocks waiting on it (lock held on entry and exit); the caller
+ * merges what completed (large_settle_locked). Returns how many tickets
+ * were queried. */
 static int large_query_pending_locked(struct heap *h, lticket **deferred) {
   large_cache *c = &h->large;
   lticket *q[LARGE_QUERY_MAX];
@@ -425,19 +426,25 @@ static int large_query_pending_locked(struct heap *h, lticket **deferred) {
   for (int i = 0; i < nq; i++) epoch_ready(&q[i]->t, EPOCH_NO_STREAM);
   pthread_mutex_lock(&c->lock);
   for (int i = 0; i < nq; i++) lticket_unref(q[i], deferred);
-  large_settle_locked(c, deferred);
   return nq;
+}
+
+/* The granules [*i, *end) lying wholly inside free block b, if b is ready
+ * and its segment can unmap granules; 0 otherwise. */
+static int large_whole_granules(const lblock *b, size_t g, size_t *i, size_t *end) {
+  const lseg *sg = b->seg;
+  if (!sg->vmm || b->ticket != NULL || b->size < g) return 0;
+  *i = (b->base - sg->base + g - 1) / g;
+  *end = (b->base + b->size - sg->base) / g;
+  return *i < *end;
 }
 
 /* Mapped bytes in whole granules of free ready blocks (unmappable now). */
 static size_t large_free_whole_locked(struct heap *h) {
-  size_t g = large_gran(h), sum = 0;
-  for (lblock *b = h->large.free; b; b = b->fnext) {
-    lseg *sg = b->seg;
-    if (!sg->vmm || b->ticket != NULL || b->size < g) continue;
-    for (size_t i = (b->base - sg->base + g - 1) / g, end = (b->base + b->size - sg->base) / g; i < end; i++)
-      if (sg->gran[i] == GRAN_MAPPED) sum += g;
-  }
+  size_t g = large_gran(h), sum = 0, i, end;
+  for (lblock *b = h->large.free; b; b = b->fnext)
+    if (large_whole_granules(b, g, &i, &end))
+      for (; i < end; i++) sum += b->seg->gran[i] == GRAN_MAPPED ? g : 0;
   return sum;
 }
 
@@ -482,7 +489,10 @@ int large_alloc(struct heap *h, size_t size, uint64_t stream_id, cudaStream_t st
      * larger ones): one round of queries before mapping more memory. */
     if (!queried) {
       queried = 1;
-      if (large_query_pending_locked(h, &deferred) > 0) continue;
+      if (large_query_pending_locked(h, &deferred) > 0) {
+        large_settle_locked(c, &deferred);
+        continue;
+      }
     }
     /* Reuse another stream's block through a stream wait rather than map
      * more when mapping failed, or when what the large layer holds beyond
@@ -600,9 +610,8 @@ size_t large_reclaim(struct heap *h) {
   large_cache *c = &h->large;
   lticket *deferred = NULL;
   pthread_mutex_lock(&c->lock);
-  size_t ready = large_settle_locked(c, &deferred);
   large_query_pending_locked(h, &deferred);
-  ready += large_settle_locked(c, &deferred);
+  size_t ready = large_settle_locked(c, &deferred);
   pthread_mutex_unlock(&c->lock);
   lticket_release_all(deferred);
   return ready;
@@ -636,11 +645,10 @@ size_t large_wait(struct heap *h) {
 /* One run of mapped granules lying wholly in a free ready block, marked
  * UNMAPPING. */
 static int large_find_unmappable(struct heap *h, lseg **seg, size_t *g0, size_t *g1, size_t max_gran) {
-  size_t g = large_gran(h);
+  size_t g = large_gran(h), i, end;
   for (lblock *b = h->large.free; b; b = b->fnext) {
+    if (!large_whole_granules(b, g, &i, &end)) continue;
     lseg *sg = b->seg;
-    if (!sg->vmm || b->ticket != NULL || b->size < g) continue;
-    size_t i = (b->base - sg->base + g - 1) / g, end = (b->base + b->size - sg->base) / g;
     while (i < end && sg->gran[i] != GRAN_MAPPED) i++;
     if (i >= end) continue;
     size_t j = i;

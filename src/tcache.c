@@ -495,6 +495,20 @@ static tcache **tcache_claim_others(int *n) {
   return all;
 }
 
+/* Is tc's owner outside magpie, so that its caches may be read or taken?
+ * Only after the barrier (tcache_barrier) that followed claiming tc; the
+ * acquire pairs with the owner's release store of busy = 0. */
+static int tcache_owner_out(tcache *tc, int barrier) { return barrier && atomic_load_acquire(&tc->busy) == 0; }
+
+/* Hand tc's magazines of heap h to limbo; returns their bytes. The caller
+ * owns tc: it is the calling thread's, or its owner is out. */
+static size_t tcache_empty_heap(tcache *tc, heap *h) {
+  size_t got = 0;
+  for (int k = 0; k < TCACHE_SLOTS; k++)
+    if (tc->slots[k].heap == h) got += tcache_slot_empty(&tc->slots[k]);
+  return got;
+}
+
 /* The heap's give-back step: take idle threads' magazines of h, ask busy
  * threads to give theirs back at their next slow path. */
 static size_t tcache_reclaim_threads(heap *h) {
@@ -505,10 +519,8 @@ static size_t tcache_reclaim_threads(heap *h) {
   size_t bytes = 0;
   for (int i = 0; i < n; i++) {
     tcache *tc = all[i];
-    if (barrier && atomic_load_acquire(&tc->busy) == 0) {
-      size_t got = 0;
-      for (int k = 0; k < TCACHE_SLOTS; k++)
-        if (tc->slots[k].heap == h) got += tcache_slot_empty(&tc->slots[k]);
+    if (tcache_owner_out(tc, barrier)) {
+      size_t got = tcache_empty_heap(tc, h);
       if (got) atomic_add_relaxed(&h->stat_threads_stolen, 1);
       bytes += got;
     } else {
@@ -524,8 +536,7 @@ void tcache_flush_self(heap *h) {
   tcache *tc = tcache_tls;
   if (tc == NULL) return;
   tcache_enter_slow(tc);
-  for (int k = 0; k < TCACHE_SLOTS; k++)
-    if (tc->slots[k].heap == h) tcache_slot_empty(&tc->slots[k]);
+  tcache_empty_heap(tc, h);
   tcache_leave(tc);
 }
 
@@ -538,7 +549,7 @@ int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded)
   for (int i = 0; i <= n; i++) {
     tcache *tc = i < n ? all[i] : self;
     if (tc == NULL) continue;
-    if (tc != self && !(barrier && atomic_load_acquire(&tc->busy) == 0)) {
+    if (tc != self && !tcache_owner_out(tc, barrier)) {
       skipped++;
     } else {
       for (int k = 0; k < TCACHE_SLOTS; k++) {
