@@ -12,23 +12,52 @@ void depot_init(depot *d) {
   stack_init(&d->full);
   stack_init(&d->pending);
   atomic_store_relaxed(&d->scanners, 0);
+  atomic_store_relaxed(&d->ready_bytes, 0);
+  atomic_store_relaxed(&d->pending_bytes, 0);
+  atomic_store_relaxed(&d->thread_in, 0);
+  atomic_store_relaxed(&d->thread_out, 0);
+  atomic_store_relaxed(&d->exchanges, 0);
+  atomic_store_relaxed(&d->migrations, 0);
+  atomic_store_relaxed(&d->same_stream, 0);
+}
+
+void depot_note_thread_out(struct heap *h, const magazine *m) {
+  atomic_add_relaxed(&h->depots[m->cls].thread_out, (int64_t)depot_magazine_bytes(m));
+}
+
+void depot_note_thread_in(struct heap *h, const magazine *m) {
+  atomic_add_relaxed(&h->depots[m->cls].thread_in, (int64_t)depot_magazine_bytes(m));
+}
+
+void depot_totals_get(struct heap *h, depot_totals *out) {
+  *out = (depot_totals){0};
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    depot *d = &h->depots[c];
+    out->ready_bytes += atomic_load_relaxed(&d->ready_bytes);
+    out->pending_bytes += atomic_load_relaxed(&d->pending_bytes);
+    out->thread_in += atomic_load_relaxed(&d->thread_in);
+    out->thread_out += atomic_load_relaxed(&d->thread_out);
+    out->exchanges += atomic_load_relaxed(&d->exchanges);
+    out->migrations += atomic_load_relaxed(&d->migrations);
+    out->same_stream += atomic_load_relaxed(&d->same_stream);
+  }
 }
 
 size_t depot_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
 
 void depot_put(struct heap *h, magazine *m) {
   depot *d = &h->depots[m->cls];
-  atomic_add_relaxed(&h->stat_exchanges, 1);
-  atomic_add_relaxed(m->ticket.rec ? &h->stat_depot_pending : &h->stat_depot_ready,
-                     (int64_t)depot_magazine_bytes(m));
+  atomic_add_relaxed(&d->exchanges, 1);
+  atomic_add_relaxed(m->ticket.rec ? &d->pending_bytes : &d->ready_bytes, (int64_t)depot_magazine_bytes(m));
   stack_push(m->ticket.rec ? &d->pending : &d->full, &magazine_registry, &m->link);
 }
 
 /* A pending magazine becomes ready (its ticket is released). */
 static void depot_pending_to_ready(struct heap *h, magazine *m) {
   int64_t b = (int64_t)depot_magazine_bytes(m);
-  atomic_sub_relaxed(&h->stat_depot_pending, b);
-  atomic_add_relaxed(&h->stat_depot_ready, b);
+  depot *d = &h->depots[m->cls];
+  atomic_sub_relaxed(&d->pending_bytes, b);
+  atomic_add_relaxed(&d->ready_bytes, b);
 }
 
 /* Within one scan, per stream: the lowest seq seen pending. Events on a
@@ -60,40 +89,37 @@ static void depot_memo_note_pending(depot_memo *mo, const epoch_ticket *t) {
   }
 }
 
-static magazine *depot_scan_pending(struct heap *h, depot *d, uint64_t stream_id) {
-  registry_link *chain = stack_take_all(&d->pending, &magazine_registry);
-  if (chain == NULL) return NULL;
-  magazine *taken = NULL;
+/* A taker looks at this many pending magazines, one pop at a time, before
+ * it sweeps the whole list. Popping one at a time keeps the list in place
+ * for other takers; the sweep finds the older, more likely completed,
+ * magazines that newer ones cover in this LIFO. */
+#define DEPOT_TAKE_TRIES 8
+
+/* Take a pending magazine that stream_id may use now: its own stream's, or
+ * one whose epoch completed. Pops at most DEPOT_TAKE_TRIES; the rest of the
+ * list stays available to others throughout. */
+static magazine *depot_pop_pending(struct heap *h, depot *d, uint64_t stream_id, int *tries_out) {
   registry_link *keep_first = NULL, *keep_last = NULL;
   int64_t kept = 0;
   depot_memo memo = {.n = 0};
-  for (registry_link *n = chain, *next; n; n = next) {
-    next = stack_next(&magazine_registry, n);
+  magazine *taken = NULL;
+  int tries = 0;
+  while (tries < DEPOT_TAKE_TRIES) {
+    registry_link *n = stack_pop(&d->pending, &magazine_registry);
+    if (n == NULL) break;
+    tries++;
     magazine *m = (magazine *)n;
     enum epoch_state st = EPOCH_PENDING;
     if (!depot_memo_known_pending(&memo, &m->ticket) || m->ticket.rec->id == stream_id)
       st = epoch_ready(&m->ticket, stream_id);
-    if (st == EPOCH_READY_DONE) {
-      /* Its epoch completed: any stream may reuse it from now on. */
+    if (st != EPOCH_PENDING) {
+      atomic_add_relaxed(st == EPOCH_READY_SAME ? &d->same_stream : &d->migrations, 1);
       epoch_ticket_release(&m->ticket);
-      atomic_add_relaxed(&h->stat_migrations, 1);
-      if (taken == NULL) {
-        taken = m;
-        atomic_sub_relaxed(&h->stat_depot_pending, (int64_t)depot_magazine_bytes(m));
-      } else {
-        depot_pending_to_ready(h, m);
-        stack_push(&d->full, &magazine_registry, &m->link);
-      }
-      continue;
-    }
-    if (st == EPOCH_READY_SAME && taken == NULL) {
-      epoch_ticket_release(&m->ticket);
+      atomic_sub_relaxed(&d->pending_bytes, (int64_t)depot_magazine_bytes(m));
       taken = m;
-      atomic_sub_relaxed(&h->stat_depot_pending, (int64_t)depot_magazine_bytes(m));
-      atomic_add_relaxed(&h->stat_same_stream, 1);
-      continue;
+      break;
     }
-    if (st == EPOCH_PENDING) depot_memo_note_pending(&memo, &m->ticket);
+    depot_memo_note_pending(&memo, &m->ticket);
     atomic_store_relaxed(&n->next, 0);
     if (keep_last) atomic_store_relaxed(&keep_last->next, n->idx);
     else keep_first = n;
@@ -101,6 +127,7 @@ static magazine *depot_scan_pending(struct heap *h, depot *d, uint64_t stream_id
     kept++;
   }
   if (keep_first) stack_push_chain(&d->pending, &magazine_registry, keep_first, keep_last, kept);
+  *tries_out = tries;
   return taken;
 }
 
@@ -109,22 +136,23 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {
   for (int spin = 0;; spin++) {
     magazine *m = (magazine *)stack_pop(&d->full, &magazine_registry);
     if (m != NULL) {
-      atomic_add_relaxed(&h->stat_exchanges, 1);
-      atomic_sub_relaxed(&h->stat_depot_ready, (int64_t)depot_magazine_bytes(m));
+      atomic_add_relaxed(&d->exchanges, 1);
+      atomic_sub_relaxed(&d->ready_bytes, (int64_t)depot_magazine_bytes(m));
       return m;
     }
-    if (stack_count(&d->pending) > 0) {
-      atomic_add_relaxed(&d->scanners, 1);
-      m = depot_scan_pending(h, d, stream_id);
-      atomic_sub_relaxed(&d->scanners, 1);
-      if (m != NULL) {
-        atomic_add_relaxed(&h->stat_exchanges, 1);
-        return m;
-      }
+    int tries = 0;
+    if (stack_count(&d->pending) > 0 && (m = depot_pop_pending(h, d, stream_id, &tries)) != NULL) {
+      atomic_add_relaxed(&d->exchanges, 1);
+      return m;
     }
-    /* Another thread has the pending list out for a scan: what it does not
-     * take comes back within microseconds; wait briefly before the caller
-     * maps new memory for nothing. */
+    /* The newest pending magazines are not ready: sweep the whole list
+     * once (completed ones move to full), unless another thread is at it. */
+    if (tries == DEPOT_TAKE_TRIES && atomic_load_relaxed(&d->scanners) == 0 && spin == 0) {
+      if (depot_reclaim(h, cls) > 0) continue;
+    }
+    /* Another thread has the pending list out for a sweep or a snapshot:
+     * what it does not take comes back within microseconds; wait briefly
+     * before the caller maps new memory for nothing. */
     if (atomic_load_relaxed(&d->scanners) == 0 || spin >= 16) return NULL;
     sched_yield();
   }
@@ -132,6 +160,7 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {
 
 int depot_wait_pending(struct heap *h, unsigned cls) {
   depot *d = &h->depots[cls];
+  atomic_add_relaxed(&d->scanners, 1);
   registry_link *chain = stack_take_all(&d->pending, &magazine_registry);
   int moved = 0;
   for (registry_link *n = chain, *next; n; n = next) {
@@ -146,12 +175,14 @@ int depot_wait_pending(struct heap *h, unsigned cls) {
       stack_push(&d->pending, &magazine_registry, &m->link);
     }
   }
+  atomic_sub_relaxed(&d->scanners, 1);
   return moved;
 }
 
 int depot_reclaim(struct heap *h, unsigned cls) {
   depot *d = &h->depots[cls];
   if (stack_count(&d->pending) == 0) return 0;
+  atomic_add_relaxed(&d->scanners, 1);
   registry_link *chain = stack_take_all(&d->pending, &magazine_registry);
   depot_memo memo = {.n = 0};
   int moved = 0;
@@ -162,7 +193,7 @@ int depot_reclaim(struct heap *h, unsigned cls) {
         epoch_ready(&m->ticket, EPOCH_NO_STREAM) == EPOCH_READY_DONE) {
       epoch_ticket_release(&m->ticket);
       depot_pending_to_ready(h, m);
-      atomic_add_relaxed(&h->stat_migrations, 1);
+      atomic_add_relaxed(&d->migrations, 1);
       stack_push(&d->full, &magazine_registry, &m->link);
       moved++;
     } else {
@@ -170,5 +201,6 @@ int depot_reclaim(struct heap *h, unsigned cls) {
       stack_push(&d->pending, &magazine_registry, &m->link);
     }
   }
+  atomic_sub_relaxed(&d->scanners, 1);
   return moved;
 }

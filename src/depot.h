@@ -17,13 +17,25 @@
 
 struct heap;
 
+/* One per size class, on lines of its own: every exchange of a class
+ * touches its stacks and counters, and threads exchanging other classes
+ * must not share those lines (they did when the counters were per heap). */
 typedef struct depot {
-  stack full;
+  _Alignas(64) stack full;
   stack pending;
   /* Threads currently holding the pending list taken for a scan (relaxed
    * counter; a heuristic that keeps others from mapping a new slab while
    * reusable magazines are only out for inspection). */
   _Atomic int scanners;
+  /* Statistics of this class, relaxed counters written by any thread on
+   * slow paths, summed by magpie_stats_get; none publishes other memory. */
+  _Atomic int64_t ready_bytes;   /* bytes in full */
+  _Atomic int64_t pending_bytes; /* bytes in pending */
+  _Atomic int64_t thread_in;     /* bytes of magazines handed to threads */
+  _Atomic int64_t thread_out;    /* bytes of magazines threads gave back */
+  _Atomic uint64_t exchanges;
+  _Atomic uint64_t migrations;
+  _Atomic uint64_t same_stream;
 } depot;
 
 void depot_init(depot *d);
@@ -41,5 +53,16 @@ int depot_wait_pending(struct heap *h, unsigned cls);
 int depot_reclaim(struct heap *h, unsigned cls);
 /* Bytes of the blocks in a magazine. */
 size_t depot_magazine_bytes(const magazine *m);
+/* Magazine m leaves a thread's cache for a lower layer (depot, limbo, a
+ * record), or (in) one comes in: thread-cached bytes are in - out. */
+void depot_note_thread_out(struct heap *h, const magazine *m);
+void depot_note_thread_in(struct heap *h, const magazine *m);
+
+/* Sums over the classes, for statistics. */
+typedef struct depot_totals {
+  int64_t ready_bytes, pending_bytes, thread_in, thread_out;
+  uint64_t exchanges, migrations, same_stream;
+} depot_totals;
+void depot_totals_get(struct heap *h, depot_totals *out);
 
 #endif /* MAGPIE_DEPOT_H */

@@ -43,7 +43,7 @@ static heap *heap_create(int device) {
     error_set(rc, "cannot query memory of device %d: %s", device, backend_error_detail());
     return NULL;
   }
-  heap *h = meta_alloc(sizeof *h);
+  heap *h = meta_alloc_aligned(sizeof *h, _Alignof(heap));
   if (h == NULL) {
     error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory creating the heap of device %d", device);
     return NULL;

@@ -61,15 +61,8 @@ typedef struct heap {
   _Atomic size_t stat_peak_in_use;
   _Atomic uint64_t stat_slabs;          /* mapped now */
   _Atomic uint64_t stat_slabs_released;
-  _Atomic uint64_t stat_exchanges;
-  _Atomic uint64_t stat_migrations;
-  _Atomic uint64_t stat_same_stream;
   _Atomic uint64_t stat_limbo;
-  _Atomic int64_t stat_depot_ready;   /* bytes in depot.full */
-  _Atomic int64_t stat_depot_pending; /* bytes in depot.pending */
   _Atomic int64_t stat_limbo_bytes;
-  _Atomic int64_t stat_thread_in;     /* bytes of magazines handed to threads */
-  _Atomic int64_t stat_thread_out;    /* bytes of magazines threads gave back */
   _Atomic int64_t stat_overhead;      /* slab tails, fallback alignment */
   _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
   _Atomic uint64_t stat_threads_flushed;

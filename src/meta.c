@@ -33,6 +33,11 @@ void *meta_alloc(size_t size) {
   return mpje_mallocx(size ? size : 1, meta_flags | MALLOCX_ZERO);
 }
 
+void *meta_alloc_aligned(size_t size, size_t align) {
+  pthread_once(&meta_once, meta_create_arena);
+  return mpje_mallocx(size ? size : 1, meta_flags | MALLOCX_ZERO | MALLOCX_ALIGN(align));
+}
+
 void meta_free(void *p) {
   if (p) mpje_dallocx(p, meta_flags);
 }

@@ -9,6 +9,9 @@
 
 /* Zeroed memory, or NULL. */
 void *meta_alloc(size_t size);
+/* The same, aligned to align (a power of two): for structures with
+ * members on cache lines of their own. */
+void *meta_alloc_aligned(size_t size, size_t align);
 void meta_free(void *p);
 /* The jemalloc arena index in use (for tests); -1 before first use. */
 int meta_arena(void);

@@ -172,7 +172,7 @@ int record_free(slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle, si
   /* Statistics: a small block leaves the freeing thread here (as a
    * magazine given back would), and is counted as waiting on streams until
    * record_poll hands it to the depot. */
-  if (sl->cls != SLAB_LARGE) atomic_add_relaxed(&sl->heap->stat_thread_out, (int64_t)bytes);
+  if (sl->cls != SLAB_LARGE) atomic_add_relaxed(&sl->heap->depots[sl->cls].thread_out, (int64_t)bytes);
   pthread_mutex_lock(&record_lock);
   e->pnext = t->parked;
   t->parked = e;

@@ -152,7 +152,7 @@ size_t slab_release_free(struct heap *h, size_t want) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     chains[c] = stack_take_all(&h->depots[c].full, &magazine_registry);
     for (registry_link *n = chains[c]; n; n = stack_next(&magazine_registry, n))
-      atomic_sub_relaxed(&h->stat_depot_ready, (int64_t)depot_magazine_bytes((magazine *)n));
+      atomic_sub_relaxed(&h->depots[c].ready_bytes, (int64_t)depot_magazine_bytes((magazine *)n));
     slab_count_chain(chains[c]);
   }
   pthread_mutex_lock(&h->slab_lock);

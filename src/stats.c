@@ -32,23 +32,24 @@ void stats_collect(heap *h, magpie_stats *out) {
   record_pending(h, &parked_small, &parked_large);
   out->large_in_use_bytes -= parked_large <= out->large_in_use_bytes ? parked_large : out->large_in_use_bytes;
   out->slab_count = atomic_load_relaxed(&h->stat_slabs);
-  out->depot_exchanges = atomic_load_relaxed(&h->stat_exchanges);
+  depot_totals dt;
+  depot_totals_get(h, &dt);
+  out->depot_exchanges = dt.exchanges;
   out->events_recorded = atomic_load_relaxed(&h->epochs.events_recorded);
-  out->cross_stream_migrations = atomic_load_relaxed(&h->stat_migrations);
-  out->same_stream_reuses = atomic_load_relaxed(&h->stat_same_stream);
+  out->cross_stream_migrations = dt.migrations;
+  out->same_stream_reuses = dt.same_stream;
   out->limbo_magazines = atomic_load_relaxed(&h->stat_limbo);
 
   /* Layers. Small blocks in threads = handed to threads - given back -
    * small blocks in use (frees land in the freeing thread's magazines). */
   size_t small_in_use = out->in_use_bytes > out->large_in_use_bytes ? out->in_use_bytes - out->large_in_use_bytes
                                                                      : 0;
-  int64_t in_threads = atomic_load_relaxed(&h->stat_thread_in) - atomic_load_relaxed(&h->stat_thread_out) -
-                       (int64_t)small_in_use;
+  int64_t in_threads = dt.thread_in - dt.thread_out - (int64_t)small_in_use;
   large_account la;
   large_account_get(h, &la);
   out->thread_cached_bytes = stats_nonneg(in_threads);
-  out->depot_bytes = stats_nonneg(atomic_load_relaxed(&h->stat_depot_ready));
-  out->epoch_pending_bytes = stats_nonneg(atomic_load_relaxed(&h->stat_depot_pending)) +
+  out->depot_bytes = stats_nonneg(dt.ready_bytes);
+  out->epoch_pending_bytes = stats_nonneg(dt.pending_bytes) +
                              stats_nonneg(atomic_load_relaxed(&h->stat_limbo_bytes)) + la.free_pending +
                              parked_small + parked_large;
   out->large_free_bytes = la.free_ready;

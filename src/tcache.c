@@ -96,7 +96,7 @@ static void tcache_publish(tcache *tc, heap *h) {
  * which names the slot's stream (its id matched), and give it to the depot;
  * limbo if the seal fails. */
 static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
-  atomic_add_relaxed(&ts->heap->stat_thread_out, (int64_t)depot_magazine_bytes(m));
+  depot_note_thread_out(ts->heap, m);
   if (epoch_seal(ts->rec, handle, &m->ticket) == MAGPIE_OK) depot_put(ts->heap, m);
   else heap_limbo_put(ts->heap, m);
   heap_note_cached(ts->heap);
@@ -111,11 +111,11 @@ static size_t tcache_slot_empty(tslot *ts) {
       magazine *m = *pair[k];
       if (!magazine_is_real(m) || m->count == 0) continue;
       bytes += depot_magazine_bytes(m);
+      depot_note_thread_out(ts->heap, m); /* before limbo: then it is not ours */
       heap_limbo_put(ts->heap, m);
       *pair[k] = &magazine_sentinel;
     }
   }
-  atomic_add_relaxed(&ts->heap->stat_thread_out, (int64_t)bytes);
   return bytes;
 }
 
@@ -301,7 +301,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s) {
         tcache_oom_error(ts->heap, size, rc);
         return NULL;
       }
-      atomic_add_relaxed(&ts->heap->stat_thread_in, (int64_t)depot_magazine_bytes(fresh));
+      depot_note_thread_in(ts->heap, fresh);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = fresh;

@@ -238,6 +238,49 @@ static void test_magazine_and_depot(void **state) {
   epoch_stream_release(ra);
 }
 
+/* The depot's pending list is a LIFO: a taker looks at the newest few
+ * magazines one at a time, then sweeps the whole list, so an older
+ * magazine whose epoch completed is found under newer pending ones. */
+static void test_depot_finds_old_ready_magazine(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  unsigned cls = sizeclass_of(180000); /* a class no other test uses */
+  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
+  uint64_t ida = 0, idb = 0;
+  assert_int_equal(fake_backend()->stream_id(a, &ida), MAGPIE_OK);
+  assert_int_equal(fake_backend()->stream_id(b, &idb), MAGPIE_OK);
+  stream_rec *ra = epoch_stream_acquire(&h->epochs, ida);
+  enum { NEWER = 12 };
+  magazine *old = magazine_get_empty(cls), *newer[NEWER];
+  assert_non_null(old);
+  old->slots[old->count++] = (void *)0x1000; /* never dereferenced */
+  assert_int_equal(epoch_seal(ra, a, &old->ticket), MAGPIE_OK);
+  depot_put(h, old);
+  fake_stream_complete(a); /* old's epoch is over */
+  for (int i = 0; i < NEWER; i++) {
+    newer[i] = magazine_get_empty(cls);
+    assert_non_null(newer[i]);
+    newer[i]->slots[newer[i]->count++] = (void *)0x2000;
+    assert_int_equal(epoch_seal(ra, a, &newer[i]->ticket), MAGPIE_OK);
+    depot_put(h, newer[i]);
+  }
+  assert_ptr_equal(depot_take(h, cls, idb), old); /* under 12 pending ones */
+  assert_null(old->ticket.rec);
+  assert_null(depot_take(h, cls, idb)); /* the rest still run on A */
+  /* Every newer one is still there, and A takes each back at once. */
+  int back = 0;
+  for (magazine *m; (m = depot_take(h, cls, ida)) != NULL; back++) {
+    assert_null(m->ticket.rec);
+    m->count = 0;
+    magazine_put_empty(m);
+  }
+  assert_int_equal(back, NEWER);
+  old->count = 0;
+  magazine_put_empty(old);
+  epoch_stream_release(ra);
+}
+
 static void test_same_stream_reuse(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0);
@@ -527,6 +570,7 @@ int main(void) {
       cmocka_unit_test(test_pagemap),
       cmocka_unit_test(test_epoch_ordering),
       cmocka_unit_test(test_magazine_and_depot),
+      cmocka_unit_test(test_depot_finds_old_ready_magazine),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),
