@@ -144,7 +144,7 @@ typedef struct magpie_stats {
   uint64_t large_segment_count;
   uint64_t slabs_released;    /* slabs given back to the driver */
   uint64_t large_bytes_unmapped; /* large-segment bytes given back */
-  uint64_t stream_waits;      /* large blocks reused by making a stream wait */
+  uint64_t stream_waits;      /* blocks reused by making a stream wait */
   uint64_t threads_flushed;   /* thread caches emptied on request */
   uint64_t threads_stolen;    /* idle threads' caches taken by the depot */
   /* Out-of-memory ladder: how often each step ran. 0 reclaim completed

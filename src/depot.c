@@ -19,6 +19,7 @@ void depot_init(depot *d) {
   atomic_store_relaxed(&d->exchanges, 0);
   atomic_store_relaxed(&d->migrations, 0);
   atomic_store_relaxed(&d->same_stream, 0);
+  atomic_store_relaxed(&d->stream_waits, 0);
 }
 
 void depot_note_thread_out(struct heap *h, const magazine *m) {
@@ -40,6 +41,7 @@ void depot_totals_get(struct heap *h, depot_totals *out) {
     out->exchanges += atomic_load_relaxed(&d->exchanges);
     out->migrations += atomic_load_relaxed(&d->migrations);
     out->same_stream += atomic_load_relaxed(&d->same_stream);
+    out->stream_waits += atomic_load_relaxed(&d->stream_waits);
   }
 }
 
@@ -156,6 +158,29 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {
     if (atomic_load_relaxed(&d->scanners) == 0 || spin >= 16) return NULL;
     sched_yield();
   }
+}
+
+magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream) {
+  depot *d = &h->depots[cls];
+  magazine *m = (magazine *)stack_pop(&d->pending, &magazine_registry);
+  if (m == NULL) return NULL;
+  enum epoch_state st = epoch_ready(&m->ticket, stream_id);
+  if (st == EPOCH_PENDING) {
+    /* Work enqueued on `stream` from now on runs after the freeing
+     * stream's work up to the seal; the wait keeps the record it was made
+     * for, so the event may go back to the pool at once. */
+    if (h->ops->stream_wait_event(stream, m->ticket.ev->ev) != MAGPIE_OK) {
+      stack_push(&d->pending, &magazine_registry, &m->link);
+      return NULL;
+    }
+    atomic_add_relaxed(&d->stream_waits, 1);
+  } else {
+    atomic_add_relaxed(st == EPOCH_READY_SAME ? &d->same_stream : &d->migrations, 1);
+  }
+  epoch_ticket_release(&m->ticket);
+  atomic_sub_relaxed(&d->pending_bytes, (int64_t)depot_magazine_bytes(m));
+  atomic_add_relaxed(&d->exchanges, 1);
+  return m;
 }
 
 int depot_wait_pending(struct heap *h, unsigned cls) {

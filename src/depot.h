@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "magazine.h"
+#include "magpie.h"
 #include "stack.h"
 
 struct heap;
@@ -36,6 +37,7 @@ typedef struct depot {
   _Atomic uint64_t exchanges;
   _Atomic uint64_t migrations;
   _Atomic uint64_t same_stream;
+  _Atomic uint64_t stream_waits; /* taken through depot_take_waiting */
 } depot;
 
 void depot_init(depot *d);
@@ -45,6 +47,11 @@ void depot_put(struct heap *h, magazine *m);
 /* A magazine whose blocks stream_id may use now, or NULL. Never blocks and
  * never maps memory. The returned magazine carries no ticket. */
 magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id);
+/* A pending magazine of another stream, made usable on `stream` (whose id
+ * is stream_id) by making it wait on the magazine's event: no host wait,
+ * and nothing mapped. NULL if none is pending or the wait cannot be
+ * enqueued. The returned magazine carries no ticket. */
+magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream);
 /* Pressure: wait for every pending magazine of class cls (blocking on their
  * events) and move them to full. Returns how many moved. */
 int depot_wait_pending(struct heap *h, unsigned cls);
@@ -61,7 +68,7 @@ void depot_note_thread_in(struct heap *h, const magazine *m);
 /* Sums over the classes, for statistics. */
 typedef struct depot_totals {
   int64_t ready_bytes, pending_bytes, thread_in, thread_out;
-  uint64_t exchanges, migrations, same_stream;
+  uint64_t exchanges, migrations, same_stream, stream_waits;
 } depot_totals;
 void depot_totals_get(struct heap *h, depot_totals *out);
 

@@ -195,7 +195,7 @@ static int heap_ladder_step(heap *h, unsigned i) {
   return heap_relieve(h, heap_ladder[i]) && heap_ladder[i] != HEAP_STEP_THREADS;
 }
 
-int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
+int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out) {
   record_poll(h); /* recorded blocks whose streams completed (record.c) */
   magazine *m = depot_take(h, cls, stream_id);
   if (m != NULL) {
@@ -204,7 +204,16 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   }
   int rc = slab_carve(h, cls, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
-  /* Pressure: down the ladder. Nothing here runs on the fast path. */
+  /* Pressure: order this stream after another stream's free (a stream
+   * wait) before any host-side wait. Only under pressure: small refills
+   * are frequent, and a wait taken whenever it saves a slab would tie
+   * streams together (a synchronisation of one would wait for another's
+   * unrelated work, as seen on a GPU test holding a stream for seconds). */
+  if ((m = depot_take_waiting(h, cls, stream_id, stream)) != NULL) {
+    *out = m;
+    return MAGPIE_OK;
+  }
+  /* Down the ladder. Nothing here runs on the fast path. */
   for (unsigned i = 0; i < HEAP_LADDER_LEN; i++) {
     if (!heap_ladder_step(h, i)) continue;
     if ((m = depot_take(h, cls, stream_id)) != NULL) {

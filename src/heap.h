@@ -94,10 +94,12 @@ int heap_map_at(heap *h, uintptr_t addr, size_t size);
 int heap_unmap_at(heap *h, uintptr_t addr, size_t size);
 void heap_slab_added(heap *h, slab *s);
 
-/* A magazine of class cls usable by stream_id now: from the depot, else a
- * new slab; under pressure, waits for pending epochs and gives back cached
- * large blocks before failing with MAGPIE_ERR_OUT_OF_MEMORY. */
-int heap_refill(heap *h, unsigned cls, uint64_t stream_id, magazine **out);
+/* A magazine of class cls usable by stream_id (handle stream) now: from
+ * the depot, else a new slab; under pressure, through a stream wait on
+ * another stream's pending magazine, then down the ladder (which waits
+ * for pending epochs and gives back cached large blocks) before failing
+ * with MAGPIE_ERR_OUT_OF_MEMORY. */
+int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out);
 
 /* A large block of at least size bytes usable by stream_id (handle
  * stream) now; under pressure, goes down the same ladder. */

@@ -59,7 +59,7 @@ void stats_collect(heap *h, magpie_stats *out) {
   out->large_segment_count = atomic_load_relaxed(&h->large.segments);
   out->slabs_released = atomic_load_relaxed(&h->stat_slabs_released);
   out->large_bytes_unmapped = atomic_load_relaxed(&h->large.bytes_unmapped);
-  out->stream_waits = atomic_load_relaxed(&h->large.stream_waits);
+  out->stream_waits = atomic_load_relaxed(&h->large.stream_waits) + dt.stream_waits;
   out->threads_flushed = atomic_load_relaxed(&h->stat_threads_flushed);
   out->threads_stolen = atomic_load_relaxed(&h->stat_threads_stolen);
   for (unsigned i = 0; i < HEAP_STEP_COUNT && i < MAGPIE_STATS_LADDER; i++)

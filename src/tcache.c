@@ -296,7 +296,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s) {
       ts->prev[c] = t;
     } else {
       magazine *fresh = NULL;
-      int rc = heap_refill(ts->heap, c, id, &fresh);
+      int rc = heap_refill(ts->heap, c, id, s, &fresh);
       if (rc != MAGPIE_OK) {
         tcache_oom_error(ts->heap, size, rc);
         return NULL;

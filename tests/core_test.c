@@ -281,6 +281,79 @@ static void test_depot_finds_old_ready_magazine(void **state) {
   epoch_stream_release(ra);
 }
 
+/* Small blocks still running on another stream: depot_take_waiting hands
+ * one over by making the allocating stream wait on its event (no host
+ * wait); a refill does so only under pressure. */
+static void test_depot_reuse_through_stream_wait(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  assert_int_equal(h->reuse_wait, 1); /* the default */
+  unsigned cls = sizeclass_of(160000); /* a class no other test uses */
+  const sizeclass_info *ci = &sizeclass_table[cls];
+  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
+  uint64_t ida = 0, idb = 0;
+  assert_int_equal(fake_backend()->stream_id(a, &ida), MAGPIE_OK);
+  assert_int_equal(fake_backend()->stream_id(b, &idb), MAGPIE_OK);
+  stream_rec *ra = epoch_stream_acquire(&h->epochs, ida);
+
+  /* Direct: one pending magazine, taken by B through a wait. */
+  magazine *m = magazine_get_empty(cls);
+  assert_non_null(m);
+  m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
+  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  fake_counters c0, c1;
+  magpie_stats st0, st1;
+  fake_get_counters(&c0);
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  assert_null(depot_take(h, cls, idb));
+  assert_ptr_equal(depot_take_waiting(h, cls, idb, b), m);
+  assert_null(m->ticket.rec);
+  fake_get_counters(&c1);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(c1.stream_waits, c0.stream_waits + 1);
+  assert_int_equal(c1.event_syncs, c0.event_syncs); /* no host wait */
+  assert_int_equal(st1.stream_waits, st0.stream_waits + 1);
+  assert_null(depot_take_waiting(h, cls, idb, b)); /* nothing pending */
+  m->count = 0;
+  magazine_put_empty(m);
+
+  /* A refill with room on the device maps rather than tie B to A (the
+   * pressure case is test_memory_pressure's). */
+  m = magazine_get_empty(cls);
+  assert_non_null(m);
+  while (m->count < m->cap) m->slots[m->count++] = (void *)0x2000;
+  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  magazine *fresh = NULL;
+  assert_int_equal(heap_refill(h, cls, idb, b, &fresh), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.slab_count, st0.slab_count + 1);
+  assert_int_equal(st1.stream_waits, st0.stream_waits);
+  assert_ptr_not_equal(fresh, m);
+  depot_put(h, fresh);
+  fake_stream_complete(a);
+  /* Take the fake blocks back out; the slab's own magazines stay. */
+  enum { MAX = 64 };
+  magazine *keep[MAX];
+  int nkeep = 0, fakes = 0;
+  for (magazine *r; (r = depot_take(h, cls, idb)) != NULL;) {
+    if (r->slots[0] == (void *)0x2000) {
+      fakes++;
+      r->count = 0;
+      magazine_put_empty(r);
+    } else {
+      assert_true(nkeep < MAX);
+      keep[nkeep++] = r;
+    }
+  }
+  assert_int_equal(fakes, 1);
+  for (int i = 0; i < nkeep; i++) depot_put(h, keep[i]);
+  epoch_stream_release(ra);
+}
+
 static void test_same_stream_reuse(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0);
@@ -439,8 +512,9 @@ static void test_large_blocks(void **state) {
 }
 
 /* Device 1 is small: fill it, free everything on one stream with its work
- * pending, then allocate on another stream: the ladder must wait for the
- * epochs and succeed; past the device, fail with a full message. */
+ * pending, then allocate on another stream: the refills must order it
+ * after the epochs and succeed; past the device, fail with a full
+ * message. */
 static void test_memory_pressure(void **state) {
   (void)state;
   fake_set_current_device(1);
@@ -464,7 +538,9 @@ static void test_memory_pressure(void **state) {
   }
   fake_get_counters(&c1);
   assert_int_equal(got, n - 4);
-  assert_true(c1.event_syncs > c0.event_syncs); /* waited for A's epochs */
+  /* A's pending magazines came through stream waits (B ordered after A's
+   * work), tried before any host-side wait. */
+  assert_true(c1.stream_waits > c0.stream_waits);
   for (int i = 0; i < got; i++) assert_int_equal(magpie_free_async(held[i], b), MAGPIE_OK);
   fake_stream_complete(b);
   fake_set_current_device(0);
@@ -571,6 +647,7 @@ int main(void) {
       cmocka_unit_test(test_epoch_ordering),
       cmocka_unit_test(test_magazine_and_depot),
       cmocka_unit_test(test_depot_finds_old_ready_magazine),
+      cmocka_unit_test(test_depot_reuse_through_stream_wait),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),

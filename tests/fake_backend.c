@@ -194,7 +194,14 @@ static int f_event_sync(void *ev) {
   pthread_mutex_unlock(&fake_lock);
   return MAGPIE_OK;
 }
-static int f_wait_event(cudaStream_t s, void *ev) { (void)s; (void)ev; return MAGPIE_OK; }
+static int f_wait_event(cudaStream_t s, void *ev) {
+  (void)s;
+  (void)ev;
+  pthread_mutex_lock(&fake_lock);
+  fake_cnt.stream_waits++;
+  pthread_mutex_unlock(&fake_lock);
+  return MAGPIE_OK;
+}
 static int f_stream_id(cudaStream_t s, uint64_t *id) {
   pthread_mutex_lock(&fake_lock);
   fake_stream *st = fake_lookup(s);

@@ -26,7 +26,7 @@ void fake_set_current_device(int device);
 void fake_gate_device_sync(int closed);
 
 typedef struct fake_counters {
-  uint64_t maps, unmaps, event_records, event_queries, event_syncs, device_syncs;
+  uint64_t maps, unmaps, event_records, event_queries, event_syncs, device_syncs, stream_waits;
   size_t mapped_bytes[4];
 } fake_counters;
 void fake_get_counters(fake_counters *out);
