@@ -192,6 +192,16 @@ static void test_epoch_ordering(void **state) {
 }
 
 
+/* Two fake streams of device 0 with their ids, and A's stream record
+ * (the caller releases it). */
+static stream_rec *two_streams(heap *h, cudaStream_t *a, cudaStream_t *b, uint64_t *ida, uint64_t *idb) {
+  *a = fake_stream_create(0);
+  *b = fake_stream_create(0);
+  assert_int_equal(fake_backend()->stream_id(*a, ida), MAGPIE_OK);
+  assert_int_equal(fake_backend()->stream_id(*b, idb), MAGPIE_OK);
+  return epoch_stream_acquire(&h->epochs, *ida);
+}
+
 /* Magazines: capacity by class, empties recycled. The depot: a magazine
  * sealed by stream A is pending; A takes it back at once, another stream
  * only after A's epoch completed; an unsealed one goes to anyone. */
@@ -209,11 +219,9 @@ static void test_magazine_and_depot(void **state) {
   magazine *again = magazine_get_empty(cls);
   assert_ptr_equal(again, m); /* LIFO reuse of empties */
 
-  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
-  uint64_t ida = 0, idb = 0;
-  assert_int_equal(fake_backend()->stream_id(a, &ida), MAGPIE_OK);
-  assert_int_equal(fake_backend()->stream_id(b, &idb), MAGPIE_OK);
-  stream_rec *ra = epoch_stream_acquire(&h->epochs, ida);
+  cudaStream_t a, b;
+  uint64_t ida, idb;
+  stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
   m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
   assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
   depot_put(h, m);
@@ -246,11 +254,9 @@ static void test_depot_finds_old_ready_magazine(void **state) {
   heap *h = heap_get(0);
   assert_non_null(h);
   unsigned cls = sizeclass_of(180000); /* a class no other test uses */
-  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
-  uint64_t ida = 0, idb = 0;
-  assert_int_equal(fake_backend()->stream_id(a, &ida), MAGPIE_OK);
-  assert_int_equal(fake_backend()->stream_id(b, &idb), MAGPIE_OK);
-  stream_rec *ra = epoch_stream_acquire(&h->epochs, ida);
+  cudaStream_t a, b;
+  uint64_t ida, idb;
+  stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
   enum { NEWER = 12 };
   magazine *old = magazine_get_empty(cls), *newer[NEWER];
   assert_non_null(old);
@@ -291,11 +297,9 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   assert_int_equal(h->reuse_wait, 1); /* the default */
   unsigned cls = sizeclass_of(160000); /* a class no other test uses */
   const sizeclass_info *ci = &sizeclass_table[cls];
-  cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
-  uint64_t ida = 0, idb = 0;
-  assert_int_equal(fake_backend()->stream_id(a, &ida), MAGPIE_OK);
-  assert_int_equal(fake_backend()->stream_id(b, &idb), MAGPIE_OK);
-  stream_rec *ra = epoch_stream_acquire(&h->epochs, ida);
+  cudaStream_t a, b;
+  uint64_t ida, idb;
+  stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
 
   /* Direct: one pending magazine, taken by B through a wait. */
   magazine *m = magazine_get_empty(cls);
