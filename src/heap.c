@@ -2,11 +2,13 @@
  *
  * Lock order: heap_create_lock -> (region/epoch init, no other magpie
  * lock). reaper_lock, slab_lock are leaves. None is held across a device
- * synchronisation. */
+ * synchronisation (the exit handler waits on reaper_idle_cv, which
+ * releases reaper_lock). */
 #include "heap.h"
 
 #include <pthread.h>
 #include <sched.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -265,6 +267,14 @@ static pthread_cond_t reaper_cv = PTHREAD_COND_INITIALIZER;
 static int reaper_started; /* under reaper_lock */
 static int reaper_work;    /* under reaper_lock */
 static int reaper_timed;   /* under reaper_lock: some heap has a threshold */
+/* Process exit: the thread must not call the driver once the CUDA
+ * runtime's exit handlers tear it down. heap_reaper_atexit (registered
+ * when the thread starts, so after CUDA's own handlers and run before
+ * them) sets reaper_stop and waits while reaper_busy (a round of driver
+ * calls is under way). Both under reaper_lock. */
+static int reaper_stop;
+static int reaper_busy;
+static pthread_cond_t reaper_idle_cv = PTHREAD_COND_INITIALIZER;
 
 static size_t heap_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
 
@@ -318,7 +328,7 @@ static void *heap_reaper_main(void *arg) {
   (void)arg;
   for (;;) {
     pthread_mutex_lock(&reaper_lock);
-    while (!reaper_work) {
+    while (!reaper_work && !reaper_stop) {
       if (!reaper_timed) {
         pthread_cond_wait(&reaper_cv, &reaper_lock);
         continue;
@@ -335,6 +345,8 @@ static void *heap_reaper_main(void *arg) {
       if (pthread_cond_timedwait(&reaper_cv, &reaper_lock, &ts) != 0) break;
     }
     reaper_work = 0;
+    if (reaper_stop) break;
+    reaper_busy = 1;
     pthread_mutex_unlock(&reaper_lock);
     for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
       heap *h = heap_peek(d);
@@ -343,8 +355,23 @@ static void *heap_reaper_main(void *arg) {
       heap_release_above_threshold(h);
       if (atomic_load_acquire(&h->epochs.refill_asked)) epoch_pool_fill(&h->epochs, h->ops->event_prefill);
     }
+    pthread_mutex_lock(&reaper_lock);
+    reaper_busy = 0;
+    pthread_cond_broadcast(&reaper_idle_cv);
+    pthread_mutex_unlock(&reaper_lock);
   }
+  pthread_mutex_unlock(&reaper_lock); /* stopping: the loop broke with it held */
   return NULL;
+}
+
+/* At exit: let a round under way finish, then keep the thread off the
+ * driver for good (what limbo still holds is the process's last memory). */
+static void heap_reaper_atexit(void) {
+  pthread_mutex_lock(&reaper_lock);
+  reaper_stop = 1;
+  pthread_cond_broadcast(&reaper_cv);
+  while (reaper_busy) pthread_cond_wait(&reaper_idle_cv, &reaper_lock);
+  pthread_mutex_unlock(&reaper_lock);
 }
 
 /* Signal the thread, starting it if needed; returns 0 if none could be
@@ -356,7 +383,10 @@ static int heap_reaper_signal_locked(void) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, heap_reaper_main, NULL) == 0) reaper_started = 1;
+    if (pthread_create(&t, &attr, heap_reaper_main, NULL) == 0) {
+      reaper_started = 1;
+      atexit(heap_reaper_atexit);
+    }
     pthread_attr_destroy(&attr);
   }
   pthread_cond_signal(&reaper_cv);

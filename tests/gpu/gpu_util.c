@@ -129,9 +129,15 @@ CUresult gpu_batch_check(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdev
 
 int gpu_magpie_setup(gpu_env *env, gpu_host_words *w) {
   if (gpu_env_init(env) != 0) return -1;
+  return gpu_magpie_start(env, w, 0);
+}
+
+int gpu_magpie_start(gpu_env *env, gpu_host_words *w, size_t limit) {
+  (void)env;
   magpie_config cfg;
   magpie_config_default(&cfg);
   cfg.backend = MAGPIE_BACKEND_CUDA;
+  if (limit != 0) cfg.limit = limit;
   int rc = magpie_init(&cfg);
   if (rc != MAGPIE_OK) {
     fprintf(stderr, "magpie_init(cuda): %d: %s\n", rc, magpie_last_error_message());

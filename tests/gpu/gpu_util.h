@@ -74,6 +74,8 @@ typedef struct gpu_host_words {
  * the CUDA backend, and the host-mapped words. 0 on success; else prints
  * why. */
 int gpu_magpie_setup(gpu_env *env, gpu_host_words *w);
+/* The part after gpu_env_init, with magpie's limit (bytes; 0: none). */
+int gpu_magpie_start(gpu_env *env, gpu_host_words *w, size_t limit);
 
 /* Monotonic wall clock, nanoseconds. */
 uint64_t gpu_now_ns(void);
