@@ -72,7 +72,10 @@ typedef struct magpie_config {
   int backend;            /* enum magpie_backend_kind */
   int check;              /* 1: detect double frees (costs an atomic per op) */
   int verbose;            /* 1: print stats to stderr at exit */
-  size_t magazine_bytes;  /* target bytes per magazine (capacity by class) */
+  /* Most bytes per magazine (2..64 blocks). Magazines start smaller
+   * (capacity falling with the cube root of the block size: 8 blocks at
+   * 64 KiB) and grow to this where a thread's blocks only flow out. */
+  size_t magazine_bytes;
   /* Hard cap on device memory reserved per device: limit bytes, or
    * limit_percent of the device's total memory (MAGPIE_CONF limit=8g or
    * limit=50%). 0: no cap beyond the device. */

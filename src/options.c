@@ -9,7 +9,8 @@
  * | backend        | auto    | auto, cuda or sim (same as MAGPIE_BACKEND)     |
  * | check          | 0       | 1: detect double frees (an atomic per op)      |
  * | verbose        | 0       | 1: print statistics to stderr at exit          |
- * | magazine_bytes | 1m      | bytes per magazine (capacity 2..64 blocks)      |
+ * | magazine_bytes | 1m      | most bytes per magazine (2..64 blocks; they     |
+ * |                |         | start smaller and grow where blocks flow out)  |
  * | limit          | none    | cap on reserved bytes per device, or N%        |
  * | release_threshold | keep all | cached bytes above this go back in the background |
  * | check_streams  | 0       | 1: simulated device checks stream order        |

@@ -40,7 +40,8 @@ typedef struct sizeclass_info {
   size_t size;       /* block bytes */
   size_t slab_size;  /* bytes of one slab of this class (granularity multiple) */
   uint32_t blocks;   /* blocks per slab */
-  uint32_t mag_cap;  /* blocks per magazine */
+  uint32_t mag_cap;  /* blocks per magazine to start with (slabs carve these) */
+  uint32_t mag_max;  /* most blocks per magazine (magazine_bytes / size) */
   uint64_t magic;    /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
 } sizeclass_info;
 

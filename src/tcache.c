@@ -56,7 +56,33 @@ static void tcache_slot_clear(tslot *ts) {
   atomic_store_relaxed(&ts->stats_heap, NULL);
   ts->rec = NULL;
   ts->alloc_ok = 0;
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
+    ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
+    ts->mark[c] = 0;
+  }
+}
+
+/* Allocations of class c through slot ts so far. */
+static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
+  return atomic_load_relaxed(&ts->hits[c]) + atomic_load_relaxed(&ts->misses[c]);
+}
+
+/* A free found both magazines of class c full: size the next empty one.
+ * No allocation since the last exchange means blocks only flow out of
+ * this slot (another thread or stream allocates them): one exchange per
+ * magazine whatever its size, so a larger one costs no more memory per
+ * block in flight and saves exchanges. Many allocations since (a random
+ * walk that still reached the bound) bring it back toward the start. */
+static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
+  const sizeclass_info *ci = &sizeclass_table[c];
+  uint64_t now = tcache_slot_allocs(ts, c);
+  uint32_t cap = ts->cap[c] < ci->mag_cap ? ci->mag_cap : ts->cap[c];
+  if (now == ts->mark[c]) cap = cap * 2 < ci->mag_max ? cap * 2 : ci->mag_max;
+  else if (now - ts->mark[c] > 4 * (uint64_t)cap) cap = cap / 2 > ci->mag_cap ? cap / 2 : ci->mag_cap;
+  ts->cap[c] = (uint8_t)cap;
+  ts->mark[c] = now;
+  return cap;
 }
 
 static tcache *tcache_create(void) {
@@ -302,6 +328,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s) {
         return NULL;
       }
       depot_note_thread_in(ts->heap, fresh);
+      ts->mark[c] = tcache_slot_allocs(ts, c);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = fresh;
@@ -404,7 +431,9 @@ static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s) {
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = pv;
     } else {
+      uint32_t cap = tcache_next_cap(ts, c);
       magazine *e = magazine_get_empty(c);
+      if (e != NULL) e->cap = cap;
       if (e == NULL) {
         if (tc->check) slab_mark_used(sl, bi);
         return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory for a magazine; "

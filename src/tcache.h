@@ -52,6 +52,11 @@ typedef struct tslot {
   int alloc_ok;         /* heap is the stream's own device */
   magazine *loaded[SIZECLASS_COUNT];
   magazine *prev[SIZECLASS_COUNT];
+  /* Capacity of the empty magazines this slot takes for its frees, per
+   * class (mag_cap..mag_max), and the class's allocation count at the last
+   * exchange with the depot. Owner only. */
+  uint8_t cap[SIZECLASS_COUNT];
+  uint64_t mark[SIZECLASS_COUNT];
   /* Allocations of each class served by a magazine (fast path) and by the
    * slow path. Owner-written (relaxed load + store); read by statistics
    * under tcache_list_lock; folded into the heap when the slot retires. */

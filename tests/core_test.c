@@ -24,6 +24,7 @@
 #include "src/pagemap.h"
 #include "src/slab.h"
 #include "src/sizeclass.h"
+#include "src/tcache.h"
 #include "src/stack.h"
 #include "tests/fake_backend.h"
 
@@ -358,6 +359,50 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   epoch_stream_release(ra);
 }
 
+/* The calling thread's slot of stream s. */
+static tslot *own_slot(cudaStream_t s) {
+  for (int i = 0; i < TCACHE_SLOTS; i++)
+    if (tcache_tls->slots[i].heap != NULL && tcache_tls->slots[i].handle == s) return &tcache_tls->slots[i];
+  return NULL;
+}
+
+/* Magazine capacity per slot and class: it starts at mag_cap; a slot whose
+ * blocks only flow out (frees, no allocations in between) grows it to
+ * mag_max; a random walk brings it back. */
+static void test_magazine_capacity_adapts(void **state) {
+  (void)state;
+  unsigned cls = sizeclass_of(60000); /* 64 KiB class */
+  const sizeclass_info *ci = &sizeclass_table[cls];
+  assert_int_equal(ci->mag_cap, 8);  /* cbrt(2^25 / 64 KiB) */
+  assert_true(ci->mag_max > ci->mag_cap);
+  cudaStream_t s = fake_stream_create(0);
+  enum { N = 256 };
+  void *p[N];
+  for (int i = 0; i < N; i++) assert_non_null(p[i] = magpie_malloc_async(60000, s));
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  assert_int_equal(ts->cap[cls], ci->mag_cap);
+  for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  /* Only frees since the last exchange: the flow grew the capacity. */
+  assert_int_equal(ts->cap[cls], ci->mag_max);
+  assert_int_equal(ts->loaded[cls]->cap, ci->mag_max);
+  /* A random walk (many allocations between two exchanges) shrinks it. */
+  int live = 0;
+  uint64_t r = 12345;
+  for (int step = 0; step < 20000; step++) {
+    r = r * 6364136223846793005ull + 1442695040888963407ull;
+    if ((live < N && (r >> 33) % 2 == 0) || live == 0) {
+      assert_non_null(p[live++] = magpie_malloc_async(60000, s));
+    } else {
+      assert_int_equal(magpie_free_async(p[--live], s), MAGPIE_OK);
+    }
+  }
+  assert_true(ts->cap[cls] < ci->mag_max);
+  assert_true(ts->cap[cls] >= ci->mag_cap);
+  while (live > 0) assert_int_equal(magpie_free_async(p[--live], s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 static void test_same_stream_reuse(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0);
@@ -652,6 +697,7 @@ int main(void) {
       cmocka_unit_test(test_magazine_and_depot),
       cmocka_unit_test(test_depot_finds_old_ready_magazine),
       cmocka_unit_test(test_depot_reuse_through_stream_wait),
+      cmocka_unit_test(test_magazine_capacity_adapts),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),
