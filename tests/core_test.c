@@ -390,7 +390,9 @@ static void test_magazine_capacity_adapts(void **state) {
   int live = 0;
   uint64_t r = 12345;
   for (int step = 0; step < 20000; step++) {
-    r = r * 6364136223846793005ull + 1442695040888963407ull;
+    r ^= r << 13; /* xorshift: no wrapping arithmetic (UBSan checks it) */
+    r ^= r >> 7;
+    r ^= r << 17;
     if ((live < N && (r >> 33) % 2 == 0) || live == 0) {
       assert_non_null(p[live++] = magpie_malloc_async(60000, s));
     } else {
