@@ -297,7 +297,6 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   assert_non_null(h);
   assert_int_equal(h->reuse_wait, 1); /* the default */
   unsigned cls = sizeclass_of(160000); /* a class no other test uses */
-  const sizeclass_info *ci = &sizeclass_table[cls];
   cudaStream_t a, b;
   uint64_t ida, idb;
   stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
