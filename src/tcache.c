@@ -516,7 +516,13 @@ static tcache **tcache_claim_others(int *n) {
   if (all != NULL) {
     for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
       if (tc == self || atomic_load_relaxed(&tc->steal) != 0) continue;
-      atomic_store_relaxed(&tc->steal, 1);
+      /* An exchange that acquires: it reads the last reclaimer's release
+       * store of 0, so what that one did to this cache happens before what
+       * this one does, and before the owner's next acquire of the 0 this
+       * one stores (a plain store would start a new release sequence and
+       * cut that chain: ThreadSanitizer saw the owner's read race with an
+       * earlier reclaimer's write). */
+      atomic_exchange_acq_rel(&tc->steal, 1);
       all[(*n)++] = tc;
     }
   }

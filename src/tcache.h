@@ -72,10 +72,12 @@ typedef struct tcache {
    * pairing with the reclaimer's acquire load after its membarrier) on
    * exit. */
   _Atomic uint32_t busy;
-  /* Reclaimer: 1 (relaxed store, under tcache_list_lock) while it decides
-   * and possibly takes this cache's magazines; 0 (release) when done,
-   * pairing with the owner's acquire loads in tcache_enter and
-   * tcache_enter_slow, which come after the owner marked itself busy. */
+  /* Reclaimer: 1 (exchange, acq_rel, under tcache_list_lock: it acquires
+   * the previous reclaimer's release of 0) while it decides and possibly
+   * takes this cache's magazines; 0 (release) when done, pairing with the
+   * owner's acquire loads in tcache_enter and tcache_enter_slow, which
+   * come after the owner marked itself busy, and with the next
+   * reclaimer's exchange. */
   _Atomic uint32_t steal;
   /* Reclaimer -> owner: empty your magazines at your next slow path
    * (relaxed both sides: the owner's give-back publishes through the
