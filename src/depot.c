@@ -91,6 +91,20 @@ static void depot_memo_note_pending(depot_memo *mo, const epoch_ticket *t) {
   }
 }
 
+/* A pending magazine leaves the depot for a taker that may use it: on its
+ * own stream (READY_SAME), after its epoch (READY_DONE), or through a
+ * stream wait the taker enqueued (PENDING). */
+static magazine *depot_hand_over(depot *d, magazine *m, enum epoch_state st) {
+  atomic_add_relaxed(st == EPOCH_READY_SAME   ? &d->same_stream
+                     : st == EPOCH_READY_DONE ? &d->migrations
+                                              : &d->stream_waits,
+                     1);
+  epoch_ticket_release(&m->ticket);
+  atomic_sub_relaxed(&d->pending_bytes, (int64_t)depot_magazine_bytes(m));
+  atomic_add_relaxed(&d->exchanges, 1);
+  return m;
+}
+
 /* A taker looks at this many pending magazines, one pop at a time, before
  * it sweeps the whole list. Popping one at a time keeps the list in place
  * for other takers; the sweep finds the older, more likely completed,
@@ -115,10 +129,7 @@ static magazine *depot_pop_pending(struct heap *h, depot *d, uint64_t stream_id,
     if (!depot_memo_known_pending(&memo, &m->ticket) || m->ticket.rec->id == stream_id)
       st = epoch_ready(&m->ticket, stream_id);
     if (st != EPOCH_PENDING) {
-      atomic_add_relaxed(st == EPOCH_READY_SAME ? &d->same_stream : &d->migrations, 1);
-      epoch_ticket_release(&m->ticket);
-      atomic_sub_relaxed(&d->pending_bytes, (int64_t)depot_magazine_bytes(m));
-      taken = m;
+      taken = depot_hand_over(d, m, st);
       break;
     }
     depot_memo_note_pending(&memo, &m->ticket);
@@ -143,10 +154,7 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {
       return m;
     }
     int tries = 0;
-    if (stack_count(&d->pending) > 0 && (m = depot_pop_pending(h, d, stream_id, &tries)) != NULL) {
-      atomic_add_relaxed(&d->exchanges, 1);
-      return m;
-    }
+    if (stack_count(&d->pending) > 0 && (m = depot_pop_pending(h, d, stream_id, &tries)) != NULL) return m;
     /* The newest pending magazines are not ready: sweep the whole list
      * once (completed ones move to full), unless another thread is at it. */
     if (tries == DEPOT_TAKE_TRIES && atomic_load_relaxed(&d->scanners) == 0 && spin == 0) {
@@ -165,22 +173,14 @@ magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, c
   magazine *m = (magazine *)stack_pop(&d->pending, &magazine_registry);
   if (m == NULL) return NULL;
   enum epoch_state st = epoch_ready(&m->ticket, stream_id);
-  if (st == EPOCH_PENDING) {
-    /* Work enqueued on `stream` from now on runs after the freeing
-     * stream's work up to the seal; the wait keeps the record it was made
-     * for, so the event may go back to the pool at once. */
-    if (h->ops->stream_wait_event(stream, m->ticket.ev->ev) != MAGPIE_OK) {
-      stack_push(&d->pending, &magazine_registry, &m->link);
-      return NULL;
-    }
-    atomic_add_relaxed(&d->stream_waits, 1);
-  } else {
-    atomic_add_relaxed(st == EPOCH_READY_SAME ? &d->same_stream : &d->migrations, 1);
+  /* Work enqueued on `stream` from now on runs after the freeing stream's
+   * work up to the seal; the wait keeps the record it was made for, so the
+   * event may go back to the pool at once. */
+  if (st == EPOCH_PENDING && h->ops->stream_wait_event(stream, m->ticket.ev->ev) != MAGPIE_OK) {
+    stack_push(&d->pending, &magazine_registry, &m->link);
+    return NULL;
   }
-  epoch_ticket_release(&m->ticket);
-  atomic_sub_relaxed(&d->pending_bytes, (int64_t)depot_magazine_bytes(m));
-  atomic_add_relaxed(&d->exchanges, 1);
-  return m;
+  return depot_hand_over(d, m, st);
 }
 
 int depot_wait_pending(struct heap *h, unsigned cls) {

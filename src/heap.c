@@ -276,8 +276,6 @@ static int reaper_stop;
 static int reaper_busy;
 static pthread_cond_t reaper_idle_cv = PTHREAD_COND_INITIALIZER;
 
-static size_t heap_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
-
 /* Move everything in h's limbo to the depot once the device has drained.
  * The chain is taken before the synchronisation, so every magazine in it
  * was put there (and its stream's work enqueued) before the wait began. */
@@ -290,7 +288,7 @@ static void heap_reap(heap *h) {
       next = stack_next(&magazine_registry, n);
       magazine *m = (magazine *)n;
       if (ok) {
-        atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)heap_magazine_bytes(m));
+        atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
         depot_put(h, m);
       } else {
         stack_push(&h->limbo, &magazine_registry, &m->link);
@@ -410,7 +408,7 @@ static void heap_wake_maintenance(void) {
 
 void heap_limbo_put(heap *h, magazine *m) {
   m->ticket = (epoch_ticket){0};
-  atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)heap_magazine_bytes(m));
+  atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
   stack_push(&h->limbo, &magazine_registry, &m->link);
   atomic_add_relaxed(&h->stat_limbo, 1);
   pthread_mutex_lock(&reaper_lock);

@@ -56,11 +56,7 @@ static void tcache_slot_clear(tslot *ts) {
   atomic_store_relaxed(&ts->stats_heap, NULL);
   ts->rec = NULL;
   ts->alloc_ok = 0;
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
-    ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
-    ts->mark[c] = 0;
-  }
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
 }
 
 /* Allocations of class c through slot ts so far. */
@@ -77,7 +73,7 @@ static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
 static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
   const sizeclass_info *ci = &sizeclass_table[c];
   uint64_t now = tcache_slot_allocs(ts, c);
-  uint32_t cap = ts->cap[c] < ci->mag_cap ? ci->mag_cap : ts->cap[c];
+  uint32_t cap = ts->cap[c];
   if (now == ts->mark[c]) cap = cap * 2 < ci->mag_max ? cap * 2 : ci->mag_max;
   else if (now - ts->mark[c] > 4 * (uint64_t)cap) cap = cap / 2 > ci->mag_cap ? cap / 2 : ci->mag_cap;
   ts->cap[c] = (uint8_t)cap;
@@ -207,6 +203,11 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   ts->rec = rec;
   ts->live = &tc->live[h->device];
   ts->alloc_ok = (h == sh);
+  /* Magazine capacity starts over with the slot (its counters are 0). */
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
+    ts->mark[c] = 0;
+  }
   return ts;
 }
 
@@ -431,14 +432,13 @@ static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s) {
       ts->prev[c] = ts->loaded[c];
       ts->loaded[c] = pv;
     } else {
-      uint32_t cap = tcache_next_cap(ts, c);
       magazine *e = magazine_get_empty(c);
-      if (e != NULL) e->cap = cap;
       if (e == NULL) {
         if (tc->check) slab_mark_used(sl, bi);
         return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory for a magazine; "
                          "the block stays allocated", p);
       }
+      e->cap = tcache_next_cap(ts, c);
       /* The previous magazine is full: it leaves the thread, sealed on the
        * stream its blocks were freed on (s names it: its id matched). */
       if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
