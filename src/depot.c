@@ -12,6 +12,7 @@ void depot_init(depot *d) {
   stack_init(&d->full);
   stack_init(&d->pending);
   atomic_store_relaxed(&d->scanners, 0);
+  pthread_mutex_init(&d->carve_lock, NULL);
   atomic_store_relaxed(&d->ready_bytes, 0);
   atomic_store_relaxed(&d->pending_bytes, 0);
   atomic_store_relaxed(&d->thread_in, 0);
@@ -177,6 +178,20 @@ magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, c
    * work up to the seal; the wait keeps the record it was made for, so the
    * event may go back to the pool at once. */
   if (st == EPOCH_PENDING && h->ops->stream_wait_event(stream, m->ticket.ev->ev) != MAGPIE_OK) {
+    stack_push(&d->pending, &magazine_registry, &m->link);
+    return NULL;
+  }
+  return depot_hand_over(d, m, st);
+}
+
+magazine *depot_take_fresh(struct heap *h, unsigned cls, uint64_t stream_id, uint64_t window_ns) {
+  depot *d = &h->depots[cls];
+  magazine *m = (magazine *)stack_pop(&d->pending, &magazine_registry);
+  if (m == NULL) return NULL;
+  /* The top of the LIFO is the newest seal; an older one that is still
+   * pending belongs to a stream with work queued, not worth a wait. */
+  enum epoch_state st = epoch_ready_by(&m->ticket, stream_id, m->ticket.sealed_ns + window_ns);
+  if (st == EPOCH_PENDING) {
     stack_push(&d->pending, &magazine_registry, &m->link);
     return NULL;
   }

@@ -10,6 +10,7 @@
 #ifndef MAGPIE_DEPOT_H
 #define MAGPIE_DEPOT_H
 
+#include <pthread.h>
 #include <stdint.h>
 
 #include "magazine.h"
@@ -28,6 +29,10 @@ typedef struct depot {
    * counter; a heuristic that keeps others from mapping a new slab while
    * reusable magazines are only out for inspection). */
   _Atomic int scanners;
+  /* Held by heap_refill across one slab carve of this class (a map call
+   * included): a thread that found the class empty while another carved
+   * takes from that carve instead of mapping a slab of its own. */
+  pthread_mutex_t carve_lock;
   /* Statistics of this class, relaxed counters written by any thread on
    * slow paths, summed by magpie_stats_get; none publishes other memory. */
   _Atomic int64_t ready_bytes;   /* bytes in full */
@@ -52,6 +57,12 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id);
  * and nothing mapped. NULL if none is pending or the wait cannot be
  * enqueued. The returned magazine carries no ticket. */
 magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream);
+/* The newest pending magazine, if it was sealed less than window_ns ago,
+ * polled on the host until that window ends: an idle stream's event
+ * completes microseconds after its record, sooner than a slab maps. NULL
+ * if none is that recent or its epoch did not complete in time. The
+ * returned magazine carries no ticket. */
+magazine *depot_take_fresh(struct heap *h, unsigned cls, uint64_t stream_id, uint64_t window_ns);
 /* Pressure: wait for every pending magazine of class cls (blocking on their
  * events) and move them to full. Returns how many moved. */
 int depot_wait_pending(struct heap *h, unsigned cls);

@@ -1,9 +1,11 @@
 /* Per-device heaps, the refill ladder and the limbo reaper.
  *
  * Lock order: heap_create_lock -> (region/epoch init, no other magpie
- * lock). reaper_lock, slab_lock are leaves. None is held across a device
- * synchronisation (the exit handler waits on reaper_idle_cv, which
- * releases reaper_lock). */
+ * lock). depot.carve_lock -> (what a depot take and a slab carve take:
+ * epoch_table.lock, region.lock, slab_lock, slab_desc_lock,
+ * registry.grow_lock, one at a time). reaper_lock, slab_lock are leaves.
+ * None is held across a device synchronisation (the exit handler waits on
+ * reaper_idle_cv, which releases reaper_lock). */
 #include "heap.h"
 
 #include <pthread.h>
@@ -197,6 +199,30 @@ static int heap_ladder_step(heap *h, unsigned i) {
   return heap_relieve(h, heap_ladder[i]) && heap_ladder[i] != HEAP_STEP_THREADS;
 }
 
+/* How long a refill polls a just-sealed magazine's event before it maps a
+ * slab instead. On the H200 an idle stream's event was seen complete as
+ * little as 2 us after its record, and a slab's map costs about 35 us; threads that
+ * had just given back everything (exiting, or between phases) otherwise
+ * made others map a slab per class within those microseconds. */
+#define HEAP_FRESH_WAIT_NS 50000u
+
+/* Carve a slab of class cls, one thread per class at a time. Threads that
+ * found the class empty together would otherwise each map a slab: sixteen
+ * threads starting at once on the H200 mapped nine slabs of one class
+ * while the first slab's magazines sat unused in the depot. Whoever waited
+ * looks at the depot again first, then at the newest pending magazine. */
+static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
+  depot *d = &h->depots[cls];
+  pthread_mutex_lock(&d->carve_lock);
+  magazine *m = depot_take(h, cls, stream_id);
+  if (m == NULL) m = depot_take_fresh(h, cls, stream_id, HEAP_FRESH_WAIT_NS);
+  int rc = MAGPIE_OK;
+  if (m != NULL) *out = m;
+  else rc = slab_carve(h, cls, out);
+  pthread_mutex_unlock(&d->carve_lock);
+  return rc;
+}
+
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out) {
   record_poll(h); /* recorded blocks whose streams completed (record.c) */
   magazine *m = depot_take(h, cls, stream_id);
@@ -204,7 +230,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
     *out = m;
     return MAGPIE_OK;
   }
-  int rc = slab_carve(h, cls, out);
+  int rc = heap_carve(h, cls, stream_id, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Pressure: order this stream after another stream's free (a stream
    * wait) before any host-side wait. Only under pressure: small refills
@@ -218,11 +244,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
   /* Down the ladder. Nothing here runs on the fast path. */
   for (unsigned i = 0; i < HEAP_LADDER_LEN; i++) {
     if (!heap_ladder_step(h, i)) continue;
-    if ((m = depot_take(h, cls, stream_id)) != NULL) {
-      *out = m;
-      return MAGPIE_OK;
-    }
-    if ((rc = slab_carve(h, cls, out)) != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
+    if ((rc = heap_carve(h, cls, stream_id, out)) != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   }
   atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
   return MAGPIE_ERR_OUT_OF_MEMORY;

@@ -64,18 +64,35 @@ static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
   return atomic_load_relaxed(&ts->hits[c]) + atomic_load_relaxed(&ts->misses[c]);
 }
 
+/* Frees of one class in a row, with no allocation of it between, that
+ * show blocks flowing out of a slot rather than coming and going. */
+#define TCACHE_GROW_RUN 32
+
 /* A free found both magazines of class c full: size the next empty one.
- * No allocation since the last exchange means blocks only flow out of
- * this slot (another thread or stream allocates them): one exchange per
- * magazine whatever its size, so a larger one costs no more memory per
- * block in flight and saves exchanges. Many allocations since (a random
- * walk that still reached the bound) bring it back toward the start. */
+ * A run of TCACHE_GROW_RUN frees without an allocation means blocks only
+ * flow out of this slot (another thread or stream allocates them): one
+ * exchange per magazine whatever its size, so a larger one costs no more
+ * memory per block in flight and saves exchanges. A slot whose blocks come
+ * and go (a random walk) frees no more in a row than it holds; doubling on
+ * any magazine's worth of frees in a row grew small magazines there too,
+ * and every thread then held a slab's worth of a class (workload 2 on the
+ * H200). Many allocations since the last exchange bring it back toward
+ * the start. */
 static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
   const sizeclass_info *ci = &sizeclass_table[c];
   uint64_t now = tcache_slot_allocs(ts, c);
   uint32_t cap = ts->cap[c];
-  if (now == ts->mark[c]) cap = cap * 2 < ci->mag_max ? cap * 2 : ci->mag_max;
-  else if (now - ts->mark[c] > 4 * (uint64_t)cap) cap = cap / 2 > ci->mag_cap ? cap / 2 : ci->mag_cap;
+  if (now == ts->mark[c]) {
+    uint32_t run = ts->run[c] + cap;
+    if (run >= TCACHE_GROW_RUN) {
+      cap = cap * 2 < ci->mag_max ? cap * 2 : ci->mag_max;
+      run = 0;
+    }
+    ts->run[c] = (uint8_t)run;
+  } else {
+    ts->run[c] = 0;
+    if (now - ts->mark[c] > 4 * (uint64_t)cap) cap = cap / 2 > ci->mag_cap ? cap / 2 : ci->mag_cap;
+  }
   ts->cap[c] = (uint8_t)cap;
   ts->mark[c] = now;
   return cap;
@@ -207,6 +224,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
     ts->mark[c] = 0;
+    ts->run[c] = 0;
   }
   return ts;
 }

@@ -53,10 +53,12 @@ typedef struct tslot {
   magazine *loaded[SIZECLASS_COUNT];
   magazine *prev[SIZECLASS_COUNT];
   /* Capacity of the empty magazines this slot takes for its frees, per
-   * class (mag_cap..mag_max), and the class's allocation count at the last
-   * exchange with the depot. Owner only. */
+   * class (mag_cap..mag_max), the class's allocation count at the last
+   * exchange with the depot, and the frees in a row (no allocation between)
+   * that ended at exchanges since the last growth. Owner only. */
   uint8_t cap[SIZECLASS_COUNT];
   uint64_t mark[SIZECLASS_COUNT];
+  uint8_t run[SIZECLASS_COUNT];
   /* Allocations of each class served by a magazine (fast path) and by the
    * slow path. Owner-written (relaxed load + store); read by statistics
    * under tcache_list_lock; folded into the heap when the slot retires. */

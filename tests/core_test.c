@@ -247,6 +247,48 @@ static void test_magazine_and_depot(void **state) {
   epoch_stream_release(ra);
 }
 
+/* Before a carve: the newest pending magazine, sealed within the window,
+ * is polled until its epoch completes (here another thread completes it
+ * after a few milliseconds); one sealed longer ago than the window is not
+ * waited for. */
+static void *complete_later(void *arg) {
+  usleep(5000);
+  fake_stream_complete((cudaStream_t)arg);
+  return NULL;
+}
+
+static void test_depot_take_fresh(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  unsigned cls = sizeclass_of(150000); /* a class no other test uses */
+  cudaStream_t a, b;
+  uint64_t ida, idb;
+  stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
+  magazine *m = magazine_get_empty(cls);
+  assert_non_null(m);
+  m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
+  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, complete_later, a), 0);
+  uint64_t t0 = epoch_now_ns();
+  assert_ptr_equal(depot_take_fresh(h, cls, idb, 10ull * 1000 * 1000 * 1000), m);
+  assert_true(epoch_now_ns() - t0 >= 4000000u); /* it did wait for the completion */
+  assert_int_equal(pthread_join(t, NULL), 0);
+
+  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  usleep(2000);
+  t0 = epoch_now_ns();
+  assert_null(depot_take_fresh(h, cls, idb, 1000000u)); /* sealed 2 ms ago, window 1 ms */
+  assert_true(epoch_now_ns() - t0 < 1000000000u);
+  assert_ptr_equal(depot_take_fresh(h, cls, ida, 0), m); /* its own stream: at once */
+  m->count = 0;
+  magazine_put_empty(m);
+  epoch_stream_release(ra);
+}
+
 /* The depot's pending list is a LIFO: a taker looks at the newest few
  * magazines one at a time, then sweeps the whole list, so an older
  * magazine whose epoch completed is found under newer pending ones. */
@@ -372,7 +414,7 @@ static void test_magazine_capacity_adapts(void **state) {
   (void)state;
   unsigned cls = sizeclass_of(60000); /* 64 KiB class */
   const sizeclass_info *ci = &sizeclass_table[cls];
-  assert_int_equal(ci->mag_cap, 8);  /* cbrt(2^25 / 64 KiB) */
+  assert_int_equal(ci->mag_cap, 5);  /* cbrt(2^23 / 64 KiB) */
   assert_true(ci->mag_max > ci->mag_cap);
   cudaStream_t s = fake_stream_create(0);
   enum { N = 256 };
@@ -402,6 +444,70 @@ static void test_magazine_capacity_adapts(void **state) {
   assert_true(ts->cap[cls] >= ci->mag_cap);
   while (live > 0) assert_int_equal(magpie_free_async(p[--live], s), MAGPIE_OK);
   fake_stream_complete(s);
+}
+
+/* Blocks that come and go in bursts shorter than a run of outflow keep
+ * the starting capacity, though each burst of frees fills magazines with
+ * no allocation between (a rule that grew on that held a slab per thread
+ * and class in workload 2). */
+static void test_magazine_capacity_bursts(void **state) {
+  (void)state;
+  /* A class no other test here uses: its magazines all start at mag_cap
+   * (a magazine keeps the capacity it was made with). */
+  unsigned cls = sizeclass_of(45000); /* 48 KiB */
+  const sizeclass_info *ci = &sizeclass_table[cls];
+  assert_int_equal(ci->mag_cap, 5);
+  cudaStream_t s = fake_stream_create(0);
+  enum { BURST = 4 * 5 }; /* four magazines of 5, under a run of 32 */
+  void *p[BURST];
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  for (int round = 0; round < 50; round++) {
+    for (int i = 0; i < BURST; i++) assert_non_null(p[i] = magpie_malloc_async(45000, s));
+    for (int i = 0; i < BURST; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  }
+  /* The bursts did overflow both magazines (sealed ones went out). */
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_true(st1.events_recorded > st0.events_recorded);
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  assert_int_equal(ts->cap[cls], ci->mag_cap);
+  fake_stream_complete(s);
+}
+
+/* Threads that run dry of a class together share one slab: the first maps
+ * it (slowly here) while the others wait for its magazines instead of
+ * each mapping a slab of its own. */
+enum { CARVE_THREADS = 8 };
+static pthread_barrier_t carve_start;
+static void *carve_thread(void *arg) {
+  cudaStream_t s = arg;
+  pthread_barrier_wait(&carve_start);
+  void *p = magpie_malloc_async(12000, s); /* a class no other test uses */
+  if (p != NULL && magpie_free_async(p, s) != MAGPIE_OK) p = NULL;
+  return p;
+}
+
+static void test_concurrent_refills_share_a_carve(void **state) {
+  (void)state;
+  cudaStream_t s[CARVE_THREADS];
+  pthread_t t[CARVE_THREADS];
+  for (int i = 0; i < CARVE_THREADS; i++) s[i] = fake_stream_create(0);
+  fake_counters before, after;
+  fake_get_counters(&before);
+  fake_set_map_delay_us(20000);
+  pthread_barrier_init(&carve_start, NULL, CARVE_THREADS);
+  for (int i = 0; i < CARVE_THREADS; i++) assert_int_equal(pthread_create(&t[i], NULL, carve_thread, s[i]), 0);
+  for (int i = 0; i < CARVE_THREADS; i++) {
+    void *p = NULL;
+    assert_int_equal(pthread_join(t[i], &p), 0);
+    assert_non_null(p);
+  }
+  pthread_barrier_destroy(&carve_start);
+  fake_set_map_delay_us(0);
+  fake_get_counters(&after);
+  assert_int_equal(after.maps - before.maps, 1);
+  for (int i = 0; i < CARVE_THREADS; i++) fake_stream_complete(s[i]);
 }
 
 static void test_same_stream_reuse(void **state) {
@@ -699,6 +805,9 @@ int main(void) {
       cmocka_unit_test(test_depot_finds_old_ready_magazine),
       cmocka_unit_test(test_depot_reuse_through_stream_wait),
       cmocka_unit_test(test_magazine_capacity_adapts),
+      cmocka_unit_test(test_magazine_capacity_bursts),
+      cmocka_unit_test(test_depot_take_fresh),
+      cmocka_unit_test(test_concurrent_refills_share_a_carve),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),

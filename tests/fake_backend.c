@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define FAKE_MAX_STREAMS 4096
 #define FAKE_DEVICES 4
@@ -119,7 +120,11 @@ static int f_reserve(int d, size_t size, uintptr_t *base) {
   return MAGPIE_OK;
 }
 static int f_unreserve(int d, uintptr_t base, size_t size) { (void)d; (void)base; (void)size; return MAGPIE_OK; }
+static _Atomic unsigned fake_map_delay_us;
+void fake_set_map_delay_us(unsigned us) { fake_map_delay_us = us; }
+
 static int f_map(int d, uintptr_t a, size_t size) {
+  if (fake_map_delay_us) usleep(fake_map_delay_us);
   pthread_mutex_lock(&fake_lock);
   if (fake_mapped[d] + size > fake_capacity[d]) {
     pthread_mutex_unlock(&fake_lock);

@@ -22,6 +22,9 @@ void fake_stream_complete(cudaStream_t s);
 void fake_set_devices(int n);
 void fake_set_capacity(int device, size_t bytes);
 void fake_set_current_device(int device);
+/* Every map takes this long (0: none): a slow driver call that threads
+ * arriving meanwhile must not each repeat. */
+void fake_set_map_delay_us(unsigned us);
 /* While closed, device_synchronize blocks (the work is still running). */
 void fake_gate_device_sync(int closed);
 
