@@ -184,20 +184,6 @@ magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, c
   return depot_hand_over(d, m, st);
 }
 
-magazine *depot_take_fresh(struct heap *h, unsigned cls, uint64_t stream_id, uint64_t window_ns) {
-  depot *d = &h->depots[cls];
-  magazine *m = (magazine *)stack_pop(&d->pending, &magazine_registry);
-  if (m == NULL) return NULL;
-  /* The top of the LIFO is the newest seal; an older one that is still
-   * pending belongs to a stream with work queued, not worth a wait. */
-  enum epoch_state st = epoch_ready_by(&m->ticket, stream_id, m->ticket.sealed_ns + window_ns);
-  if (st == EPOCH_PENDING) {
-    stack_push(&d->pending, &magazine_registry, &m->link);
-    return NULL;
-  }
-  return depot_hand_over(d, m, st);
-}
-
 int depot_wait_pending(struct heap *h, unsigned cls) {
   depot *d = &h->depots[cls];
   atomic_add_relaxed(&d->scanners, 1);

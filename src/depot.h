@@ -57,12 +57,6 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id);
  * and nothing mapped. NULL if none is pending or the wait cannot be
  * enqueued. The returned magazine carries no ticket. */
 magazine *depot_take_waiting(struct heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream);
-/* The newest pending magazine, if it was sealed less than window_ns ago,
- * polled on the host until that window ends: an idle stream's event
- * completes microseconds after its record, sooner than a slab maps. NULL
- * if none is that recent or its epoch did not complete in time. The
- * returned magazine carries no ticket. */
-magazine *depot_take_fresh(struct heap *h, unsigned cls, uint64_t stream_id, uint64_t window_ns);
 /* Pressure: wait for every pending magazine of class cls (blocking on their
  * events) and move them to full. Returns how many moved. */
 int depot_wait_pending(struct heap *h, unsigned cls);

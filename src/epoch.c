@@ -3,7 +3,6 @@
 #include "epoch.h"
 
 #include <string.h>
-#include <time.h>
 
 #include "meta.h"
 
@@ -129,7 +128,7 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
   }
   atomic_add_relaxed(&t->events_recorded, 1);
   epoch_stream_ref(r);
-  *out = (epoch_ticket){.rec = r, .seq = seq, .ev = e, .sealed_ns = epoch_now_ns()};
+  *out = (epoch_ticket){.rec = r, .seq = seq, .ev = e};
   return MAGPIE_OK;
 }
 
@@ -146,19 +145,6 @@ enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
     return EPOCH_READY_DONE;
   }
   return EPOCH_PENDING;
-}
-
-uint64_t epoch_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-enum epoch_state epoch_ready_by(const epoch_ticket *t, uint64_t stream_id, uint64_t deadline_ns) {
-  enum epoch_state st;
-  while ((st = epoch_ready(t, stream_id)) == EPOCH_PENDING && epoch_now_ns() < deadline_ns) {
-  }
-  return st;
 }
 
 int epoch_wait(const epoch_ticket *t) {

@@ -106,12 +106,6 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out);
 /* May blocks under this ticket be reused by stream `stream_id` now? Never
  * blocks; at most one event query. */
 enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id);
-/* epoch_ready, asked again until it is no longer PENDING or the monotonic
- * clock passes deadline_ns (a host-side poll of one event; no blocking
- * call into the driver). */
-enum epoch_state epoch_ready_by(const epoch_ticket *t, uint64_t stream_id, uint64_t deadline_ns);
-/* CLOCK_MONOTONIC in nanoseconds. */
-uint64_t epoch_now_ns(void);
 /* Block until the ticket's epoch completed (off the allocation fast path). */
 int epoch_wait(const epoch_ticket *t);
 /* Let go of a ticket: its event returns to the pool, its reference drops. */

@@ -199,23 +199,15 @@ static int heap_ladder_step(heap *h, unsigned i) {
   return heap_relieve(h, heap_ladder[i]) && heap_ladder[i] != HEAP_STEP_THREADS;
 }
 
-/* How long a refill polls a just-sealed magazine's event before it maps a
- * slab instead. On the H200 an idle stream's event was seen complete as
- * little as 2 us after its record, and a slab's map costs about 35 us; threads that
- * had just given back everything (exiting, or between phases) otherwise
- * made others map a slab per class within those microseconds. */
-#define HEAP_FRESH_WAIT_NS 50000u
-
 /* Carve a slab of class cls, one thread per class at a time. Threads that
  * found the class empty together would otherwise each map a slab: sixteen
  * threads starting at once on the H200 mapped nine slabs of one class
  * while the first slab's magazines sat unused in the depot. Whoever waited
- * looks at the depot again first, then at the newest pending magazine. */
+ * looks at the depot again first. */
 static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   depot *d = &h->depots[cls];
   pthread_mutex_lock(&d->carve_lock);
   magazine *m = depot_take(h, cls, stream_id);
-  if (m == NULL) m = depot_take_fresh(h, cls, stream_id, HEAP_FRESH_WAIT_NS);
   int rc = MAGPIE_OK;
   if (m != NULL) *out = m;
   else rc = slab_carve(h, cls, out);

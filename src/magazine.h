@@ -30,7 +30,6 @@ typedef struct epoch_ticket {
   struct stream_rec *rec;
   uint64_t seq;
   struct event_node *ev;
-  uint64_t sealed_ns; /* epoch_now_ns() when sealed */
 } epoch_ticket;
 
 /* Cache-line aligned: magazines of different threads sit side by side in

@@ -247,48 +247,6 @@ static void test_magazine_and_depot(void **state) {
   epoch_stream_release(ra);
 }
 
-/* Before a carve: the newest pending magazine, sealed within the window,
- * is polled until its epoch completes (here another thread completes it
- * after a few milliseconds); one sealed longer ago than the window is not
- * waited for. */
-static void *complete_later(void *arg) {
-  usleep(5000);
-  fake_stream_complete((cudaStream_t)arg);
-  return NULL;
-}
-
-static void test_depot_take_fresh(void **state) {
-  (void)state;
-  heap *h = heap_get(0);
-  assert_non_null(h);
-  unsigned cls = sizeclass_of(150000); /* a class no other test uses */
-  cudaStream_t a, b;
-  uint64_t ida, idb;
-  stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
-  magazine *m = magazine_get_empty(cls);
-  assert_non_null(m);
-  m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
-  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, complete_later, a), 0);
-  uint64_t t0 = epoch_now_ns();
-  assert_ptr_equal(depot_take_fresh(h, cls, idb, 10ull * 1000 * 1000 * 1000), m);
-  assert_true(epoch_now_ns() - t0 >= 4000000u); /* it did wait for the completion */
-  assert_int_equal(pthread_join(t, NULL), 0);
-
-  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
-  usleep(2000);
-  t0 = epoch_now_ns();
-  assert_null(depot_take_fresh(h, cls, idb, 1000000u)); /* sealed 2 ms ago, window 1 ms */
-  assert_true(epoch_now_ns() - t0 < 1000000000u);
-  assert_ptr_equal(depot_take_fresh(h, cls, ida, 0), m); /* its own stream: at once */
-  m->count = 0;
-  magazine_put_empty(m);
-  epoch_stream_release(ra);
-}
-
 /* The depot's pending list is a LIFO: a taker looks at the newest few
  * magazines one at a time, then sweeps the whole list, so an older
  * magazine whose epoch completed is found under newer pending ones. */
@@ -806,7 +764,6 @@ int main(void) {
       cmocka_unit_test(test_depot_reuse_through_stream_wait),
       cmocka_unit_test(test_magazine_capacity_adapts),
       cmocka_unit_test(test_magazine_capacity_bursts),
-      cmocka_unit_test(test_depot_take_fresh),
       cmocka_unit_test(test_concurrent_refills_share_a_carve),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
