@@ -10,6 +10,10 @@ Each allocation is made on CuPy's current stream
 drops the memory, the contract of CuPy's own memory pool: memory used on
 another stream must be ordered (an event or Stream.wait_event) before it is
 freed, or its block recorded with magpie.record_stream(ptr, stream.ptr).
+A block keeps its CuPy stream object alive until it is freed: a stream
+destroyed first (at interpreter exit, locals go in no useful order) would
+leave the free a dangling handle, which magpie, like cudaFreeAsync, must
+not be given.
 """
 import ctypes
 
@@ -19,7 +23,8 @@ _installed = False
 
 
 class _Block:
-    """Owner of one magpie block; frees it on its stream when CuPy lets go."""
+    """Owner of one magpie block; frees it on its stream when CuPy lets go.
+    Holds the cupy Stream object, so the stream outlives the block."""
 
     __slots__ = ("ptr", "stream", "free")
 
@@ -29,7 +34,7 @@ class _Block:
         self.free = free
 
     def __del__(self):
-        self.free(ctypes.c_void_p(self.ptr), ctypes.c_void_p(self.stream))
+        self.free(ctypes.c_void_p(self.ptr), ctypes.c_void_p(self.stream.ptr))
 
 
 def _make_malloc(cupy):
@@ -38,8 +43,8 @@ def _make_malloc(cupy):
     memory = cupy.cuda.memory
 
     def magpie_malloc(size):
-        stream = cupy.cuda.get_current_stream().ptr
-        ptr = malloc(size, ctypes.c_void_p(stream))
+        stream = cupy.cuda.get_current_stream()
+        ptr = malloc(size, ctypes.c_void_p(stream.ptr))
         if not ptr:
             raise memory.OutOfMemoryError(size, 0, 0) if _lib.lib().magpie_last_error() == 4 else RuntimeError(
                 "magpie_malloc_async(%d): %s" % (size, _lib.lib().magpie_last_error_message().decode())

@@ -76,6 +76,14 @@ def child(mode, out):
             y = cp.full(n, 0xFFFFFFFF, dtype=cp.uint32)  # must not be x's block yet
             del y
     cp.cuda.Device().synchronize()
+    # Blocks that outlive their Stream object (as locals do at interpreter
+    # exit): the frees must still name a live stream, which the adaptor
+    # ensures by holding the stream with the block.
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        held = [cp.empty(4096, dtype=cp.uint8) for _ in range(256)]
+    del s
+    del held
     nbad = int(bad.get()[0])
     np.save(out, np.array([nbad, checks], dtype=np.int64))
     import pickle
