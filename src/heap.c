@@ -3,7 +3,8 @@
  * Lock order: heap_create_lock -> (region/epoch init, no other magpie
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, region.lock, slab_lock, slab_desc_lock,
- * registry.grow_lock, one at a time). reaper_lock, slab_lock are leaves.
+ * registry.grow_lock, span_lock, one at a time). reaper_lock, slab_lock
+ * are leaves.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
 #include "heap.h"
@@ -77,6 +78,8 @@ static heap *heap_create(int device) {
   stack_init(&h->limbo);
   large_init(&h->large);
   pthread_mutex_init(&h->slab_lock, NULL);
+  pthread_mutex_init(&h->span_lock, NULL);
+  h->spans = NULL;
   pthread_mutex_init(&h->reclaim_lock, NULL);
   /* Events made now, while the device is likely idle (a failure here only
    * leaves creation to later). */

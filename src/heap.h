@@ -54,6 +54,9 @@ typedef struct heap {
   /* Class slabs, for release and snapshots. */
   pthread_mutex_t slab_lock; /* guards slabs */
   struct slab *slabs;
+  /* Granules shared by small classes' slabs (span.c). */
+  pthread_mutex_t span_lock; /* guards spans and their used masks */
+  struct span *spans;
   /* Serialises slab release (it borrows the depot's ready magazines). */
   pthread_mutex_t reclaim_lock;
   _Atomic size_t stat_peak_reserved;
@@ -63,7 +66,7 @@ typedef struct heap {
   _Atomic uint64_t stat_slabs_released;
   _Atomic uint64_t stat_limbo;
   _Atomic int64_t stat_limbo_bytes;
-  _Atomic int64_t stat_overhead;      /* slab tails, fallback alignment */
+  _Atomic int64_t stat_overhead;      /* slab tails, fallback alignment, free chunks */
   _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
   _Atomic uint64_t stat_threads_flushed;
   _Atomic uint64_t stat_threads_stolen;

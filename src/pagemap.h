@@ -1,5 +1,7 @@
 /* Address -> slab lookup in O(1), lock-free: a two-level radix table over
- * 2 MiB pages of the 48-bit user address space. It serves the reserved
+ * 256 KiB pages of the 48-bit user address space (the chunks small
+ * classes' slabs are made of, span.h; granules and large segments cover
+ * whole runs of pages). It serves the reserved
  * virtual range and the fallback's scattered slabs alike (one path, two
  * dependent loads), with no hash and no lock on lookup.
  *
@@ -15,7 +17,7 @@
 
 #include "atomic.h"
 
-#define PAGEMAP_PAGE_SHIFT 21
+#define PAGEMAP_PAGE_SHIFT 18
 #define PAGEMAP_ADDR_BITS 48
 #define PAGEMAP_LEAF_BITS 14
 #define PAGEMAP_TOP_BITS (PAGEMAP_ADDR_BITS - PAGEMAP_PAGE_SHIFT - PAGEMAP_LEAF_BITS)
@@ -34,7 +36,7 @@ static inline struct slab *pagemap_lookup(uintptr_t addr) {
 }
 
 /* Point every page of [base, base+size) at s (NULL to clear). base and size
- * are multiples of 2 MiB. Returns MAGPIE_OK or MAGPIE_ERR_OUT_OF_MEMORY (host
+ * are multiples of the page (256 KiB). Returns MAGPIE_OK or MAGPIE_ERR_OUT_OF_MEMORY (host
  * metadata), in which case nothing was set. */
 int pagemap_set(uintptr_t base, size_t size, struct slab *s);
 

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "meta.h"
+#include "pagemap.h"
 
 int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint) {
   memset(r, 0, sizeof *r);
@@ -15,6 +16,8 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
   int rc = ops->granularity(device, &r->gran);
   if (rc != MAGPIE_OK) return rc;
   if (r->gran == 0 || (r->gran & (r->gran - 1)) != 0) r->gran = (size_t)2 << 20;
+  /* The page map tells slabs apart by its pages: map no less. */
+  if (r->gran < ((size_t)1 << PAGEMAP_PAGE_SHIFT)) r->gran = (size_t)1 << PAGEMAP_PAGE_SHIFT;
   int vmm = 0;
   if (ops->vmm_supported(device, &vmm) != MAGPIE_OK) vmm = 0;
   if (vmm) {

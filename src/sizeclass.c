@@ -3,11 +3,13 @@
 #include "sizeclass.h"
 
 #include "magazine.h"
+#include "span.h"
 
 sizeclass_info sizeclass_table[SIZECLASS_COUNT];
 
 /* Slab of one to four granules, whichever wastes the least tail (ties to
- * the smaller, so small classes keep 2 MiB slabs). */
+ * the smaller). Classes of up to 16 KiB take one chunk of a shared granule
+ * instead (span.h). */
 static size_t sizeclass_pick_slab(size_t size, size_t granularity) {
   size_t best = granularity;
   size_t best_waste_num = granularity % size, best_den = granularity;
@@ -46,7 +48,7 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     sizeclass_info *ci = &sizeclass_table[c];
     ci->size = sizeclass_size_calc(c);
-    ci->slab_size = sizeclass_pick_slab(ci->size, granularity);
+    ci->slab_size = span_serves(ci->size, granularity) ? SPAN_CHUNK : sizeclass_pick_slab(ci->size, granularity);
     ci->blocks = (uint32_t)(ci->slab_size / ci->size);
     size_t cap = magazine_bytes / ci->size;
     if (cap < 2) cap = 2;

@@ -38,7 +38,7 @@ static inline size_t sizeclass_size_calc(unsigned c) {
 /* Per-class tables, filled once by sizeclass_init(). */
 typedef struct sizeclass_info {
   size_t size;       /* block bytes */
-  size_t slab_size;  /* bytes of one slab of this class (granularity multiple) */
+  size_t slab_size;  /* bytes of one slab: a granularity multiple, or one chunk (span.h) */
   uint32_t blocks;   /* blocks per slab */
   uint32_t mag_cap;  /* blocks per magazine to start with (slabs carve these) */
   uint32_t mag_max;  /* most blocks per magazine (magazine_bytes / size) */

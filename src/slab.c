@@ -11,6 +11,7 @@
 #include "pagemap.h"
 #include "meta.h"
 #include "sizeclass.h"
+#include "span.h"
 
 static pthread_mutex_t slab_desc_lock = PTHREAD_MUTEX_INITIALIZER;
 static slab *slab_desc_free; /* recycled large descriptors; under the lock */
@@ -70,15 +71,31 @@ static slab *slab_desc_for(uint32_t words) {
   return s;
 }
 
+/* The slab's memory goes back: its chunk to its span, or its granules. */
+static void slab_give_back(struct heap *h, slab *s) {
+  if (s->span != NULL) span_chunk_put(h, s->span, s->base);
+  else heap_unmap(h, s->base, s->size, s->raw, s->raw_size);
+  s->span = NULL;
+}
+
 int slab_carve(struct heap *h, unsigned cls, magazine **out) {
   const sizeclass_info *ci = &sizeclass_table[cls];
   slab *s = slab_desc_for((ci->blocks + 63) / 64);
   if (s == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
-  int rc = heap_map(h, ci->slab_size, &s->base, &s->raw, &s->raw_size);
+  span *sp = NULL;
+  int rc;
+  if (ci->slab_size < h->region.gran) {
+    rc = span_chunk_get(h, &s->base, &sp);
+    s->raw = s->base;
+    s->raw_size = ci->slab_size;
+  } else {
+    rc = heap_map(h, ci->slab_size, &s->base, &s->raw, &s->raw_size);
+  }
   if (rc != MAGPIE_OK) {
     slab_desc_put(s);
     return rc;
   }
+  s->span = sp;
   s->size = ci->slab_size;
   s->bsize = ci->size;
   s->magic = ci->magic;
@@ -88,7 +105,7 @@ int slab_carve(struct heap *h, unsigned cls, magazine **out) {
 
   /* Publish before any block leaves: frees must find the slab. */
   if (pagemap_set(s->base, s->size, s) != MAGPIE_OK) {
-    heap_unmap(h, s->base, s->size, s->raw, s->raw_size);
+    slab_give_back(h, s);
     slab_desc_put(s);
     return MAGPIE_ERR_OUT_OF_MEMORY;
   }
@@ -182,7 +199,7 @@ size_t slab_release_free(struct heap *h, size_t want) {
     next = s->lnext;
     pagemap_set(s->base, s->size, NULL); /* leaves exist: cannot fail */
     atomic_sub_relaxed(&h->stat_overhead, (int64_t)slab_overhead(s));
-    heap_unmap(h, s->base, s->size, s->raw, s->raw_size);
+    slab_give_back(h, s);
     atomic_sub_relaxed(&h->stat_slabs, 1);
     atomic_add_relaxed(&h->stat_slabs_released, 1);
     s->dead = 0;

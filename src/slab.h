@@ -6,9 +6,10 @@
  * slabs keep no free lists, so the only per-block state lives in magazines
  * and, in checked mode, in the slab's allocation bitmap.
  *
- * INVARIANT: base is a multiple of 2 MiB; every 2 MiB page of
+ * INVARIANT: base is a multiple of the page-map page; every page of
  *            [base, base+size) maps to this descriptor in the page map while
- *            the memory is mapped.
+ *            the memory is mapped. A small class's slab is one chunk of a
+ *            span (span != NULL, span.h); others map whole granules.
  * INVARIANT: for a class slab, block i starts at base + i*bsize, i < nblocks,
  *            and (off * magic) >> 48 == off / bsize for off < size.
  * Descriptors are never returned to the host allocator (a stale lookup reads
@@ -35,8 +36,9 @@ typedef struct slab {
   uint32_t cls;   /* size class, or SLAB_LARGE */
   uint32_t nblocks;
   struct heap *heap;
-  uintptr_t raw; /* what the region mapped (differs without VMM) */
+  uintptr_t raw; /* what the region mapped (differs without VMM); a chunk: itself */
   size_t raw_size;
+  struct span *span; /* the span a chunk slab belongs to, else NULL */
   /* Checked mode: bit i set while block i is handed out. Atomic RMW by any
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */

@@ -23,6 +23,7 @@
 #include "src/meta.h"
 #include "src/pagemap.h"
 #include "src/slab.h"
+#include "src/span.h"
 #include "src/sizeclass.h"
 #include "src/tcache.h"
 #include "src/stack.h"
@@ -660,6 +661,48 @@ static void test_memory_pressure(void **state) {
   fake_set_current_device(0);
 }
 
+/* Small classes' slabs are chunks of shared granules: the first slabs of
+ * four small classes on a fresh device map one granule between them; when
+ * their blocks are back and the slabs given back, it is unmapped. */
+static void test_small_classes_share_a_granule(void **state) {
+  (void)state;
+  fake_set_current_device(2);
+  cudaStream_t s = fake_stream_create(2);
+  fake_counters c0, c1, c2;
+  fake_get_counters(&c0);
+  const size_t sizes[] = {256, 1024, 4096, 16384};
+  enum { N = sizeof sizes / sizeof sizes[0] };
+  void *p[N];
+  slab *sl[N];
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(sizeclass_table[sizeclass_of(sizes[i])].slab_size, SPAN_CHUNK);
+    assert_non_null(p[i] = magpie_malloc_async(sizes[i], s));
+  }
+  fake_get_counters(&c1);
+  assert_int_equal(c1.mapped_bytes[2] - c0.mapped_bytes[2], (size_t)2 << 20);
+  for (int i = 0; i < N; i++) {
+    sl[i] = pagemap_lookup((uintptr_t)p[i]);
+    assert_non_null(sl[i]);
+    assert_non_null(sl[i]->span);
+    assert_ptr_equal(sl[i]->span, sl[0]->span);
+    assert_int_equal(sl[i]->size, SPAN_CHUNK);
+    assert_true((uintptr_t)p[i] >= sl[i]->base && (uintptr_t)p[i] < sl[i]->base + SPAN_CHUNK);
+    for (int j = 0; j < i; j++) assert_true(sl[j]->base != sl[i]->base);
+  }
+  /* Larger classes keep slabs of whole granules. */
+  assert_true(sizeclass_table[sizeclass_of(65536)].slab_size >= ((size_t)2 << 20));
+  for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  fake_stream_complete(s);
+  assert_int_equal(magpie_trim(2, 0), MAGPIE_OK);
+  fake_get_counters(&c2);
+  assert_int_equal(c2.mapped_bytes[2], c0.mapped_bytes[2]);
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(2, &st), MAGPIE_OK);
+  assert_int_equal(st.reserved_bytes, 0);
+  assert_int_equal(st.overhead_bytes, 0);
+  fake_set_current_device(0);
+}
+
 static void test_stats_invariants(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0);
@@ -748,7 +791,7 @@ static void test_private_metadata_heap(void **state) {
 }
 
 int main(void) {
-  fake_set_devices(2);
+  fake_set_devices(3);
   fake_set_capacity(1, (size_t)24 << 20);
   magpie_config cfg;
   magpie_config_default(&cfg);
@@ -771,6 +814,7 @@ int main(void) {
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_large_blocks),
       cmocka_unit_test(test_memory_pressure),
+      cmocka_unit_test(test_small_classes_share_a_granule),
       cmocka_unit_test(test_stats_invariants),
       cmocka_unit_test(test_thread_exit),
       cmocka_unit_test(test_private_metadata_heap),
