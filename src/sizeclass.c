@@ -8,7 +8,7 @@
 sizeclass_info sizeclass_table[SIZECLASS_COUNT];
 
 /* Slab of one to four granules, whichever wastes the least tail (ties to
- * the smaller). Classes of up to 16 KiB take one chunk of a shared granule
+ * the smaller). Classes of up to 32 KiB take one chunk of a shared granule
  * instead (span.h). */
 static size_t sizeclass_pick_slab(size_t size, size_t granularity) {
   size_t best = granularity;

@@ -670,7 +670,7 @@ static void test_small_classes_share_a_granule(void **state) {
   cudaStream_t s = fake_stream_create(2);
   fake_counters c0, c1, c2;
   fake_get_counters(&c0);
-  const size_t sizes[] = {256, 1024, 4096, 16384};
+  const size_t sizes[] = {256, 4096, 16384, 32768};
   enum { N = sizeof sizes / sizeof sizes[0] };
   void *p[N];
   slab *sl[N];
