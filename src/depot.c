@@ -55,12 +55,14 @@ void depot_put(struct heap *h, magazine *m) {
   stack_push(m->ticket.rec ? &d->pending : &d->full, &magazine_registry, &m->link);
 }
 
-/* A pending magazine becomes ready (its ticket is released). */
-static void depot_pending_to_ready(struct heap *h, magazine *m) {
+/* A pending magazine whose epoch completed moves to full: its ticket is
+ * released and its bytes count as ready. */
+static void depot_pending_to_full(depot *d, magazine *m) {
   int64_t b = (int64_t)depot_magazine_bytes(m);
-  depot *d = &h->depots[m->cls];
+  epoch_ticket_release(&m->ticket);
   atomic_sub_relaxed(&d->pending_bytes, b);
   atomic_add_relaxed(&d->ready_bytes, b);
+  stack_push(&d->full, &magazine_registry, &m->link);
 }
 
 /* Within one scan, per stream: the lowest seq seen pending. Events on a
@@ -193,9 +195,7 @@ int depot_wait_pending(struct heap *h, unsigned cls) {
     next = stack_next(&magazine_registry, n);
     magazine *m = (magazine *)n;
     if (epoch_wait(&m->ticket) == MAGPIE_OK) {
-      epoch_ticket_release(&m->ticket);
-      depot_pending_to_ready(h, m);
-      stack_push(&d->full, &magazine_registry, &m->link);
+      depot_pending_to_full(d, m);
       moved++;
     } else {
       stack_push(&d->pending, &magazine_registry, &m->link);
@@ -217,10 +217,8 @@ int depot_reclaim(struct heap *h, unsigned cls) {
     magazine *m = (magazine *)n;
     if (!depot_memo_known_pending(&memo, &m->ticket) &&
         epoch_ready(&m->ticket, EPOCH_NO_STREAM) == EPOCH_READY_DONE) {
-      epoch_ticket_release(&m->ticket);
-      depot_pending_to_ready(h, m);
+      depot_pending_to_full(d, m);
       atomic_add_relaxed(&d->migrations, 1);
-      stack_push(&d->full, &magazine_registry, &m->link);
       moved++;
     } else {
       depot_memo_note_pending(&memo, &m->ticket);

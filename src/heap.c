@@ -323,15 +323,15 @@ static void heap_reap_wait(heap *h) {
   while (atomic_load_acquire(&h->reaping) > 0) sched_yield();
 }
 
-/* Release threshold: give back what is cached above it, cheapest first.
- * Thread caches are left alone (emptying them needs a device
- * synchronisation; they are bounded by the magazine size). */
 /* Cached bytes above the release threshold (0 if none). */
 static size_t heap_excess(heap *h) {
   size_t cached = heap_cached_bytes(h);
   return cached > h->release_threshold ? cached - h->release_threshold : 0;
 }
 
+/* Release threshold: give back what is cached above it, cheapest first.
+ * Thread caches are left alone (emptying them needs a device
+ * synchronisation; they are bounded by the magazine size). */
 static void heap_release_above_threshold(heap *h) {
   if (h->release_threshold == SIZE_MAX || heap_excess(h) == 0) return;
   heap_relieve(h, HEAP_STEP_RECLAIM);

@@ -12,6 +12,7 @@
 #include "error.h"
 #include "heap.h"
 #include "magazine.h"
+#include "region.h"
 #include "sim_check.h"
 #include "tcache.h"
 #include "backend_timed.h"
@@ -96,7 +97,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
     else rc = init_pick_backend(c.backend, &ops);
   }
   size_t gran = (size_t)2 << 20;
-  if (rc == MAGPIE_OK && (ops->granularity(0, &gran) != MAGPIE_OK || gran == 0)) gran = (size_t)2 << 20;
+  if (rc == MAGPIE_OK && ops->granularity(0, &gran) != MAGPIE_OK) gran = (size_t)2 << 20;
   if (rc != MAGPIE_OK) {
     global_err = rc;
     snprintf(global_msg, sizeof global_msg, "%s", magpie_last_error_message());
@@ -107,7 +108,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   global_cfg = c;
   if (c.slow_call_ms) ops = backend_timed(ops, c.slow_call_ms);
   global_backend = ops;
-  sizeclass_init(c.magazine_bytes, gran);
+  sizeclass_init(c.magazine_bytes, region_unit(gran)); /* the unit every heap's region maps in */
   magazine_module_init();
   tcache_module_init();
   epoch_module_init();

@@ -7,6 +7,13 @@
 #include "meta.h"
 #include "pagemap.h"
 
+size_t region_unit(size_t g) {
+  if (g == 0 || (g & (g - 1)) != 0) g = (size_t)2 << 20;
+  /* The page map tells slabs apart by its pages: map no less. */
+  if (g < ((size_t)1 << PAGEMAP_PAGE_SHIFT)) g = (size_t)1 << PAGEMAP_PAGE_SHIFT;
+  return g;
+}
+
 int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint) {
   memset(r, 0, sizeof *r);
   r->device = device;
@@ -15,9 +22,7 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
   r->limit = SIZE_MAX;
   int rc = ops->granularity(device, &r->gran);
   if (rc != MAGPIE_OK) return rc;
-  if (r->gran == 0 || (r->gran & (r->gran - 1)) != 0) r->gran = (size_t)2 << 20;
-  /* The page map tells slabs apart by its pages: map no less. */
-  if (r->gran < ((size_t)1 << PAGEMAP_PAGE_SHIFT)) r->gran = (size_t)1 << PAGEMAP_PAGE_SHIFT;
+  r->gran = region_unit(r->gran);
   int vmm = 0;
   if (ops->vmm_supported(device, &vmm) != MAGPIE_OK) vmm = 0;
   if (vmm) {

@@ -42,6 +42,10 @@ typedef struct region {
   size_t limit; /* cap on mapped (SIZE_MAX: none); set once at init */
 } region;
 
+/* The map unit for a driver's granularity g: g if it is a power of two no
+ * smaller than a page-map page (pagemap.h), else the nearest such unit.
+ * Slab sizes (sizeclass.c) and the region's own unit both come from it. */
+size_t region_unit(size_t g);
 /* reserve_hint: bytes of virtual range to try first (halved on failure). */
 int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint);
 /* Map size bytes (a granularity multiple). *raw/raw_size describe what to

@@ -41,9 +41,9 @@ static uint32_t sizeclass_icbrt(size_t v) {
  * (cbrt(2^23 / size)), 20 at 1 KiB, 32 at 256 B, at most mag_max. On the
  * H200 (workload 2, sixteen threads), 2^23 held 12 % less memory than
  * 2^25 at the same speed within noise; 2^21 held 25 % less but cost about
- * 40 % of the throughput (more event records and depot exchanges). Where a thread's blocks only
- * flow out (frees, no allocations: one exchange per magazine, however
- * large) its capacity grows up to mag_max (tcache.c). */
+ * 40 % of the throughput (more event records and depot exchanges). Where
+ * a thread's blocks only flow out (frees, no allocations: one exchange per
+ * magazine, however large) its capacity grows up to mag_max (tcache.c). */
 void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     sizeclass_info *ci = &sizeclass_table[c];
