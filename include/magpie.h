@@ -73,7 +73,7 @@ typedef struct magpie_config {
   int check;              /* 1: detect double frees (costs an atomic per op) */
   int verbose;            /* 1: print stats to stderr at exit */
   /* Most bytes per magazine (2..64 blocks). Magazines start smaller
-   * (capacity falling with the cube root of the block size: 8 blocks at
+   * (capacity falling with the cube root of the block size: 5 blocks at
    * 64 KiB) and grow to this where a thread's blocks only flow out. */
   size_t magazine_bytes;
   /* Hard cap on device memory reserved per device: limit bytes, or
