@@ -37,6 +37,7 @@ static struct {
   int (*cuStreamDestroy)(cudaStream_t);
   int (*cuStreamSynchronize)(cudaStream_t);
   int (*cuStreamWaitEvent)(cudaStream_t, void *, unsigned);
+  int (*cuStreamGetId)(cudaStream_t, unsigned long long *);
   int (*cuEventCreate)(void **, unsigned);
   int (*cuEventDestroy)(void *);
   int (*cuEventRecord)(void *, cudaStream_t);
@@ -164,6 +165,7 @@ int bench_dev_init(void) {
   LOAD(h, cuStreamDestroy, "cuStreamDestroy_v2");
   LOAD(h, cuStreamSynchronize, "cuStreamSynchronize");
   LOAD(h, cuStreamWaitEvent, "cuStreamWaitEvent");
+  dev.cuStreamGetId = (int (*)(cudaStream_t, unsigned long long *))dlsym(h, "cuStreamGetId"); /* 12.0+ */
   LOAD(h, cuEventCreate, "cuEventCreate");
   LOAD(h, cuEventDestroy, "cuEventDestroy_v2");
   LOAD(h, cuEventRecord, "cuEventRecord");
@@ -277,6 +279,11 @@ static void sim_touch(void *a) {
   for (int i = 0; i < t->n; i++)
     for (size_t w = 0; w < t->words[i] && w < 128; w++) t->p[i][w] = t->tag;
   free(t);
+}
+
+int bench_stream_get_id(cudaStream_t s, unsigned long long *id) {
+  if (!dev.cuda || dev.cuStreamGetId == NULL) return -1;
+  return dev.cuStreamGetId(s, id);
 }
 
 int bench_touch(cudaStream_t s, void *const *p, const size_t *bytes, int n, uint32_t tag) {

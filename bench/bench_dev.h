@@ -42,6 +42,10 @@ int bench_have_kernel(void);
  * the first words of each of the n (<= 4) blocks p[i] of bytes[i] bytes. */
 int bench_touch(cudaStream_t s, void *const *p, const size_t *bytes, int n, uint32_t tag);
 
+/* CUDA only: cuStreamGetId, the one driver call magpie makes on every
+ * allocation, for timing it alone (workload 1). Nonzero without CUDA. */
+int bench_stream_get_id(cudaStream_t s, unsigned long long *id);
+
 /* Failed CUDA calls so far (all threads). */
 uint64_t bench_dev_errors(void);
 /* Record a failure of a named call (for callers outside this file). */

@@ -60,6 +60,11 @@ def latency(rows, out, title):
         p99 = rows.get(("latency", "p99_ns"), {}).get(a)
         if p99 and a != "noop":
             ax.plot([int(x) for x in xs], [max(p99[x], 1) for x in xs], ls=":", color=COLORS[a], alpha=0.7)
+    gid = d.get("cuStreamGetId")
+    if gid:  # the driver call inside each magpie allocation, timed alone
+        xs = sorted(gid, key=int)
+        ax.plot([int(x) for x in xs], [gid[x] for x in xs], marker=".", ls="--", color="#8c564b",
+                label="cuStreamGetId alone (one per magpie alloc)")
     ax.axhline(25, color="#d62728", lw=0.8, ls="--")
     ax.text(300, 27, "target: magpie 25 ns up to 1 MiB", color="#d62728", fontsize=8)
     ax.set_xscale("log", base=2)

@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "bench/bench_dev.h"
@@ -47,6 +48,9 @@ typedef struct lane {
   uint64_t steps, handoffs, failures;
   int probe;                 /* time every allocator call */
   uint64_t call_ns, max_call_ns;
+  /* Probe: calls and their time by duration, < 100 ns, < 1 us, < 10 us,
+   * and longer. */
+  uint64_t band_n[4], band_ns[4];
   pthread_barrier_t *barrier;
 } lane;
 
@@ -96,6 +100,9 @@ static inline void probe_end(lane *l, uint64_t t0) {
   uint64_t d = probe_now() - t0;
   l->call_ns += d;
   if (d > l->max_call_ns) l->max_call_ns = d;
+  int b = d < 100 ? 0 : d < 1000 ? 1 : d < 10000 ? 2 : 3;
+  l->band_n[b]++;
+  l->band_ns[b] += d;
 }
 
 /* An allocator call, timed in the probe pass. */
@@ -179,6 +186,8 @@ static double run(const suite_opts *o, bench_alloc *a, lane *lanes, int probe, u
     lanes[i].steps = lanes[i].handoffs = lanes[i].failures = 0;
     lanes[i].probe = probe;
     lanes[i].call_ns = lanes[i].max_call_ns = 0;
+    memset(lanes[i].band_n, 0, sizeof lanes[i].band_n);
+    memset(lanes[i].band_ns, 0, sizeof lanes[i].band_ns);
     lanes[i].head = lanes[i].count = 0;
     lanes[i].barrier = &barrier;
     pthread_create(&t[i], NULL, lane_main, &lanes[i]);
@@ -291,6 +300,20 @@ void workload_pipeline(const suite_opts *o) {
     printf("  probe %-8s %.1f k steps/s with every call timed: %.2f us per step inside the allocator "
            "(a step takes %.1f us of a thread), longest call %.1f us, %llu hand-offs\n",
            a[w].name, r / 1e3, call_ns / 1e3, T / r * 1e6, max_ns / 1e3, (unsigned long long)h);
+    uint64_t steps = 0, bn[4] = {0}, bns[4] = {0};
+    for (int i = 0; i < T; i++) {
+      steps += lanes[i].steps;
+      for (int b = 0; b < 4; b++) {
+        bn[b] += lanes[i].band_n[b];
+        bns[b] += lanes[i].band_ns[b];
+      }
+    }
+    static const char *const band[4] = {"< 0.1 us", "0.1-1 us", "1-10 us", ">= 10 us"};
+    printf("    calls by duration (calls per step, us per step):");
+    for (int b = 0; b < 4; b++)
+      printf(" %s %.3f, %.3f;", band[b], steps ? (double)bn[b] / (double)steps : 0,
+             steps ? (double)bns[b] / 1e3 / (double)steps : 0);
+    printf("\n");
     suite_row("pipeline", a[w].name, "probe", "alloc_ns_per_step", (double)call_ns);
     suite_row("pipeline", a[w].name, "probe", "longest_call_ns", (double)max_ns);
   }

@@ -8,8 +8,11 @@
 #include "sim_check.h"
 #include "tcache.h"
 
-static inline void *alloc_checked(size_t size, cudaStream_t stream) {
-  void *p = tcache_alloc(size, stream);
+/* Everything but a fast-path hit: the slow path, and the checker's view of
+ * every hand-out while it is on. The checker's calls stay out of line so
+ * that the fast paths need no frame of their own. */
+static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
+  void *p = tcache_alloc_slow(size, stream, id);
   if (unlikely(atomic_load_relaxed(&sim_check_on)) && p != NULL) {
     size_t usable = magpie_usable_size(p);
     sim_check_handout(p, usable > size ? usable : size, stream);
@@ -17,8 +20,22 @@ static inline void *alloc_checked(size_t size, cudaStream_t stream) {
   return p;
 }
 
-static inline int free_checked(void *ptr, cudaStream_t stream) {
-  if (unlikely(atomic_load_relaxed(&sim_check_on))) sim_check_free(ptr, stream);
+static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
+  uint64_t id = 0;
+  if (likely(!atomic_load_relaxed(&sim_check_on))) {
+    void *p = tcache_alloc_fast(size, stream, &id);
+    if (likely(p != NULL)) return p;
+  }
+  return alloc_slow(size, stream, id);
+}
+
+static MAGPIE_NOINLINE int free_watched(void *ptr, cudaStream_t stream) {
+  sim_check_free(ptr, stream);
+  return tcache_free(ptr, stream);
+}
+
+static MAGPIE_INLINE int free_checked(void *ptr, cudaStream_t stream) {
+  if (unlikely(atomic_load_relaxed(&sim_check_on))) return free_watched(ptr, stream);
   return tcache_free(ptr, stream);
 }
 

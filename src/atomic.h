@@ -63,6 +63,7 @@ static inline void atomic_max_size_relaxed(_Atomic size_t *p, size_t v) {
 #define likely(x) __builtin_expect(!!(x), 1)
 #define unlikely(x) __builtin_expect(!!(x), 0)
 #define MAGPIE_NOINLINE __attribute__((noinline))
+#define MAGPIE_INLINE inline __attribute__((always_inline))
 #define MAGPIE_INTERNAL __attribute__((visibility("hidden")))
 
 #endif /* MAGPIE_ATOMIC_H */

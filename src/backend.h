@@ -69,6 +69,12 @@ typedef struct backend_ops {
    * per-thread) give the id of the stream they name for the calling thread
    * and its current device. */
   int (*stream_id)(cudaStream_t stream, uint64_t *id);
+  /* The allocation fast path's form of stream_id, for ordinary handles only
+   * (not 0, 1, 2) and only after init() succeeded: 0 with the id, nonzero
+   * on any failure, with no error detail (the slow path then calls
+   * stream_id, which says why). It costs the caller no frame beyond the
+   * id's own: for CUDA it jumps straight into the driver. */
+  int (*stream_id_fast)(cudaStream_t stream, unsigned long long *id);
   int (*stream_device)(cudaStream_t stream, int *device);
 
   /* Wait for all work on the device (never called on an allocation path). */

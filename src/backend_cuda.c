@@ -690,6 +690,12 @@ static int cuda_stream_id(cudaStream_t stream, uint64_t *id) {
   return MAGPIE_OK;
 }
 
+/* The fast path's form: a jump into the driver, no frame of its own. The
+ * tcache exists only after init succeeded, so no readiness check. */
+static int cuda_stream_id_fast(cudaStream_t stream, unsigned long long *id) {
+  return cuda_fn.stream_get_id(stream, id);
+}
+
 /* Drivers before 12.8 lack cuStreamGetDevice: ask the stream's context. */
 static int cuda_stream_device_by_ctx(cudaStream_t stream, cudrv_device *dev) {
   cudrv_context ctx = NULL;
@@ -766,6 +772,7 @@ static const backend_ops cuda_ops = {
     .event_synchronize = cuda_event_synchronize,
     .stream_wait_event = cuda_stream_wait_event,
     .stream_id = cuda_stream_id,
+    .stream_id_fast = cuda_stream_id_fast,
     .stream_device = cuda_stream_device,
     .device_synchronize = cuda_device_synchronize,
 };

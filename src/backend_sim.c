@@ -101,6 +101,12 @@ static int backend_sim_stream_id(cudaStream_t stream, uint64_t *id) {
   return MAGPIE_OK;
 }
 
+static int backend_sim_stream_id_fast(cudaStream_t stream, unsigned long long *id) {
+  uint64_t v = sim_stream_id(stream);
+  *id = v;
+  return v == 0;
+}
+
 static int backend_sim_stream_device(cudaStream_t stream, int *device) {
   int d = sim_stream_device_of_handle(stream);
   if (d < 0)
@@ -134,6 +140,7 @@ static const backend_ops backend_sim_ops = {
     .event_synchronize = backend_sim_event_synchronize,
     .stream_wait_event = backend_sim_stream_wait_event,
     .stream_id = backend_sim_stream_id,
+    .stream_id_fast = backend_sim_stream_id_fast,
     .stream_device = backend_sim_stream_device,
     .device_synchronize = backend_sim_device_synchronize,
 };

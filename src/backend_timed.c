@@ -1,11 +1,14 @@
 /* A timing wrapper over a backend table (MAGPIE_CONF=slow_call_ms=N): every
  * device operation is timed, and one that takes N ms or more is reported
  * on stderr with its name and duration, so a stall inside an allocation can
- * be traced to the driver call that caused it. Off by default: it costs two
- * clock reads per call, the allocation fast path's stream_id included.
+ * be traced to the driver call that caused it. It also counts the calls of
+ * each kind and their total time, printed with the statistics, to show
+ * where an allocator's time goes. Off by default: it costs two clock reads
+ * and two shared counter additions per call, the allocation fast path's
+ * stream_id included.
  *
- * No locks: the slowest time per operation is a relaxed atomic maximum
- * (statistics only). */
+ * No locks: the slowest time per operation is a relaxed atomic maximum,
+ * the counts and totals relaxed additions (statistics only). */
 #include "backend_timed.h"
 
 #include <stdatomic.h>
@@ -31,6 +34,8 @@ static const char *const timed_names[TIMED_COUNT] = {
 static const backend_ops *timed_inner;
 static uint64_t timed_threshold_ns;
 static _Atomic size_t timed_max_ns[TIMED_COUNT];
+static _Atomic size_t timed_calls[TIMED_COUNT];
+static _Atomic size_t timed_total_ns[TIMED_COUNT];
 
 static uint64_t timed_now(void) {
   struct timespec ts;
@@ -41,6 +46,8 @@ static uint64_t timed_now(void) {
 static int timed_done(int op, uint64_t t0, int rc) {
   uint64_t ns = timed_now() - t0;
   atomic_max_size_relaxed(&timed_max_ns[op], (size_t)ns);
+  atomic_add_relaxed(&timed_calls[op], 1);
+  atomic_add_relaxed(&timed_total_ns[op], (size_t)ns);
   if (ns >= timed_threshold_ns)
     fprintf(stderr, "magpie: slow device call: %s took %.3f ms (returned %d)\n", timed_names[op], ns / 1e6, rc);
   return rc;
@@ -118,6 +125,10 @@ static int timed_stream_id(cudaStream_t s, uint64_t *id) {
   uint64_t t0 = timed_now();
   return timed_done(TIMED_STREAM_ID, t0, timed_inner->stream_id(s, id));
 }
+static int timed_stream_id_fast(cudaStream_t s, unsigned long long *id) {
+  uint64_t t0 = timed_now();
+  return timed_done(TIMED_STREAM_ID, t0, timed_inner->stream_id_fast(s, id));
+}
 static int timed_stream_device(cudaStream_t s, int *d) {
   uint64_t t0 = timed_now();
   return timed_done(TIMED_STREAM_DEVICE, t0, timed_inner->stream_device(s, d));
@@ -146,6 +157,7 @@ static backend_ops timed_ops = {
     .event_synchronize = timed_event_sync,
     .stream_wait_event = timed_wait_event,
     .stream_id = timed_stream_id,
+    .stream_id_fast = timed_stream_id_fast,
     .stream_device = timed_stream_device,
     .device_synchronize = timed_device_sync,
 };
@@ -166,6 +178,11 @@ void backend_timed_print(FILE *out) {
   for (int i = 0; i < TIMED_COUNT; i++) {
     size_t ns = atomic_load_relaxed(&timed_max_ns[i]);
     if (ns) fprintf(out, " %s %.3f", timed_names[i], ns / 1e6);
+  }
+  fputs("\n  device calls of each kind: count, total ms, mean us:", out);
+  for (int i = 0; i < TIMED_COUNT; i++) {
+    size_t n = atomic_load_relaxed(&timed_calls[i]), ns = atomic_load_relaxed(&timed_total_ns[i]);
+    if (n) fprintf(out, " %s %zu %.3f %.3f;", timed_names[i], n, ns / 1e6, ns / 1e3 / (double)n);
   }
   fputc('\n', out);
 }

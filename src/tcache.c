@@ -309,21 +309,20 @@ static void tcache_enter_slow(tcache *tc) {
   }
 }
 
-static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s);
+static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id);
 
-void *tcache_alloc_slow(size_t size, cudaStream_t s) {
+void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return NULL;
   tcache_enter_slow(tc);
-  void *p = tcache_alloc_slow_in(tc, size, s);
+  void *p = tcache_alloc_slow_in(tc, size, s, id);
   tcache_leave(tc);
   return p;
 }
 
-static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s) {
+static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id) {
   if (size == 0) size = 1; /* a unique minimum block, like malloc(0) */
-  uint64_t id = 0;
-  if (tc->ops->stream_id(s, &id) != MAGPIE_OK) {
+  if (id == 0 && tc->ops->stream_id(s, &id) != MAGPIE_OK) {
     error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_malloc_async: stream %p is not valid: %s", (void *)s,
               backend_error_detail());
     return NULL;
@@ -396,6 +395,19 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
 }
 
 static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s);
+
+int tcache_free_special(void *p, cudaStream_t s) {
+  tcache *tc = tcache_tls;
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  if (tc != NULL && sl != NULL) {
+    uint64_t id = tcache_stream_id(tc, s);
+    if (tcache_enter(tc) && id == tc->last->id && tcache_free_push(tc, sl, p, s)) {
+      tcache_leave(tc);
+      return MAGPIE_OK;
+    }
+  }
+  return tcache_free_slow(p, s);
+}
 
 int tcache_free_slow(void *p, cudaStream_t s) {
   if (p == NULL) return MAGPIE_OK;

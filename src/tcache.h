@@ -101,7 +101,8 @@ typedef struct tcache {
 
 extern __thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
 
-void *tcache_alloc_slow(size_t size, cudaStream_t stream);
+/* id: the stream's id if the fast path looked it up, else 0. */
+void *tcache_alloc_slow(size_t size, cudaStream_t stream, uint64_t id);
 int tcache_free_slow(void *ptr, cudaStream_t stream);
 
 static inline int tcache_special_handle(cudaStream_t s) { return (uintptr_t)s <= 2; }
@@ -124,48 +125,79 @@ static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) {
   atomic_store_relaxed(p, atomic_load_relaxed(p) + 1);
 }
 
-static inline void *tcache_alloc(size_t size, cudaStream_t stream) {
-  tcache *tc = tcache_tls;
-  /* Size 0 goes to the slow path (a unique minimum block). */
-  if (likely(tc != NULL && size != 0 && size <= SIZECLASS_MAX_SIZE && tcache_enter(tc))) {
-    tslot *ts = tc->last;
-    uint64_t id;
-    if (likely(tc->ops->stream_id(stream, &id) == MAGPIE_OK && id == ts->id)) {
-      unsigned c = sizeclass_of(size);
-      magazine *m = ts->loaded[c];
-      if (likely(m->count != 0)) {
-        atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
-        atomic_owner_inc_u64(&ts->hits[c]);
-        void *p = m->slots[--m->count];
-        tcache_leave(tc);
-        return p;
-      }
-    }
+/* The stream's id for the fast paths: ordinary handles straight from the
+ * backend's fast form; special ones through stream_id (cached by context).
+ * Returns 0 on any failure (ids are never 0). */
+static MAGPIE_INLINE uint64_t tcache_stream_id(const tcache *tc, cudaStream_t stream) {
+  if (unlikely(tcache_special_handle(stream))) {
+    uint64_t v = 0;
+    return tc->ops->stream_id(stream, &v) == MAGPIE_OK ? v : 0;
   }
-  return tcache_alloc_slow(size, stream);
+  unsigned long long v;
+  if (unlikely(tc->ops->stream_id_fast(stream, &v) != 0)) return 0;
+  return (uint64_t)v;
 }
 
-static inline int tcache_free(void *ptr, cudaStream_t stream) {
+/* Allocation fast path: a block from the loaded magazine of the last slot,
+ * or NULL for the slow path (no cache yet, size 0 or large, a reclaimer at
+ * work, another stream than the last, an empty magazine), with *id_out the
+ * stream's id if it was looked up (else left as it was). The driver call
+ * comes before the cache is marked busy: it touches none of the cache. */
+static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, uint64_t *id_out) {
+  tcache *tc = tcache_tls;
+  /* Size 0 goes to the slow path (a unique minimum block). */
+  if (unlikely(tc == NULL || size == 0 || size > SIZECLASS_MAX_SIZE)) return NULL;
+  uint64_t id = tcache_stream_id(tc, stream);
+  *id_out = id; /* spares the slow path a second driver call */
+  if (unlikely(!tcache_enter(tc))) return NULL;
+  tslot *ts = tc->last;
+  /* A failed lookup (0) matches only the dummy slot, whose magazines are
+   * the empty sentinel. */
+  if (unlikely(id != ts->id)) return NULL;
+  unsigned c = sizeclass_of(size);
+  magazine *m = ts->loaded[c];
+  if (unlikely(m->count == 0)) return NULL;
+  atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
+  atomic_owner_inc_u64(&ts->hits[c]);
+  void *p = m->slots[--m->count];
+  tcache_leave(tc);
+  return p;
+}
+
+/* The free fast path's checks and push, with tc marked busy: into the
+ * loaded magazine of the last slot when the block is a small one of that
+ * slot's heap and the magazine has room. 0: the slow path must serve.
+ * Ordinary handles are matched by value (see above); special ones were
+ * matched by id before this. */
+static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaStream_t stream) {
+  tslot *ts = tc->last;
+  uint32_t c = sl->cls;
+  uintptr_t off = (uintptr_t)ptr - sl->base;
+  uint64_t i = ((uint64_t)off * sl->magic) >> SIZECLASS_MAGIC_SHIFT;
+  /* record_stream: slabs with recorded blocks take the slow path
+   * (sl->recorded, record.h). */
+  if (unlikely(ts->handle != stream || ts->heap != sl->heap || c >= SIZECLASS_COUNT || i * sl->bsize != off ||
+               i >= sl->nblocks || atomic_load_relaxed(&sl->recorded) != 0))
+    return 0;
+  magazine *m = ts->loaded[c];
+  if (unlikely(m->count >= m->cap)) return 0;
+  m->slots[m->count++] = ptr;
+  atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
+  return 1;
+}
+
+/* Special handles (0, 1, 2) name a stream through the current context: a
+ * free on one is matched by id (tcache.c), out of line so that the fast
+ * path below needs no frame. */
+int tcache_free_special(void *ptr, cudaStream_t stream);
+
+static MAGPIE_INLINE int tcache_free(void *ptr, cudaStream_t stream) {
+  if (unlikely(tcache_special_handle(stream))) return tcache_free_special(ptr, stream);
   tcache *tc = tcache_tls;
   slab *sl = pagemap_lookup((uintptr_t)ptr);
-  if (likely(tc != NULL && sl != NULL && tcache_enter(tc))) {
-    tslot *ts = tc->last;
-    uint32_t c = sl->cls;
-    uintptr_t off = (uintptr_t)ptr - sl->base;
-    uint64_t i = ((uint64_t)off * sl->magic) >> SIZECLASS_MAGIC_SHIFT;
-    /* record_stream: slabs with recorded blocks take the slow path
-     * (sl->recorded, record.h). */
-    if (likely(ts->handle == stream && ts->heap == sl->heap && !tcache_special_handle(stream) &&
-               c < SIZECLASS_COUNT && i * sl->bsize == off && i < sl->nblocks &&
-               atomic_load_relaxed(&sl->recorded) == 0)) {
-      magazine *m = ts->loaded[c];
-      if (likely(m->count < m->cap)) {
-        m->slots[m->count++] = ptr;
-        atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
-        tcache_leave(tc);
-        return MAGPIE_OK;
-      }
-    }
+  if (likely(tc != NULL && sl != NULL && tcache_enter(tc) && tcache_free_push(tc, sl, ptr, stream))) {
+    tcache_leave(tc);
+    return MAGPIE_OK;
   }
   return tcache_free_slow(ptr, stream);
 }

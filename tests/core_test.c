@@ -482,6 +482,27 @@ static void test_same_stream_reuse(void **state) {
   assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
 }
 
+/* The default stream (handle 0) names the current device's stream: a free
+ * on it is reused at once by that stream, but after the device changes the
+ * same handle is another stream, and the block must not go back to the
+ * first device's stream, which has not waited for the second's work. */
+static void test_default_stream_free_follows_device(void **state) {
+  (void)state;
+  fake_set_current_device(0);
+  void *p = magpie_malloc_async(1000, 0);
+  assert_non_null(p);
+  assert_int_equal(magpie_free_async(p, 0), MAGPIE_OK);
+  void *q = magpie_malloc_async(1000, 0);
+  assert_ptr_equal(q, p);
+  fake_set_current_device(1);
+  assert_int_equal(magpie_free_async(q, 0), MAGPIE_OK); /* on device 1's stream */
+  fake_set_current_device(0);
+  void *r = magpie_malloc_async(1000, 0);
+  assert_non_null(r);
+  assert_ptr_not_equal(r, q);
+  assert_int_equal(magpie_free_async(r, 0), MAGPIE_OK);
+}
+
 /* Blocks freed on A go through the depot sealed; B must not receive any of
  * them until A's work completed; after that, B may. */
 static void test_cross_stream_waits_for_epoch(void **state) {
@@ -809,6 +830,7 @@ int main(void) {
       cmocka_unit_test(test_magazine_capacity_bursts),
       cmocka_unit_test(test_concurrent_refills_share_a_carve),
       cmocka_unit_test(test_same_stream_reuse),
+      cmocka_unit_test(test_default_stream_free_follows_device),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),
       cmocka_unit_test(test_bad_input),
