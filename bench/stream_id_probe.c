@@ -16,9 +16,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "bench/bench_util.h"
 #include "magpie.h"
 #include "tools/devshim.h"
 
@@ -33,42 +33,34 @@ static getctx_fn getctx;
 static char arena[1 << 20];
 static size_t bump;
 
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-static inline void escape(void *p) { __asm__ volatile("" : : "g"(p) : "memory"); }
-
 static double time_getid(getid_fn f, cudaStream_t s) {
   unsigned long long v = 0;
-  double t0 = now();
+  double t0 = bench_now();
   for (int i = 0; i < N; i++) {
     f(s, &v);
-    escape(&v);
+    bench_escape(&v);
   }
-  return (now() - t0) / N * 1e9;
+  return (bench_now() - t0) / N * 1e9;
 }
 
 static double time_ctx(void) {
   void *c = NULL;
-  double t0 = now();
+  double t0 = bench_now();
   for (int i = 0; i < N; i++) {
     getctx(&c);
-    escape(c);
+    bench_escape(c);
   }
-  return (now() - t0) / N * 1e9;
+  return (bench_now() - t0) / N * 1e9;
 }
 
 static double time_magpie(cudaStream_t s) {
-  double t0 = now();
+  double t0 = bench_now();
   for (int i = 0; i < N; i++) {
     void *p = magpie_malloc_async(256, s);
-    escape(p);
+    bench_escape(p);
     magpie_free_async(p, s);
   }
-  return (now() - t0) / N * 1e9;
+  return (bench_now() - t0) / N * 1e9;
 }
 
 static __attribute__((noinline)) void *noop_alloc(size_t size) {
@@ -77,16 +69,16 @@ static __attribute__((noinline)) void *noop_alloc(size_t size) {
   return p;
 }
 
-static __attribute__((noinline)) void noop_free(void *p) { escape(p); }
+static __attribute__((noinline)) void noop_free(void *p) { bench_escape(p); }
 
 static double time_noop(void) {
-  double t0 = now();
+  double t0 = bench_now();
   for (int i = 0; i < N; i++) {
     void *p = noop_alloc(256);
-    escape(p);
+    bench_escape(p);
     noop_free(p);
   }
-  return (now() - t0) / N * 1e9;
+  return (bench_now() - t0) / N * 1e9;
 }
 
 static void round_once(cudaStream_t s, const char *tag) {

@@ -52,6 +52,17 @@ static long pairs_for(int which, long pairs) {
 
 enum { TRIALS = 5 };
 
+/* The median of the trials' means (sorted in place: five values). */
+static double median_of_trials(double means[TRIALS]) {
+  for (int k = 1; k < TRIALS; k++)
+    for (int j = k; j > 0 && means[j] < means[j - 1]; j--) {
+      double x = means[j];
+      means[j] = means[j - 1];
+      means[j - 1] = x;
+    }
+  return means[TRIALS / 2];
+}
+
 typedef struct lat {
   double mean, p50, p99, p999;
   int ok;
@@ -75,13 +86,7 @@ static lat measure(bench_alloc *a, int which, size_t size, long pairs, cudaStrea
     }
     means[k] = (suite_now() - t0) / (double)per * 1e9;
   }
-  for (int k = 1; k < TRIALS; k++) /* insertion sort: five values */
-    for (int j = k; j > 0 && means[j] < means[j - 1]; j--) {
-      double x = means[j];
-      means[j] = means[j - 1];
-      means[j - 1] = x;
-    }
-  r.mean = means[TRIALS / 2];
+  r.mean = median_of_trials(means);
   uint64_t *v = malloc((size_t)pairs * sizeof *v);
   if (v == NULL) return r;
   for (long i = 0; i < pairs; i++) {
@@ -118,13 +123,7 @@ static double measure_stream_id(long pairs, cudaStream_t s) {
     }
     means[k] = (suite_now() - t0) / (double)per * 1e9;
   }
-  for (int k = 1; k < TRIALS; k++)
-    for (int j = k; j > 0 && means[j] < means[j - 1]; j--) {
-      double x = means[j];
-      means[j] = means[j - 1];
-      means[j - 1] = x;
-    }
-  return means[TRIALS / 2];
+  return median_of_trials(means);
 }
 
 void workload_latency(const suite_opts *o) {

@@ -117,7 +117,7 @@ static magazine *depot_hand_over(depot *d, magazine *m, enum epoch_state st) {
 /* Take a pending magazine that stream_id may use now: its own stream's, or
  * one whose epoch completed. Pops at most DEPOT_TAKE_TRIES; the rest of the
  * list stays available to others throughout. */
-static magazine *depot_pop_pending(struct heap *h, depot *d, uint64_t stream_id, int *tries_out) {
+static magazine *depot_pop_pending(depot *d, uint64_t stream_id, int *tries_out) {
   registry_link *keep_first = NULL, *keep_last = NULL;
   int64_t kept = 0;
   depot_memo memo = {.n = 0};
@@ -157,7 +157,7 @@ magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {
       return m;
     }
     int tries = 0;
-    if (stack_count(&d->pending) > 0 && (m = depot_pop_pending(h, d, stream_id, &tries)) != NULL) return m;
+    if (stack_count(&d->pending) > 0 && (m = depot_pop_pending(d, stream_id, &tries)) != NULL) return m;
     /* The newest pending magazines are not ready: sweep the whole list
      * once (completed ones move to full), unless another thread is at it. */
     if (tries == DEPOT_TAKE_TRIES && atomic_load_relaxed(&d->scanners) == 0 && spin == 0) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_timed.h"
 #include "epoch.h"
 #include "error.h"
 #include "heap.h"
@@ -15,7 +16,6 @@
 #include "region.h"
 #include "sim_check.h"
 #include "tcache.h"
-#include "backend_timed.h"
 #include "sizeclass.h"
 #include "stats.h"
 

@@ -204,6 +204,18 @@ static stream_rec *two_streams(heap *h, cudaStream_t *a, cudaStream_t *b, uint64
   return epoch_stream_acquire(&h->epochs, *ida);
 }
 
+/* A magazine of class cls holding n fake blocks at addr (never
+ * dereferenced; n at most its capacity), sealed on stream s (record r) and
+ * put in the depot, where it is pending. */
+static magazine *put_pending(heap *h, unsigned cls, stream_rec *r, cudaStream_t s, uint32_t n, uintptr_t addr) {
+  magazine *m = magazine_get_empty(cls);
+  assert_non_null(m);
+  while (m->count < n && m->count < m->cap) m->slots[m->count++] = (void *)addr;
+  assert_int_equal(epoch_seal(r, s, &m->ticket), MAGPIE_OK);
+  depot_put(h, m);
+  return m;
+}
+
 /* Magazines: capacity by class, empties recycled. The depot: a magazine
  * sealed by stream A is pending; A takes it back at once, another stream
  * only after A's epoch completed; an unsealed one goes to anyone. */
@@ -260,19 +272,9 @@ static void test_depot_finds_old_ready_magazine(void **state) {
   uint64_t ida, idb;
   stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
   enum { NEWER = 12 };
-  magazine *old = magazine_get_empty(cls), *newer[NEWER];
-  assert_non_null(old);
-  old->slots[old->count++] = (void *)0x1000; /* never dereferenced */
-  assert_int_equal(epoch_seal(ra, a, &old->ticket), MAGPIE_OK);
-  depot_put(h, old);
+  magazine *old = put_pending(h, cls, ra, a, 1, 0x1000);
   fake_stream_complete(a); /* old's epoch is over */
-  for (int i = 0; i < NEWER; i++) {
-    newer[i] = magazine_get_empty(cls);
-    assert_non_null(newer[i]);
-    newer[i]->slots[newer[i]->count++] = (void *)0x2000;
-    assert_int_equal(epoch_seal(ra, a, &newer[i]->ticket), MAGPIE_OK);
-    depot_put(h, newer[i]);
-  }
+  for (int i = 0; i < NEWER; i++) put_pending(h, cls, ra, a, 1, 0x2000);
   assert_ptr_equal(depot_take(h, cls, idb), old); /* under 12 pending ones */
   assert_null(old->ticket.rec);
   assert_null(depot_take(h, cls, idb)); /* the rest still run on A */
@@ -303,11 +305,7 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
 
   /* Direct: one pending magazine, taken by B through a wait. */
-  magazine *m = magazine_get_empty(cls);
-  assert_non_null(m);
-  m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
-  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
+  magazine *m = put_pending(h, cls, ra, a, 1, 0x1000);
   fake_counters c0, c1;
   magpie_stats st0, st1;
   fake_get_counters(&c0);
@@ -326,11 +324,7 @@ static void test_depot_reuse_through_stream_wait(void **state) {
 
   /* A refill with room on the device maps rather than tie B to A (the
    * pressure case is test_memory_pressure's). */
-  m = magazine_get_empty(cls);
-  assert_non_null(m);
-  while (m->count < m->cap) m->slots[m->count++] = (void *)0x2000;
-  assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
+  m = put_pending(h, cls, ra, a, UINT32_MAX, 0x2000); /* full */
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   magazine *fresh = NULL;
   assert_int_equal(heap_refill(h, cls, idb, b, &fresh), MAGPIE_OK);
