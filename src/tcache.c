@@ -59,6 +59,14 @@ static void tcache_slot_clear(tslot *ts) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
 }
 
+/* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
+static void tcache_slot_index(tcache *tc, const tslot *ts) {
+  size_t i = (size_t)(ts - tc->slots);
+  int ok = ts->heap != NULL && ts->alloc_ok;
+  tc->alloc_id[i] = ok ? ts->id : 0;
+  tc->alloc_handle[i] = ok ? ts->handle : (cudaStream_t)UINTPTR_MAX;
+}
+
 /* Allocations of class c through slot ts so far. */
 static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
   return atomic_load_relaxed(&ts->hits[c]) + atomic_load_relaxed(&ts->misses[c]);
@@ -109,7 +117,10 @@ static tcache *tcache_create(void) {
   tc->ops = global_ops();
   tc->check = global_config()->check;
   tcache_slot_clear(&tc->dummy);
-  for (int i = 0; i < TCACHE_SLOTS; i++) tcache_slot_clear(&tc->slots[i]);
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    tcache_slot_clear(&tc->slots[i]);
+    tcache_slot_index(tc, &tc->slots[i]);
+  }
   tc->last = &tc->dummy;
   atomic_store_relaxed(&tc->busy, 1); /* created inside a slow path */
   pthread_mutex_lock(&tcache_list_lock);
@@ -189,6 +200,7 @@ static void tcache_slot_retire(tcache *tc, tslot *ts) {
   epoch_stream_release(ts->rec);
   if (tc->last == ts) tc->last = &tc->dummy;
   tcache_slot_clear(ts);
+  tcache_slot_index(tc, ts);
 }
 
 static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) {
@@ -220,6 +232,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   ts->rec = rec;
   ts->live = &tc->live[h->device];
   ts->alloc_ok = (h == sh);
+  tcache_slot_index(tc, ts);
   /* Magazine capacity starts over with the slot (its counters are 0). */
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
@@ -232,10 +245,13 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
 /* The alloc-capable slot of stream id (handle s), created if needed. */
 static tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id) {
   for (int i = 0; i < TCACHE_SLOTS; i++) {
-    tslot *ts = &tc->slots[i];
-    if (ts->heap != NULL && ts->id == id && ts->alloc_ok) return ts;
+    if (tc->alloc_id[i] == id) return &tc->slots[i];
 #ifdef MAGPIE_TEST_IGNORE_STREAM_ID /* deliberately broken build: tests/BUILD expects its tests to fail */
-    if (ts->heap != NULL && ts->handle == s && ts->alloc_ok) return (ts->id = id, ts);
+    if (tc->alloc_handle[i] == s) {
+      tc->slots[i].id = id;
+      tcache_slot_index(tc, &tc->slots[i]);
+      return &tc->slots[i];
+    }
 #endif
   }
   /* A slot that has this (non-special) handle but another id belonged to a
@@ -409,12 +425,31 @@ int tcache_free_special(void *p, cudaStream_t s) {
   return tcache_free_slow(p, s);
 }
 
+/* A free on the handle of another alloc-capable slot than the last: that
+ * slot becomes the last and takes the block if the fast path's checks pass
+ * there (matched by handle, as in the fast path; no seal, no driver call).
+ * A thread that moves between streams frees on the new one first. */
+static int tcache_free_switch(tcache *tc, void *p, cudaStream_t s) {
+  if (tc->check || tcache_special_handle(s)) return 0;
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  if (sl == NULL) return 0;
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    if (tc->alloc_handle[i] != s) continue;
+    tslot *was = tc->last;
+    tc->last = &tc->slots[i];
+    if (tcache_free_push(tc, sl, p, s)) return 1;
+    tc->last = was;
+    return 0;
+  }
+  return 0;
+}
+
 int tcache_free_slow(void *p, cudaStream_t s) {
   if (p == NULL) return MAGPIE_OK;
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
   tcache_enter_slow(tc);
-  int rc = tcache_free_slow_in(tc, p, s);
+  int rc = tcache_free_switch(tc, p, s) ? MAGPIE_OK : tcache_free_slow_in(tc, p, s);
   tcache_leave(tc);
   return rc;
 }

@@ -86,6 +86,11 @@ typedef struct tcache {
    * depot's stacks). */
   _Atomic uint32_t flush_req;
   tslot *last; /* the fast paths' slot */
+  /* Per slot, so that the slow paths find a slot without touching every
+   * slot's lines: the id and handle of an alloc-capable slot, 0 and
+   * UINTPTR_MAX for any other. Owner only. */
+  uint64_t alloc_id[TCACHE_SLOTS];
+  cudaStream_t alloc_handle[TCACHE_SLOTS];
   const backend_ops *ops;
   int check;
   unsigned next_evict;

@@ -577,6 +577,35 @@ static void test_handle_reuse(void **state) {
   assert_true(reused > 0); /* after the drain they are everyone's again */
 }
 
+/* The same with the recycled handle's first use a free while the thread's
+ * last stream is another: the free finds the old slot by handle (no id
+ * lookup on that path), and the new stream's first allocation must still
+ * not receive the old stream's cached blocks. */
+static void test_handle_reuse_free_first(void **state) {
+  (void)state;
+  cudaStream_t a = fake_stream_create(0), c = fake_stream_create(0);
+  void *x = magpie_malloc_async(7000, a);
+  assert_non_null(x);
+  assert_int_equal(magpie_free_async(x, a), MAGPIE_OK);
+  void *y = magpie_malloc_async(7000, c); /* the last stream is now c */
+  assert_non_null(y);
+  assert_ptr_not_equal(y, x);
+  fake_gate_device_sync(1);
+  fake_stream_destroy(a);
+  cudaStream_t b = fake_stream_create(0);
+  assert_ptr_equal(b, a);
+  assert_int_equal(magpie_free_async(y, b), MAGPIE_OK); /* y's last use is on b */
+  void *z[2];
+  for (int i = 0; i < 2; i++) {
+    assert_non_null(z[i] = magpie_malloc_async(7000, b));
+    assert_ptr_not_equal(z[i], x); /* old a's work on x may still run */
+  }
+  for (int i = 0; i < 2; i++) assert_int_equal(magpie_free_async(z[i], b), MAGPIE_OK);
+  fake_gate_device_sync(0);
+  fake_stream_complete(b);
+  fake_stream_complete(c);
+}
+
 static void test_bad_input(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0);
@@ -827,6 +856,7 @@ int main(void) {
       cmocka_unit_test(test_default_stream_free_follows_device),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
       cmocka_unit_test(test_handle_reuse),
+      cmocka_unit_test(test_handle_reuse_free_first),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_large_blocks),
       cmocka_unit_test(test_memory_pressure),
