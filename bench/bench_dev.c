@@ -49,6 +49,11 @@ static struct {
   int (*cuMemAlloc)(uint64_t *, size_t);
   int (*cuMemFree)(uint64_t);
   int (*cuGetErrorName)(int, const char **);
+  /* Optional: workload 3's completion probe. */
+  int (*cuEventQuery)(void *);
+  int (*cuMemHostAlloc)(void **, size_t, unsigned);
+  int (*cuMemHostGetDevicePointer)(uint64_t *, void *, unsigned);
+  int (*cuStreamWriteValue64)(cudaStream_t, uint64_t, uint64_t, unsigned);
   /* runtime */
   void *cudart;
   char cudart_path[256];
@@ -177,6 +182,12 @@ int bench_dev_init(void) {
   LOAD(h, cuMemFree, "cuMemFree_v2");
   LOAD(h, cuGetErrorName, "cuGetErrorName");
   if (!ok) return -1;
+  dev.cuEventQuery = (int (*)(void *))dlsym(h, "cuEventQuery");
+  dev.cuMemHostAlloc = (int (*)(void **, size_t, unsigned))dlsym(h, "cuMemHostAlloc");
+  dev.cuMemHostGetDevicePointer =
+      (int (*)(uint64_t *, void *, unsigned))dlsym(h, "cuMemHostGetDevicePointer_v2");
+  dev.cuStreamWriteValue64 =
+      (int (*)(cudaStream_t, uint64_t, uint64_t, unsigned))dlsym(h, "cuStreamWriteValue64_v2");
   if (cu_check(dev.cuInit(0), "cuInit") || cu_check(dev.cuDeviceGet(&dev.device, 0), "cuDeviceGet") ||
       cu_check(dev.cuDevicePrimaryCtxRetain(&dev.ctx, dev.device), "cuDevicePrimaryCtxRetain") ||
       cu_check(dev.cuCtxSetCurrent(dev.ctx), "cuCtxSetCurrent"))
@@ -261,6 +272,27 @@ int bench_stream_wait_event(cudaStream_t s, bench_event e) {
   if (!dev.cuda)
     return sim_check(magpie_sim_stream_wait_event(s, (magpie_sim_event)e), "magpie_sim_stream_wait_event");
   return cu_check(dev.cuStreamWaitEvent(s, e, 0), "cuStreamWaitEvent");
+}
+
+int bench_event_query(bench_event e) {
+  if (!dev.cuda || dev.cuEventQuery == NULL) return -1;
+  return dev.cuEventQuery(e);
+}
+
+int bench_host_word(volatile uint64_t **host, uint64_t *devaddr) {
+  if (!dev.cuda || !dev.cuMemHostAlloc || !dev.cuMemHostGetDevicePointer || !dev.cuStreamWriteValue64) return -1;
+  void *p = NULL;
+  /* CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP */
+  if (cu_check(dev.cuMemHostAlloc(&p, 64, 0x3), "cuMemHostAlloc") ||
+      cu_check(dev.cuMemHostGetDevicePointer(devaddr, p, 0), "cuMemHostGetDevicePointer"))
+    return -1;
+  *host = p;
+  **host = 0;
+  return 0;
+}
+
+int bench_stream_write_value(cudaStream_t s, uint64_t devaddr, uint64_t value) {
+  return cu_check(dev.cuStreamWriteValue64(s, devaddr, value, 0), "cuStreamWriteValue64");
 }
 
 int bench_have_kernel(void) { return dev.cuda ? dev.function != NULL : 1; }

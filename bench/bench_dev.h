@@ -46,6 +46,14 @@ int bench_touch(cudaStream_t s, void *const *p, const size_t *bytes, int n, uint
  * allocation, for timing it alone (workload 1). Nonzero without CUDA. */
 int bench_stream_get_id(cudaStream_t s, unsigned long long *id);
 
+/* CUDA only, for workload 3's completion probe: cuEventQuery (0 done,
+ * else the driver's code); a 64-bit word of pinned host memory the device
+ * can write, and a write of value to it ordered after s's work so far
+ * (cuStreamWriteValue64). -1 without CUDA or those entry points. */
+int bench_event_query(bench_event e);
+int bench_host_word(volatile uint64_t **host, uint64_t *devaddr);
+int bench_stream_write_value(cudaStream_t s, uint64_t devaddr, uint64_t value);
+
 /* Failed CUDA calls so far (all threads). */
 uint64_t bench_dev_errors(void);
 /* Record a failure of a named call (for callers outside this file). */

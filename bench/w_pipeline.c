@@ -22,7 +22,7 @@
 #include "bench/bench_dev.h"
 #include "bench/suite.h"
 
-enum { MAILBOX = 1024, EVENTS = 256 };
+enum { MAILBOX = 1024, EVENTS = 256, RING = 8 };
 
 typedef struct item {
   void *p;
@@ -46,11 +46,21 @@ typedef struct lane {
   cudaStream_t *streams;
   int nstreams;
   uint64_t steps, handoffs, failures;
-  int probe;                 /* time every allocator call */
+  int probe; /* 1: time every allocator call; 2: the completion probe */
   uint64_t call_ns, max_call_ns;
   /* Probe: calls and their time by duration, < 100 ns, < 1 us, < 10 us,
    * and longer. */
   uint64_t band_n[4], band_ns[4];
+  /* Completion probe (probe == 2, CUDA, the no-op allocator): at each
+   * visit to its k-th stream the lane asks whether the work of its last
+   * visit there is done, by querying the event recorded then and by
+   * reading the host word the stream wrote then, and records and writes
+   * anew. Per kind (query, record, write): calls and ns; and how often
+   * each signal said done. */
+  bench_event ring[RING];
+  volatile uint64_t *word; /* RING words of pinned host memory */
+  uint64_t word_dev, written[RING];
+  uint64_t cp_n[3], cp_ns[3], cp_done_event, cp_done_word, cp_checks;
   pthread_barrier_t *barrier;
 } lane;
 
@@ -106,12 +116,35 @@ static inline void probe_end(lane *l, uint64_t t0) {
 }
 
 /* An allocator call, timed in the probe pass. */
-#define CALL(l, expr)                         \
-  do {                                        \
-    uint64_t call_t0 = (l)->probe ? probe_now() : 0; \
-    expr;                                     \
-    if ((l)->probe) probe_end((l), call_t0);  \
+#define CALL(l, expr)                                     \
+  do {                                                    \
+    uint64_t call_t0 = (l)->probe == 1 ? probe_now() : 0; \
+    expr;                                                 \
+    if ((l)->probe == 1) probe_end((l), call_t0);         \
   } while (0)
+
+/* The completion probe's work at one step on the lane's k-th stream. */
+static void completion_step(lane *l, cudaStream_t s, int k, uint64_t step) {
+  uint64_t t0 = probe_now();
+  int q = bench_event_query(l->ring[k]);
+  uint64_t t1 = probe_now();
+  int w = l->written[k] != 0 && l->word[k] >= l->written[k];
+  if (bench_event_record(l->ring[k], s) != 0) l->failures++;
+  uint64_t t2 = probe_now();
+  if (bench_stream_write_value(s, l->word_dev + 8 * (uint64_t)k, step + 1) != 0) l->failures++;
+  uint64_t t3 = probe_now();
+  if (l->written[k] != 0) {
+    l->cp_checks++;
+    l->cp_done_event += q == 0;
+    l->cp_done_word += w;
+  }
+  l->written[k] = step + 1;
+  uint64_t d[3] = {t1 - t0, t2 - t1, t3 - t2};
+  for (int i = 0; i < 3; i++) {
+    l->cp_n[i]++;
+    l->cp_ns[i] += d[i];
+  }
+}
 
 /* Consume one posted block on stream s. */
 static void consume(lane *l, item *it, cudaStream_t s) {
@@ -148,6 +181,7 @@ static void *lane_main(void *arg) {
       }
       if (n && bench_touch(s, p, sz, n, (uint32_t)steps) != 0) l->failures++;
       for (int i = 0; i < n; i++) CALL(l, l->a->free(p[i], sz[i], s));
+      if (l->probe == 2) completion_step(l, s, (int)(steps % (uint64_t)l->nstreams), steps);
       if (steps % (uint64_t)o->pipe_handoff_every == 0) {
         it = (item){.size = suite_mixed_size(suite_rand(&seed), o->pipe_min, o->pipe_max), .stream = s,
                     .producer = l->index};
@@ -185,6 +219,10 @@ static double run(const suite_opts *o, bench_alloc *a, lane *lanes, int probe, u
     lanes[i].a = a;
     lanes[i].steps = lanes[i].handoffs = lanes[i].failures = 0;
     lanes[i].probe = probe;
+    memset(lanes[i].cp_n, 0, sizeof lanes[i].cp_n);
+    memset(lanes[i].cp_ns, 0, sizeof lanes[i].cp_ns);
+    memset(lanes[i].written, 0, sizeof lanes[i].written);
+    lanes[i].cp_done_event = lanes[i].cp_done_word = lanes[i].cp_checks = 0;
     lanes[i].call_ns = lanes[i].max_call_ns = 0;
     memset(lanes[i].band_n, 0, sizeof lanes[i].band_n);
     memset(lanes[i].band_ns, 0, sizeof lanes[i].band_ns);
@@ -213,6 +251,35 @@ static double run(const suite_opts *o, bench_alloc *a, lane *lanes, int probe, u
   return (double)steps / el;
 }
 
+/* What the two ways of learning that a stream's work is done cost under
+ * this load: an event query, or a host word the stream writes (the
+ * candidate to replace magpie's event per sealed magazine). */
+static void completion_report(const suite_opts *o, bench_alloc *noop, lane *lanes) {
+  int T = o->pipe_threads;
+  uint64_t h = 0, f = 0, call_ns = 0, max_ns = 0;
+  double r = run(o, noop, lanes, 2, &h, &f, &call_ns, &max_ns);
+  uint64_t n[3] = {0}, ns[3] = {0}, de = 0, dw = 0, checks = 0;
+  for (int i = 0; i < T; i++) {
+    for (int k = 0; k < 3; k++) {
+      n[k] += lanes[i].cp_n[k];
+      ns[k] += lanes[i].cp_ns[k];
+    }
+    de += lanes[i].cp_done_event;
+    dw += lanes[i].cp_done_word;
+    checks += lanes[i].cp_checks;
+  }
+  static const char *const kind[3] = {"cuEventQuery", "cuEventRecord", "cuStreamWriteValue64"};
+  printf("  probe completion (noop, each step also queries, records and writes): %.1f k steps/s, %llu failures;",
+         r / 1e3, (unsigned long long)f);
+  for (int k = 0; k < 3; k++) {
+    double us = n[k] ? (double)ns[k] / (double)n[k] / 1e3 : 0;
+    printf(" %s %.3f us", kind[k], us);
+    suite_row("pipeline", "noop", "completion", kind[k], us * 1e3);
+  }
+  printf("; last visit's work done by the event %.1f%%, by the host word %.1f%%\n",
+         checks ? 100.0 * (double)de / (double)checks : 0, checks ? 100.0 * (double)dw / (double)checks : 0);
+}
+
 void workload_pipeline(const suite_opts *o) {
   if (!bench_have_kernel()) {
     printf("\n== 3 pipeline: skipped (no kernel built in)\n");
@@ -235,6 +302,13 @@ void workload_pipeline(const suite_opts *o) {
     for (int j = i; j < S; j += T) l->streams[l->nstreams++] = streams[j];
     for (int e = 0; e < EVENTS; e++)
       if ((l->pool[l->pool_count] = bench_event_create()) != NULL) l->pool_count++;
+  }
+  int completion = bench_dev_is_cuda() && S / T <= RING && o->use[BA_NOOP];
+  for (int i = 0; i < T && completion; i++) {
+    lane *l = &lanes[i];
+    if (bench_host_word(&l->word, &l->word_dev) != 0) completion = 0;
+    for (int k = 0; k < l->nstreams && completion; k++)
+      if ((l->ring[k] = bench_event_create()) == NULL) completion = 0;
   }
   char lo[32], hi[32];
   printf("\n== 3 pipeline: %d threads over %d streams, %.2f s; a step = %d temporaries of %s-%s + 1 kernel + "
@@ -317,6 +391,7 @@ void workload_pipeline(const suite_opts *o) {
     suite_row("pipeline", a[w].name, "probe", "alloc_ns_per_step", (double)call_ns);
     suite_row("pipeline", a[w].name, "probe", "longest_call_ns", (double)max_ns);
   }
+  if (completion) completion_report(o, &a[BA_NOOP], lanes);
   if (o->use[BA_MAGPIE] && rate[BA_NOOP] > 0) {
     char d[96];
     snprintf(d, sizeof d, "%.1f%% of the no-op reference's steps/s", 100 * rate[BA_MAGPIE] / rate[BA_NOOP]);
@@ -324,6 +399,8 @@ void workload_pipeline(const suite_opts *o) {
   }
   for (int i = 0; i < T; i++) {
     for (int e = 0; e < lanes[i].pool_count; e++) bench_event_destroy(lanes[i].pool[e]);
+    for (int k = 0; k < RING; k++)
+      if (lanes[i].ring[k]) bench_event_destroy(lanes[i].ring[k]);
     free(lanes[i].streams);
     pthread_mutex_destroy(&lanes[i].lock);
   }
