@@ -86,11 +86,6 @@ typedef struct tcache {
    * depot's stacks). */
   _Atomic uint32_t flush_req;
   tslot *last; /* the fast paths' slot */
-  /* Per slot, so that the slow paths find a slot without touching every
-   * slot's lines: the id and handle of an alloc-capable slot, 0 and
-   * UINTPTR_MAX for any other. Owner only. */
-  uint64_t alloc_id[TCACHE_SLOTS];
-  cudaStream_t alloc_handle[TCACHE_SLOTS];
   const backend_ops *ops;
   int check;
   unsigned next_evict;
@@ -100,6 +95,12 @@ typedef struct tcache {
   _Atomic int64_t live[HEAP_MAX_DEVICES];
   int64_t published[HEAP_MAX_DEVICES]; /* owner only */
   struct tcache *lnext, *lprev;        /* under tcache_list_lock */
+  /* Per slot, so that the slow paths find a slot without touching every
+   * slot's lines: the id and handle of an alloc-capable slot, 0 and
+   * UINTPTR_MAX for any other. Owner only; after the fast paths' fields,
+   * which share the first cache line. */
+  uint64_t alloc_id[TCACHE_SLOTS];
+  cudaStream_t alloc_handle[TCACHE_SLOTS];
   tslot dummy;
   tslot slots[TCACHE_SLOTS];
 } tcache;
