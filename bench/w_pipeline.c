@@ -48,9 +48,9 @@ typedef struct lane {
   uint64_t steps, handoffs, failures;
   int probe; /* 1: time every allocator call; 2: the completion probe */
   uint64_t call_ns, max_call_ns;
-  /* Probe: calls and their time by duration, < 100 ns, < 1 us, < 10 us,
-   * and longer. */
-  uint64_t band_n[4], band_ns[4];
+  /* Probe: calls and their time by kind (allocation, free, cross-stream
+   * free) and duration (< 100 ns, < 1 us, < 10 us, longer). */
+  uint64_t band_n[3][4], band_ns[3][4];
   /* Completion probe (probe == 2, CUDA, the no-op allocator): at each
    * visit to its k-th stream the lane asks whether the work of its last
    * visit there is done, by querying the event recorded then and by
@@ -106,21 +106,23 @@ static inline uint64_t probe_now(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static inline void probe_end(lane *l, uint64_t t0) {
+enum { K_ALLOC, K_FREE, K_CROSS };
+
+static inline void probe_end(lane *l, int kind, uint64_t t0) {
   uint64_t d = probe_now() - t0;
   l->call_ns += d;
   if (d > l->max_call_ns) l->max_call_ns = d;
   int b = d < 100 ? 0 : d < 1000 ? 1 : d < 10000 ? 2 : 3;
-  l->band_n[b]++;
-  l->band_ns[b] += d;
+  l->band_n[kind][b]++;
+  l->band_ns[kind][b] += d;
 }
 
 /* An allocator call, timed in the probe pass. */
-#define CALL(l, expr)                                     \
+#define CALL(l, k, expr)                                   \
   do {                                                    \
     uint64_t call_t0 = (l)->probe == 1 ? probe_now() : 0; \
     expr;                                                 \
-    if ((l)->probe == 1) probe_end((l), call_t0);         \
+    if ((l)->probe == 1) probe_end((l), (k), call_t0);    \
   } while (0)
 
 /* The completion probe's work at one step on the lane's k-th stream. */
@@ -152,7 +154,7 @@ static void consume(lane *l, item *it, cudaStream_t s) {
   /* The wait captured the event: it may be recorded again. */
   give_event(&l->lanes[it->producer], it->event);
   if (bench_touch(s, &it->p, &it->size, 1, 0xC0) != 0) l->failures++;
-  CALL(l, l->a->free_cross(it->p, it->size, it->stream, s));
+  CALL(l, K_CROSS, l->a->free_cross(it->p, it->size, it->stream, s));
 }
 
 static void *lane_main(void *arg) {
@@ -175,17 +177,17 @@ static void *lane_main(void *arg) {
       int n = 0;
       for (int i = 0; i < o->pipe_temps; i++) {
         sz[n] = suite_mixed_size(suite_rand(&seed), o->pipe_min, o->pipe_max);
-        CALL(l, p[n] = l->a->alloc(sz[n], s));
+        CALL(l, K_ALLOC, p[n] = l->a->alloc(sz[n], s));
         if (p[n]) n++;
         else l->failures++;
       }
       if (n && bench_touch(s, p, sz, n, (uint32_t)steps) != 0) l->failures++;
-      for (int i = 0; i < n; i++) CALL(l, l->a->free(p[i], sz[i], s));
+      for (int i = 0; i < n; i++) CALL(l, K_FREE, l->a->free(p[i], sz[i], s));
       if (l->probe == 2) completion_step(l, s, (int)(steps % (uint64_t)l->nstreams), steps);
       if (steps % (uint64_t)o->pipe_handoff_every == 0) {
         it = (item){.size = suite_mixed_size(suite_rand(&seed), o->pipe_min, o->pipe_max), .stream = s,
                     .producer = l->index};
-        CALL(l, it.p = l->a->alloc(it.size, s));
+        CALL(l, K_ALLOC, it.p = l->a->alloc(it.size, s));
         if (it.p == NULL) {
           l->failures++;
           continue;
@@ -194,7 +196,7 @@ static void *lane_main(void *arg) {
         if (bench_touch(s, &it.p, &it.size, 1, 0xB0) != 0) l->failures++;
         if (it.event == NULL || bench_event_record(it.event, s) != 0 || !post_mail(next, &it)) {
           if (it.event) give_event(l, it.event);
-          CALL(l, l->a->free(it.p, it.size, s)); /* no hand-off this time */
+          CALL(l, K_FREE, l->a->free(it.p, it.size, s)); /* no hand-off this time */
         } else {
           l->handoffs++;
         }
@@ -374,19 +376,28 @@ void workload_pipeline(const suite_opts *o) {
     printf("  probe %-8s %.1f k steps/s with every call timed: %.2f us per step inside the allocator "
            "(a step takes %.1f us of a thread), longest call %.1f us, %llu hand-offs\n",
            a[w].name, r / 1e3, call_ns / 1e3, T / r * 1e6, max_ns / 1e3, (unsigned long long)h);
-    uint64_t steps = 0, bn[4] = {0}, bns[4] = {0};
+    uint64_t steps = 0, bn[3][4] = {{0}}, bns[3][4] = {{0}};
     for (int i = 0; i < T; i++) {
       steps += lanes[i].steps;
-      for (int b = 0; b < 4; b++) {
-        bn[b] += lanes[i].band_n[b];
-        bns[b] += lanes[i].band_ns[b];
-      }
+      for (int c = 0; c < 3; c++)
+        for (int b = 0; b < 4; b++) {
+          bn[c][b] += lanes[i].band_n[c][b];
+          bns[c][b] += lanes[i].band_ns[c][b];
+        }
     }
+    double per = steps ? 1.0 / (double)steps : 0;
     static const char *const band[4] = {"< 0.1 us", "0.1-1 us", "1-10 us", ">= 10 us"};
     printf("    calls by duration (calls per step, us per step):");
     for (int b = 0; b < 4; b++)
-      printf(" %s %.3f, %.3f;", band[b], steps ? (double)bn[b] / (double)steps : 0,
-             steps ? (double)bns[b] / 1e3 / (double)steps : 0);
+      printf(" %s %.3f, %.3f;", band[b], (double)(bn[0][b] + bn[1][b] + bn[2][b]) * per,
+             (double)(bns[0][b] + bns[1][b] + bns[2][b]) / 1e3 * per);
+    printf("\n");
+    /* Which calls the longer ones are. */
+    static const char *const kind[3] = {"allocations", "frees", "cross-stream frees"};
+    printf("    calls of 0.1 us or more per step:");
+    for (int c = 0; c < 3; c++)
+      printf(" %s %.3f (%.3f us);", kind[c], (double)(bn[c][1] + bn[c][2] + bn[c][3]) * per,
+             (double)(bns[c][1] + bns[c][2] + bns[c][3]) / 1e3 * per);
     printf("\n");
     suite_row("pipeline", a[w].name, "probe", "alloc_ns_per_step", (double)call_ns);
     suite_row("pipeline", a[w].name, "probe", "longest_call_ns", (double)max_ns);
