@@ -410,7 +410,7 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
   return MAGPIE_OK;
 }
 
-static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s);
+static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s);
 
 int tcache_free_special(void *p, cudaStream_t s) {
   tcache *tc = tcache_tls;
@@ -429,10 +429,8 @@ int tcache_free_special(void *p, cudaStream_t s) {
  * slot becomes the last and takes the block if the fast path's checks pass
  * there (matched by handle, as in the fast path; no seal, no driver call).
  * A thread that moves between streams frees on the new one first. */
-static int tcache_free_switch(tcache *tc, void *p, cudaStream_t s) {
-  if (tc->check || tcache_special_handle(s)) return 0;
-  slab *sl = pagemap_lookup((uintptr_t)p);
-  if (sl == NULL) return 0;
+static int tcache_free_switch(tcache *tc, slab *sl, void *p, cudaStream_t s) {
+  if (tc->check || tcache_special_handle(s) || sl == NULL) return 0;
   for (int i = 0; i < TCACHE_SLOTS; i++) {
     if (tc->alloc_handle[i] != s) continue;
     tslot *was = tc->last;
@@ -449,13 +447,13 @@ int tcache_free_slow(void *p, cudaStream_t s) {
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
   tcache_enter_slow(tc);
-  int rc = tcache_free_switch(tc, p, s) ? MAGPIE_OK : tcache_free_slow_in(tc, p, s);
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  int rc = tcache_free_switch(tc, sl, p, s) ? MAGPIE_OK : tcache_free_slow_in(tc, sl, p, s);
   tcache_leave(tc);
   return rc;
 }
 
-static int tcache_free_slow_in(tcache *tc, void *p, cudaStream_t s) {
-  slab *sl = pagemap_lookup((uintptr_t)p);
+static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   if (sl == NULL)
     return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not a pointer returned by magpie", p);
   uint32_t bi = 0;
