@@ -40,18 +40,21 @@ void suite_magpie_stats(const char *workload, const char *when) {
   }
   printf("  magpie %s: reserved %.1f MiB (peak %.1f), in use %.1f (peak %.1f), large in use %.1f; per layer: "
          "thread-cached %.1f, depot %.1f, epoch-pending %.1f, large free %.1f, overhead %.1f MiB; %llu slabs, "
-         "%llu large segments, %llu depot exchanges, %llu events recorded, %llu stream waits, "
+         "%llu large segments, %llu depot exchanges, %llu events recorded (%llu queries, %llu found pending), %llu stream waits, "
          "%llu magazine hits / %llu misses\n",
          when, st.reserved_bytes / M, st.peak_reserved_bytes / M, st.in_use_bytes / M, st.peak_in_use_bytes / M,
          st.large_in_use_bytes / M, st.thread_cached_bytes / M, st.depot_bytes / M, st.epoch_pending_bytes / M,
          st.large_free_bytes / M, st.overhead_bytes / M, (unsigned long long)st.slab_count,
          (unsigned long long)st.large_segment_count, (unsigned long long)st.depot_exchanges,
-         (unsigned long long)st.events_recorded, (unsigned long long)st.stream_waits, (unsigned long long)hits,
+         (unsigned long long)st.events_recorded, (unsigned long long)st.event_queries,
+         (unsigned long long)st.event_queries_pending, (unsigned long long)st.stream_waits, (unsigned long long)hits,
          (unsigned long long)misses);
   suite_row(workload, "magpie", when, "stat_reserved_bytes", (double)st.reserved_bytes);
   suite_row(workload, "magpie", when, "stat_slabs", (double)st.slab_count);
   suite_row(workload, "magpie", when, "stat_depot_exchanges", (double)st.depot_exchanges);
   suite_row(workload, "magpie", when, "stat_events_recorded", (double)st.events_recorded);
+  suite_row(workload, "magpie", when, "stat_event_queries", (double)st.event_queries);
+  suite_row(workload, "magpie", when, "stat_event_queries_pending", (double)st.event_queries_pending);
 }
 
 static int workloads_run;

@@ -158,6 +158,11 @@ typedef struct magpie_stats {
    * size): allocations served by a thread's magazine / by a slow path. */
   uint64_t class_hits[MAGPIE_STATS_CLASSES];
   uint64_t class_misses[MAGPIE_STATS_CLASSES];
+  /* Event queries made to decide whether another stream may reuse freed
+   * blocks, and how many of them found the freeing stream's work still
+   * running (each costs a driver call; see bench/README.md). */
+  uint64_t event_queries;
+  uint64_t event_queries_pending;
 } magpie_stats;
 
 MAGPIE_API int magpie_stats_get(int device, magpie_stats *out);

@@ -140,10 +140,12 @@ enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
 #endif
   if (r->id == stream_id) return EPOCH_READY_SAME;
   if (atomic_load_acquire(&r->done) >= t->seq) return EPOCH_READY_DONE;
+  atomic_add_relaxed(&r->table->events_queried, 1);
   if (r->table->ops->event_query(t->ev->ev) == MAGPIE_OK) {
     atomic_max_u64_release(&r->done, t->seq);
     return EPOCH_READY_DONE;
   }
+  atomic_add_relaxed(&r->table->queries_pending, 1);
   return EPOCH_PENDING;
 }
 

@@ -74,6 +74,10 @@ typedef struct epoch_table {
    * the filler. Keeps the background thread from being woken per event. */
   _Atomic int refill_asked;
   _Atomic uint64_t events_recorded;
+  /* Completion queries made by epoch_ready, and those that found the
+   * event pending (relaxed counters, any thread; statistics only). */
+  _Atomic uint64_t events_queried;
+  _Atomic uint64_t queries_pending;
   _Atomic uint64_t events_created;
   _Atomic int64_t live_records;
 } epoch_table;

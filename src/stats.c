@@ -36,6 +36,8 @@ void stats_collect(heap *h, magpie_stats *out) {
   depot_totals_get(h, &dt);
   out->depot_exchanges = dt.exchanges;
   out->events_recorded = atomic_load_relaxed(&h->epochs.events_recorded);
+  out->event_queries = atomic_load_relaxed(&h->epochs.events_queried);
+  out->event_queries_pending = atomic_load_relaxed(&h->epochs.queries_pending);
   out->cross_stream_migrations = dt.migrations;
   out->same_stream_reuses = dt.same_stream;
   out->limbo_magazines = atomic_load_relaxed(&h->stat_limbo);
@@ -91,15 +93,16 @@ void stats_print(int device, FILE *out) {
           "  cached by layer: thread magazines %zu, depot %zu, waiting on streams %zu, free large %zu, "
           "overhead %zu\n"
           "  slabs %llu (released %llu), large segments %llu (mapped %zu B, unmapped %llu B), limit %zu B\n"
-          "  depot exchanges %llu, events %llu, cross-stream migrations %llu, same-stream reuses %llu, "
-          "limbo %llu, stream waits %llu, threads flushed %llu, stolen %llu\n"
+          "  depot exchanges %llu, events %llu (queried %llu, %llu of those pending), cross-stream migrations "
+          "%llu, same-stream reuses %llu, limbo %llu, stream waits %llu, threads flushed %llu, stolen %llu\n"
           "  out-of-memory ladder: reclaim %llu, slabs %llu, threads %llu, wait %llu, unmap %llu, failed %llu\n",
           device, s.in_use_bytes, s.peak_in_use_bytes, s.reserved_bytes, s.peak_reserved_bytes, s.cached_bytes,
           s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes, s.large_free_bytes, s.overhead_bytes,
           (unsigned long long)s.slab_count, (unsigned long long)s.slabs_released,
           (unsigned long long)s.large_segment_count, s.large_mapped_bytes,
           (unsigned long long)s.large_bytes_unmapped, s.limit_bytes, (unsigned long long)s.depot_exchanges,
-          (unsigned long long)s.events_recorded, (unsigned long long)s.cross_stream_migrations,
+          (unsigned long long)s.events_recorded, (unsigned long long)s.event_queries,
+          (unsigned long long)s.event_queries_pending, (unsigned long long)s.cross_stream_migrations,
           (unsigned long long)s.same_stream_reuses, (unsigned long long)s.limbo_magazines,
           (unsigned long long)s.stream_waits, (unsigned long long)s.threads_flushed,
           (unsigned long long)s.threads_stolen, (unsigned long long)s.ladder_steps[0],

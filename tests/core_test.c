@@ -529,6 +529,10 @@ static void test_cross_stream_waits_for_epoch(void **state) {
   magpie_stats after;
   assert_int_equal(magpie_stats_get(0, &after), MAGPIE_OK);
   assert_true(after.cross_stream_migrations > before.cross_stream_migrations);
+  /* Nothing but a query can have told magpie that A's work completed. */
+  assert_true(after.event_queries > before.event_queries);
+  assert_true(after.event_queries_pending - before.event_queries_pending <
+              after.event_queries - before.event_queries);
   fake_stream_complete(b);
 }
 

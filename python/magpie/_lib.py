@@ -51,6 +51,8 @@ class Stats(ctypes.Structure):
         ("ladder_steps", ctypes.c_uint64 * 8),
         ("class_hits", ctypes.c_uint64 * 64),
         ("class_misses", ctypes.c_uint64 * 64),
+        ("event_queries", ctypes.c_uint64),
+        ("event_queries_pending", ctypes.c_uint64),
     ]
 
     def as_dict(self):
