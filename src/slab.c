@@ -21,7 +21,7 @@ slab *slab_desc_get(void) {
   slab *s = slab_desc_free;
   if (s) slab_desc_free = s->lnext;
   pthread_mutex_unlock(&slab_desc_lock);
-  if (s == NULL) return meta_alloc(sizeof *s);
+  if (s == NULL) return meta_alloc_aligned(sizeof *s, 64);
   /* Keep the in-use bitmap for reuse (slab_desc_for). */
   _Atomic uint64_t *bits = s->inuse;
   uint32_t words = s->inuse_words;

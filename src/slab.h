@@ -28,14 +28,25 @@
 
 struct heap;
 
+/* The free fast path reads the first line only (base .. recorded); a
+ * descriptor is line-aligned so that a free of a block whose slab is out of
+ * the cache costs one miss here, not three. */
 typedef struct slab {
-  uintptr_t base;
-  size_t size;
+  _Alignas(64) uintptr_t base;
   size_t bsize;   /* block size (large: the block's usable size) */
   uint64_t magic; /* 0 for large */
   uint32_t cls;   /* size class, or SLAB_LARGE */
   uint32_t nblocks;
   struct heap *heap;
+  /* Blocks of this slab (or large segment) with a record_stream entry
+   * (record.c). Written (relaxed RMW) under record_lock; read relaxed by the
+   * free fast path, which sends the slab's frees to the slow path while
+   * nonzero. A record happens before the free of its block (same thread, or
+   * the application ordered the two threads), so the free reads the count
+   * including it. */
+  _Atomic uint32_t recorded;
+  uint32_t inuse_words;
+  size_t size;
   uintptr_t raw; /* what the region mapped (differs without VMM); a chunk: itself */
   size_t raw_size;
   struct span *span; /* the span a chunk slab belongs to, else NULL */
@@ -43,7 +54,6 @@ typedef struct slab {
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */
   _Atomic uint64_t *inuse;
-  uint32_t inuse_words;
   struct lseg *seg;     /* large segments only */
   struct slab *lnext;   /* descriptor free list; the heap's slab list */
   struct slab *lprev;   /* the heap's slab list (under its slab lock) */
@@ -52,14 +62,8 @@ typedef struct slab {
   uint32_t reclaim_free;
   uint32_t dead;        /* being given back: its blocks leave the magazines */
   size_t stranded;      /* bytes of blocks no magazine took (host OOM) */
-  /* Blocks of this slab (or large segment) with a record_stream entry
-   * (record.c). Written (relaxed RMW) under record_lock; read relaxed by the
-   * free fast path, which sends the slab's frees to the slow path while
-   * nonzero. A record happens before the free of its block (same thread, or
-   * the application ordered the two threads), so the free reads the count
-   * including it. */
-  _Atomic uint32_t recorded;
 } slab;
+_Static_assert(offsetof(slab, recorded) + sizeof(uint32_t) <= 64, "the free fast path's fields share one line");
 
 /* Bytes of a class slab no block serves. */
 static inline size_t slab_overhead(const slab *s) {

@@ -47,8 +47,8 @@ static void tcache_key_create(void) { pthread_key_create(&tcache_key, tcache_des
 
 static void tcache_slot_clear(tslot *ts) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    atomic_store_relaxed(&ts->hits[c], 0);
-    atomic_store_relaxed(&ts->misses[c], 0);
+    atomic_store_relaxed(&ts->cl[c].hits, 0);
+    atomic_store_relaxed(&ts->cl[c].misses, 0);
   }
   ts->id = 0;
   ts->handle = (cudaStream_t)UINTPTR_MAX;
@@ -56,7 +56,7 @@ static void tcache_slot_clear(tslot *ts) {
   atomic_store_relaxed(&ts->stats_heap, NULL);
   ts->rec = NULL;
   ts->alloc_ok = 0;
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->loaded[c] = ts->prev[c] = &magazine_sentinel;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
 }
 
 /* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
@@ -69,7 +69,7 @@ static void tcache_slot_index(tcache *tc, const tslot *ts) {
 
 /* Allocations of class c through slot ts so far. */
 static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
-  return atomic_load_relaxed(&ts->hits[c]) + atomic_load_relaxed(&ts->misses[c]);
+  return atomic_load_relaxed(&ts->cl[c].hits) + atomic_load_relaxed(&ts->cl[c].misses);
 }
 
 /* Frees of one class in a row, with no allocation of it between, that
@@ -156,7 +156,7 @@ static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
 static size_t tcache_slot_empty(tslot *ts) {
   size_t bytes = 0;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    magazine **pair[2] = {&ts->loaded[c], &ts->prev[c]};
+    magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
     for (int k = 0; k < 2; k++) {
       magazine *m = *pair[k];
       if (!magazine_is_real(m) || m->count == 0) continue;
@@ -173,10 +173,10 @@ static size_t tcache_slot_empty(tslot *ts) {
 static void tcache_slot_fold(tslot *ts) {
   pthread_mutex_lock(&tcache_list_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    atomic_add_relaxed(&ts->heap->stat_class_hits[c], atomic_load_relaxed(&ts->hits[c]));
-    atomic_add_relaxed(&ts->heap->stat_class_misses[c], atomic_load_relaxed(&ts->misses[c]));
-    atomic_store_relaxed(&ts->hits[c], 0);
-    atomic_store_relaxed(&ts->misses[c], 0);
+    atomic_add_relaxed(&ts->heap->stat_class_hits[c], atomic_load_relaxed(&ts->cl[c].hits));
+    atomic_add_relaxed(&ts->heap->stat_class_misses[c], atomic_load_relaxed(&ts->cl[c].misses));
+    atomic_store_relaxed(&ts->cl[c].hits, 0);
+    atomic_store_relaxed(&ts->cl[c].misses, 0);
   }
   pthread_mutex_unlock(&tcache_list_lock);
 }
@@ -192,7 +192,7 @@ static void tcache_slot_fold(tslot *ts) {
 static void tcache_slot_retire(tcache *tc, tslot *ts) {
   tcache_slot_empty(ts);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    if (magazine_is_real(ts->loaded[c])) magazine_put_empty(ts->loaded[c]);
+    if (magazine_is_real(ts->cl[c].loaded)) magazine_put_empty(ts->cl[c].loaded);
     if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
   }
   tcache_slot_fold(ts);
@@ -347,12 +347,12 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   if (ts == NULL) return NULL;
   if (size > SIZECLASS_MAX_SIZE) return tcache_alloc_large(tc, ts, size, id, s);
   unsigned c = sizeclass_of(size);
-  atomic_owner_inc_u64(&ts->misses[c]);
+  atomic_owner_inc_u64(&ts->cl[c].misses);
   int publish = 0;
-  if (ts->loaded[c]->count == 0) {
+  if (ts->cl[c].loaded->count == 0) {
     if (ts->prev[c]->count > 0) {
-      magazine *t = ts->loaded[c];
-      ts->loaded[c] = ts->prev[c];
+      magazine *t = ts->cl[c].loaded;
+      ts->cl[c].loaded = ts->prev[c];
       ts->prev[c] = t;
     } else {
       magazine *fresh = NULL;
@@ -364,12 +364,12 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       depot_note_thread_in(ts->heap, fresh);
       ts->mark[c] = tcache_slot_allocs(ts, c);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
-      ts->prev[c] = ts->loaded[c];
-      ts->loaded[c] = fresh;
+      ts->prev[c] = ts->cl[c].loaded;
+      ts->cl[c].loaded = fresh;
       publish = 1;
     }
   }
-  magazine *m = ts->loaded[c];
+  magazine *m = ts->cl[c].loaded;
   void *p = m->slots[--m->count];
   if (tc->check) {
     slab *sl = pagemap_lookup((uintptr_t)p);
@@ -489,11 +489,11 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
     return error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
   unsigned c = sl->cls;
   int publish = 0;
-  if (ts->loaded[c]->count >= ts->loaded[c]->cap) {
+  if (ts->cl[c].loaded->count >= ts->cl[c].loaded->cap) {
     magazine *pv = ts->prev[c];
     if (magazine_is_real(pv) && pv->count == 0) {
-      ts->prev[c] = ts->loaded[c];
-      ts->loaded[c] = pv;
+      ts->prev[c] = ts->cl[c].loaded;
+      ts->cl[c].loaded = pv;
     } else {
       magazine *e = magazine_get_empty(c);
       if (e == NULL) {
@@ -505,12 +505,12 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
       /* The previous magazine is full: it leaves the thread, sealed on the
        * stream its blocks were freed on (s names it: its id matched). */
       if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
-      ts->prev[c] = ts->loaded[c];
-      ts->loaded[c] = e;
+      ts->prev[c] = ts->cl[c].loaded;
+      ts->cl[c].loaded = e;
       publish = 1;
     }
   }
-  magazine *m = ts->loaded[c];
+  magazine *m = ts->cl[c].loaded;
   m->slots[m->count++] = p;
   atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
   if (publish) tcache_publish(tc, ts->heap);
@@ -559,8 +559,8 @@ void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
       tslot *ts = &tc->slots[i];
       if (atomic_load_relaxed(&ts->stats_heap) != h) continue;
       for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-        hits[c] += atomic_load_relaxed(&ts->hits[c]);
-        misses[c] += atomic_load_relaxed(&ts->misses[c]);
+        hits[c] += atomic_load_relaxed(&ts->cl[c].hits);
+        misses[c] += atomic_load_relaxed(&ts->cl[c].misses);
       }
     }
   }
@@ -654,7 +654,7 @@ int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded)
         tslot *ts = &tc->slots[k];
         if (ts->heap != h) continue;
         for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-          if (magazine_is_real(ts->loaded[c])) fn(ctx, ts->loaded[c], 1);
+          if (magazine_is_real(ts->cl[c].loaded)) fn(ctx, ts->cl[c].loaded, 1);
           if (magazine_is_real(ts->prev[c])) fn(ctx, ts->prev[c], 0);
         }
       }

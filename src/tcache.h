@@ -43,6 +43,12 @@
 
 #define TCACHE_SLOTS 32
 
+typedef struct tclass {
+  magazine *loaded;
+  _Atomic uint64_t hits;   /* allocations served by the fast path */
+  _Atomic uint64_t misses; /* and by the slow path */
+} tclass;
+
 typedef struct tslot {
   uint64_t id;          /* stream id; meaningful while heap != NULL */
   cudaStream_t handle;  /* handle the slot was created with */
@@ -50,7 +56,13 @@ typedef struct tslot {
   stream_rec *rec;      /* the stream's record (one reference held) */
   _Atomic int64_t *live; /* this thread's in-use counter for heap's device */
   int alloc_ok;         /* heap is the stream's own device */
-  magazine *loaded[SIZECLASS_COUNT];
+  /* Per class, what an allocation reads and writes: the loaded magazine
+   * and the allocation counts. Side by side, so that a class whose lines
+   * went out of the cache (a thread taking turns on several streams) costs
+   * one miss here. Counts: owner-written (relaxed load + store); read by
+   * statistics under tcache_list_lock; folded into the heap when the slot
+   * retires. */
+  tclass cl[SIZECLASS_COUNT];
   magazine *prev[SIZECLASS_COUNT];
   /* Capacity of the empty magazines this slot takes for its frees, per
    * class (mag_cap..mag_max), the class's allocation count at the last
@@ -59,11 +71,6 @@ typedef struct tslot {
   uint8_t cap[SIZECLASS_COUNT];
   uint64_t mark[SIZECLASS_COUNT];
   uint8_t run[SIZECLASS_COUNT];
-  /* Allocations of each class served by a magazine (fast path) and by the
-   * slow path. Owner-written (relaxed load + store); read by statistics
-   * under tcache_list_lock; folded into the heap when the slot retires. */
-  _Atomic uint64_t hits[SIZECLASS_COUNT];
-  _Atomic uint64_t misses[SIZECLASS_COUNT];
   /* heap, for statistics readers (owner-written, relaxed; a reader may
    * miss a slot being set up or retired). */
   _Atomic(heap *) stats_heap;
@@ -161,10 +168,10 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
    * the empty sentinel. */
   if (unlikely(id != ts->id)) return NULL;
   unsigned c = sizeclass_of(size);
-  magazine *m = ts->loaded[c];
+  magazine *m = ts->cl[c].loaded;
   if (unlikely(m->count == 0)) return NULL;
   atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
-  atomic_owner_inc_u64(&ts->hits[c]);
+  atomic_owner_inc_u64(&ts->cl[c].hits);
   void *p = m->slots[--m->count];
   tcache_leave(tc);
   return p;
@@ -185,7 +192,7 @@ static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaS
   if (unlikely(ts->handle != stream || ts->heap != sl->heap || c >= SIZECLASS_COUNT || i * sl->bsize != off ||
                i >= sl->nblocks || atomic_load_relaxed(&sl->recorded) != 0))
     return 0;
-  magazine *m = ts->loaded[c];
+  magazine *m = ts->cl[c].loaded;
   if (unlikely(m->count >= m->cap)) return 0;
   m->slots[m->count++] = ptr;
   atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);

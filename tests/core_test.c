@@ -379,7 +379,7 @@ static void test_magazine_capacity_adapts(void **state) {
   for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   /* Only frees since the last exchange: the flow grew the capacity. */
   assert_int_equal(ts->cap[cls], ci->mag_max);
-  assert_int_equal(ts->loaded[cls]->cap, ci->mag_max);
+  assert_int_equal(ts->cl[cls].loaded->cap, ci->mag_max);
   /* A random walk (many allocations between two exchanges) shrinks it. */
   int live = 0;
   uint64_t r = 12345;
