@@ -1,5 +1,6 @@
-/* Depot exchanges. Takes no lock (the stacks are lock-free); event queries
- * happen on magazines the scanning thread owns exclusively. */
+/* Depot exchanges. Takes no lock of its own (the stacks are lock-free);
+ * event queries happen on magazines the scanning thread owns exclusively
+ * (epoch_ready takes the stream's seal lock for a moment, a leaf). */
 #include "depot.h"
 
 #include <sched.h>

@@ -15,8 +15,9 @@
  * old stream's pending blocks.
  *
  * Lock order: epoch_table.lock -> (nothing). stream_rec.seal_lock -> (the
- * backend's event_record only; no other magpie lock). The two are never
- * held together.
+ * backend's event_record only, in epoch_seal; no other magpie lock;
+ * epoch_ready holds it only to take a reference). The two are never held
+ * together.
  */
 #ifndef MAGPIE_EPOCH_H
 #define MAGPIE_EPOCH_H
@@ -54,13 +55,26 @@ typedef struct stream_rec {
   /* Makes "take the next seq" and "record its event" one step, so seq order
    * is stream order even when several threads seal on one stream. */
   pthread_mutex_t seal_lock;
+  /* The event of the last seal (seq `sealed`), with one reference held, so
+   * that one query can vouch for every ticket of the stream at once; NULL
+   * before the first seal. Under seal_lock. */
+  struct event_node *newest;
   struct stream_rec *hnext; /* bucket chain; under table->lock */
 } stream_rec;
 
+/* INVARIANT: a node is in the pool (free_events) iff refs == 0; it is
+ * recorded again only after it left the pool, so whoever holds a reference
+ * queries the record it took the reference for. */
 typedef struct event_node {
   registry_link link; /* stack node; must be first */
   void *ev;           /* backend event */
   int device;
+  /* Holders: the ticket of its seal, the stream record while it is that
+   * stream's newest, and queriers for the length of one query. Taken from
+   * 0 only by epoch_seal; taken from nonzero under the stream's seal_lock;
+   * dropped (acq_rel) by anyone: the holder that drops it to 0 pushes the
+   * node to the pool (the push releases, the pool's pop acquires). */
+  _Atomic uint32_t refs;
 } event_node;
 
 typedef struct epoch_table {
@@ -108,7 +122,9 @@ int epoch_pool_fill(epoch_table *t, int64_t n);
  * stream. The ticket holds a reference to r. */
 int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out);
 /* May blocks under this ticket be reused by stream `stream_id` now? Never
- * blocks; at most one event query. */
+ * blocks. Queries the stream's newest seal first (one query then vouches
+ * for all its tickets), the ticket's own event only if that one is still
+ * pending. */
 enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id);
 /* Block until the ticket's epoch completed (off the allocation fast path). */
 int epoch_wait(const epoch_ticket *t);

@@ -177,20 +177,44 @@ static void test_epoch_ordering(void **state) {
   assert_int_equal(epoch_ready(&t[0], sid), EPOCH_READY_SAME);
   fake_get_counters(&c1);
   assert_int_equal(c1.event_queries, c0.event_queries);
+  fake_get_counters(&c0);
   assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_PENDING);
-  fake_stream_complete(s);
-  assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  fake_get_counters(&c1);
+  assert_int_equal(c1.event_queries, c0.event_queries + 1); /* t[2] is the newest seal */
+  /* Only t[0]'s work completes: the newest seal is still pending, and the
+   * ticket's own event decides. */
+  assert_int_equal(fake_backend()->event_synchronize(t[0].ev->ev), MAGPIE_OK);
   fake_get_counters(&c0);
   assert_int_equal(epoch_ready(&t[0], EPOCH_NO_STREAM), EPOCH_READY_DONE);
-  assert_int_equal(epoch_ready(&t[1], EPOCH_NO_STREAM), EPOCH_READY_DONE);
   fake_get_counters(&c1);
-  assert_int_equal(c1.event_queries, c0.event_queries); /* by comparison */
+  assert_int_equal(c1.event_queries, c0.event_queries + 2);
+  assert_int_equal(atomic_load(&r->done), t[0].seq);
+  assert_int_equal(epoch_ready(&t[1], EPOCH_NO_STREAM), EPOCH_PENDING);
+  fake_stream_complete(s);
+  /* One query, of the newest seal, vouches for every ticket of the stream. */
+  fake_get_counters(&c0);
+  assert_int_equal(epoch_ready(&t[1], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  assert_int_equal(atomic_load(&r->done), t[2].seq);
+  assert_int_equal(epoch_ready(&t[2], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  assert_int_equal(epoch_ready(&t[0], EPOCH_NO_STREAM), EPOCH_READY_DONE);
+  fake_get_counters(&c1);
+  assert_int_equal(c1.event_queries, c0.event_queries + 1);
+  /* Event references: each ticket holds its own; the record holds the
+   * newest seal's until it goes, and then the pool has them all back. */
+  event_node *newest = t[2].ev, *older = t[0].ev;
+  assert_int_equal(atomic_load(&newest->refs), 2);
+  assert_int_equal(atomic_load(&older->refs), 1);
   assert_int_equal(atomic_load(&r->refs), 4);
+  int64_t pooled = stack_count(&h->epochs.free_events);
   for (int i = 0; i < 3; i++) epoch_ticket_release(&t[i]);
   assert_int_equal(atomic_load(&r->refs), 1);
+  assert_int_equal(atomic_load(&newest->refs), 1);
+  assert_int_equal(stack_count(&h->epochs.free_events), pooled + 2);
   int64_t live = atomic_load(&h->epochs.live_records);
   epoch_stream_release(r);
   assert_int_equal(atomic_load(&h->epochs.live_records), live - 1);
+  assert_int_equal(atomic_load(&newest->refs), 0);
+  assert_int_equal(stack_count(&h->epochs.free_events), pooled + 3);
 }
 
 
