@@ -3,8 +3,9 @@
  * Lock order: heap_create_lock -> (region/epoch init, no other magpie
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, region.lock, slab_lock, slab_desc_lock,
- * registry.grow_lock, span_lock, one at a time). reaper_lock, slab_lock
- * are leaves.
+ * registry.grow_lock, span_grow_lock -> (region.lock, span_lock), one at
+ * a time).
+ * reaper_lock, slab_lock are leaves.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
 #include "heap.h"
@@ -79,6 +80,7 @@ static heap *heap_create(int device) {
   large_init(&h->large);
   pthread_mutex_init(&h->slab_lock, NULL);
   pthread_mutex_init(&h->span_lock, NULL);
+  pthread_mutex_init(&h->span_grow_lock, NULL);
   h->spans = NULL;
   pthread_mutex_init(&h->reclaim_lock, NULL);
   /* Events made now, while the device is likely idle (a failure here only

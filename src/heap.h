@@ -57,6 +57,9 @@ typedef struct heap {
   /* Granules shared by small classes' slabs (span.c). */
   pthread_mutex_t span_lock; /* guards spans and their used masks */
   struct span *spans;
+  /* Held across one span's map (span.c): threads that find every span full
+   * together share that span instead of each mapping one. */
+  pthread_mutex_t span_grow_lock;
   /* Serialises slab release (it borrows the depot's ready magazines). */
   pthread_mutex_t reclaim_lock;
   _Atomic size_t stat_peak_reserved;

@@ -11,8 +11,10 @@
  *            belongs to a slab (or is being made one); a span is on its
  *            heap's list iff used != 0.
  *
- * Lock order: heap.span_lock is a leaf; spans are mapped and unmapped with
- * it dropped. */
+ * Lock order: heap.span_grow_lock -> (region.lock, heap.span_lock: leaves,
+ * one at a time). A span is
+ * mapped under span_grow_lock only (one map at a time per heap) and
+ * unmapped with no lock held. */
 #ifndef MAGPIE_SPAN_H
 #define MAGPIE_SPAN_H
 

@@ -487,6 +487,61 @@ static void test_concurrent_refills_share_a_carve(void **state) {
   for (int i = 0; i < CARVE_THREADS; i++) fake_stream_complete(s[i]);
 }
 
+/* Threads of different small classes that find every span full at once
+ * share one new span: the first maps it (slowly here) while the others
+ * wait and take its spare chunks, instead of each mapping a granule. */
+enum { SPAN_THREADS = 4, SPAN_HOLD_MAX = 1024 };
+typedef struct span_got {
+  uintptr_t base;
+  span *sp;
+  int rc;
+} span_got;
+static pthread_barrier_t span_start;
+static void *span_thread(void *arg) {
+  span_got *g = arg;
+  pthread_barrier_wait(&span_start);
+  g->rc = span_chunk_get(heap_get(0), &g->base, &g->sp);
+  return NULL;
+}
+
+static void test_concurrent_span_maps_share_a_span(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  assert_non_null(h);
+  assert_true(h->region.gran / SPAN_CHUNK >= SPAN_THREADS);
+  /* Fill every span there is, so that the threads below find none free. */
+  pthread_mutex_lock(&h->span_lock);
+  int free_chunks = 0;
+  for (span *sp = h->spans; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
+  pthread_mutex_unlock(&h->span_lock);
+  assert_true(free_chunks <= SPAN_HOLD_MAX);
+  static span_got held[SPAN_HOLD_MAX];
+  fake_counters before, after;
+  fake_get_counters(&before);
+  for (int i = 0; i < free_chunks; i++)
+    assert_int_equal(span_chunk_get(h, &held[i].base, &held[i].sp), MAGPIE_OK);
+  fake_get_counters(&after);
+  assert_int_equal(after.maps, before.maps);
+
+  span_got got[SPAN_THREADS];
+  pthread_t t[SPAN_THREADS];
+  fake_set_map_delay_us(20000);
+  pthread_barrier_init(&span_start, NULL, SPAN_THREADS);
+  for (int i = 0; i < SPAN_THREADS; i++) assert_int_equal(pthread_create(&t[i], NULL, span_thread, &got[i]), 0);
+  for (int i = 0; i < SPAN_THREADS; i++) assert_int_equal(pthread_join(t[i], NULL), 0);
+  pthread_barrier_destroy(&span_start);
+  fake_set_map_delay_us(0);
+  fake_get_counters(&after);
+  assert_int_equal(after.maps - before.maps, 1);
+  for (int i = 0; i < SPAN_THREADS; i++) {
+    assert_int_equal(got[i].rc, MAGPIE_OK);
+    assert_ptr_equal(got[i].sp, got[0].sp);
+    for (int j = 0; j < i; j++) assert_true(got[j].base != got[i].base);
+  }
+  for (int i = 0; i < SPAN_THREADS; i++) span_chunk_put(h, got[i].sp, got[i].base);
+  for (int i = 0; i < free_chunks; i++) span_chunk_put(h, held[i].sp, held[i].base);
+}
+
 static void test_same_stream_reuse(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0);
@@ -880,6 +935,7 @@ int main(void) {
       cmocka_unit_test(test_magazine_capacity_adapts),
       cmocka_unit_test(test_magazine_capacity_bursts),
       cmocka_unit_test(test_concurrent_refills_share_a_carve),
+      cmocka_unit_test(test_concurrent_span_maps_share_a_span),
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_default_stream_free_follows_device),
       cmocka_unit_test(test_cross_stream_waits_for_epoch),
