@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The Python package (python/magpie) against libmagpie.so on the simulated
+# device: its ctypes magpie_stats must be at least as large as the C struct
+# (a field added in C but not in Python would make magpie_stats_get write
+# past the Python buffer), and magpie.stats() reports an allocation.
+set -euo pipefail
+lib=$1
+shift
+pkg=""
+for f in "$@"; do pkg=$(dirname "$(dirname "$f")"); done
+# Sanitizer builds make a library that needs the sanitizer's runtime in the
+# executable, which python3 is not; the binding is the same in every build,
+# and the plain build checks it.
+if grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib"; then
+  echo "skipped: $lib is a sanitizer build (python3 cannot load it)"
+  exit 0
+fi
+export MAGPIE_LIB=$PWD/$lib MAGPIE_BACKEND=sim PYTHONPATH=$PWD/$pkg
+export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
+python3 - <<'PY'
+import ctypes
+import magpie
+from magpie import _lib
+
+l = _lib.lib()
+size = ctypes.sizeof(_lib.Stats)
+guard = 256
+buf = (ctypes.c_ubyte * (size + guard))(*([0xA5] * (size + guard)))
+p = l.magpie_malloc_async(4096, None)
+assert p, l.magpie_last_error_message()
+assert l.magpie_stats_get(0, ctypes.cast(buf, ctypes.POINTER(_lib.Stats))) == 0
+spoiled = [i for i in range(size, size + guard) if buf[i] != 0xA5]
+assert not spoiled, f"magpie_stats_get wrote {len(spoiled)} bytes past the Python struct ({size} bytes): add the new fields to python/magpie/_lib.py"
+st = magpie.stats()
+assert st["in_use_bytes"] >= 4096, st
+assert st["reserved_bytes"] >= st["in_use_bytes"], st
+assert "event_queries" in st and "event_queries_pending" in st, sorted(st)
+assert l.magpie_free_async(p, None) == 0
+print(f"python stats: {size} bytes, in use {st['in_use_bytes']}, reserved {st['reserved_bytes']}")
+PY
