@@ -54,6 +54,7 @@ static struct {
   int (*cuMemHostAlloc)(void **, size_t, unsigned);
   int (*cuMemHostGetDevicePointer)(uint64_t *, void *, unsigned);
   int (*cuStreamWriteValue64)(cudaStream_t, uint64_t, uint64_t, unsigned);
+  int (*cuMemFreeHost)(void *);
   /* runtime */
   void *cudart;
   char cudart_path[256];
@@ -188,6 +189,7 @@ int bench_dev_init(void) {
       (int (*)(uint64_t *, void *, unsigned))dlsym(h, "cuMemHostGetDevicePointer_v2");
   dev.cuStreamWriteValue64 =
       (int (*)(cudaStream_t, uint64_t, uint64_t, unsigned))dlsym(h, "cuStreamWriteValue64_v2");
+  dev.cuMemFreeHost = (int (*)(void *))dlsym(h, "cuMemFreeHost");
   if (cu_check(dev.cuInit(0), "cuInit") || cu_check(dev.cuDeviceGet(&dev.device, 0), "cuDeviceGet") ||
       cu_check(dev.cuDevicePrimaryCtxRetain(&dev.ctx, dev.device), "cuDevicePrimaryCtxRetain") ||
       cu_check(dev.cuCtxSetCurrent(dev.ctx), "cuCtxSetCurrent"))
@@ -280,15 +282,23 @@ int bench_event_query(bench_event e) {
 }
 
 int bench_host_word(volatile uint64_t **host, uint64_t *devaddr) {
-  if (!dev.cuda || !dev.cuMemHostAlloc || !dev.cuMemHostGetDevicePointer || !dev.cuStreamWriteValue64) return -1;
+  if (!dev.cuda || !dev.cuMemHostAlloc || !dev.cuMemHostGetDevicePointer || !dev.cuStreamWriteValue64 ||
+      !dev.cuMemFreeHost)
+    return -1;
   void *p = NULL;
   /* CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP */
-  if (cu_check(dev.cuMemHostAlloc(&p, 64, 0x3), "cuMemHostAlloc") ||
-      cu_check(dev.cuMemHostGetDevicePointer(devaddr, p, 0), "cuMemHostGetDevicePointer"))
+  if (cu_check(dev.cuMemHostAlloc(&p, 64, 0x3), "cuMemHostAlloc")) return -1;
+  if (cu_check(dev.cuMemHostGetDevicePointer(devaddr, p, 0), "cuMemHostGetDevicePointer")) {
+    cu_check(dev.cuMemFreeHost(p), "cuMemFreeHost");
     return -1;
+  }
   *host = p;
   **host = 0;
   return 0;
+}
+
+int bench_host_word_free(volatile uint64_t *host) {
+  return host == NULL ? 0 : cu_check(dev.cuMemFreeHost((void *)(uintptr_t)host), "cuMemFreeHost");
 }
 
 int bench_stream_write_value(cudaStream_t s, uint64_t devaddr, uint64_t value) {

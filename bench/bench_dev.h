@@ -52,6 +52,9 @@ int bench_stream_get_id(cudaStream_t s, unsigned long long *id);
  * (cuStreamWriteValue64). -1 without CUDA or those entry points. */
 int bench_event_query(bench_event e);
 int bench_host_word(volatile uint64_t **host, uint64_t *devaddr);
+/* Give the word back; its writes must have completed (the device was
+ * synchronised after the last one). */
+int bench_host_word_free(volatile uint64_t *host);
 int bench_stream_write_value(cudaStream_t s, uint64_t devaddr, uint64_t value);
 
 /* Failed CUDA calls so far (all threads). */

@@ -416,6 +416,8 @@ void workload_pipeline(const suite_opts *o) {
     pthread_mutex_destroy(&lanes[i].lock);
   }
   for (int j = 0; j < S; j++) bench_stream_destroy(streams[j]);
+  if (completion) bench_device_sync(); /* the words' last writes */
+  for (int i = 0; i < T; i++) bench_host_word_free(lanes[i].word);
   free(streams);
   free(lanes);
 }
