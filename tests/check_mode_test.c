@@ -50,10 +50,7 @@ static void test_many_blocks_round_trip(void **state) {
 }
 
 int main(void) {
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  cfg.check = 1;
-  if (global_init_slow(&cfg, fake_backend()) != MAGPIE_OK) return 1;
+  if (fake_magpie_init(1) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_double_free_small),
       cmocka_unit_test(test_double_free_other_thread_stream),

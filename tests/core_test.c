@@ -415,9 +415,7 @@ static void test_private_metadata_heap(void **state) {
 int main(void) {
   fake_set_devices(3);
   fake_set_capacity(1, (size_t)24 << 20);
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  if (global_init_slow(&cfg, fake_backend()) != MAGPIE_OK) return 1;
+  if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_same_stream_reuse),
       cmocka_unit_test(test_default_stream_free_follows_device),

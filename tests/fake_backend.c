@@ -2,6 +2,8 @@
  * Lock order: fake_gate_mu and fake_lock are leaves, never nested. */
 #include "fake_backend.h"
 
+#include "src/init.h"
+
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -285,3 +287,10 @@ static const backend_ops fake_ops = {
 };
 
 const backend_ops *fake_backend(void) { return &fake_ops; }
+
+int fake_magpie_init(int check) {
+  magpie_config cfg;
+  magpie_config_default(&cfg);
+  cfg.check = check;
+  return global_init_slow(&cfg, fake_backend());
+}

@@ -34,4 +34,8 @@ typedef struct fake_counters {
 } fake_counters;
 void fake_get_counters(fake_counters *out);
 
+/* Start magpie on the fake device with its default configuration (checked
+ * mode if `check`), after fake_set_devices and fake_set_capacity. */
+int fake_magpie_init(int check);
+
 #endif

@@ -368,9 +368,7 @@ int main(void) {
   fake_set_devices(4);
   fake_set_capacity(1, 24 * MiB);
   fake_set_capacity(2, 16 * MiB);
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  if (global_init_slow(&cfg, fake_backend()) != MAGPIE_OK) return 1;
+  if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_split_and_coalesce),
       cmocka_unit_test(test_segment_grows_and_shrinks),

@@ -538,9 +538,7 @@ static void test_concurrent_span_maps_share_a_span(void **state) {
 int main(void) {
   fake_set_devices(3);
   fake_set_capacity(1, (size_t)24 << 20);
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  if (global_init_slow(&cfg, fake_backend()) != MAGPIE_OK) return 1;
+  if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_sizeclass),
       cmocka_unit_test(test_sizeclass_magic_division),
