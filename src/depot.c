@@ -116,41 +116,36 @@ static magazine *depot_hand_over(depot *d, magazine *m, enum epoch_state st) {
 #define DEPOT_TAKE_TRIES 8
 
 /* Take a pending magazine that stream_id may use now: its own stream's, or
- * one whose epoch completed. First the one of the top DEPOT_TAKE_TRIES that
- * is known ready without an event query (its own stream's, or one sealed
- * before a completed query of its stream: a query, about 4 us under a
- * kernel-heavy load on the H200, decides every earlier seal of the stream);
- * failing that, one query, of the oldest popped. The others go back at once,
- * so that they stay available to others meanwhile. */
+ * one whose epoch completed. Pops at most DEPOT_TAKE_TRIES; the rest of the
+ * list stays available to others throughout. */
 static magazine *depot_pop_pending(depot *d, uint64_t stream_id, int *tries_out) {
-  magazine *held[DEPOT_TAKE_TRIES];
-  int n = 0;
+  registry_link *keep_first = NULL, *keep_last = NULL;
+  int64_t kept = 0;
+  depot_memo memo = {.n = 0};
   magazine *taken = NULL;
-  enum epoch_state st = EPOCH_PENDING;
-  while (n < DEPOT_TAKE_TRIES) {
-    magazine *m = (magazine *)stack_pop(&d->pending, &magazine_registry);
-    if (m == NULL) break;
-    st = epoch_ready_known(&m->ticket, stream_id);
+  int tries = 0;
+  while (tries < DEPOT_TAKE_TRIES) {
+    registry_link *n = stack_pop(&d->pending, &magazine_registry);
+    if (n == NULL) break;
+    tries++;
+    magazine *m = (magazine *)n;
+    enum epoch_state st = EPOCH_PENDING;
+    if (!depot_memo_known_pending(&memo, &m->ticket) || m->ticket.rec->id == stream_id)
+      st = epoch_ready(&m->ticket, stream_id);
     if (st != EPOCH_PENDING) {
-      taken = m;
+      taken = depot_hand_over(d, m, st);
       break;
     }
-    held[n++] = m;
+    depot_memo_note_pending(&memo, &m->ticket);
+    atomic_store_relaxed(&n->next, 0);
+    if (keep_last) atomic_store_relaxed(&keep_last->next, n->idx);
+    else keep_first = n;
+    keep_last = n;
+    kept++;
   }
-  *tries_out = n + (taken != NULL);
-  /* None known ready: query the oldest popped, the likeliest complete. */
-  magazine *ask = taken == NULL && n > 0 ? held[--n] : NULL;
-  if (n > 0) {
-    for (int i = 0; i + 1 < n; i++) atomic_store_relaxed(&held[i]->link.next, held[i + 1]->link.idx);
-    atomic_store_relaxed(&held[n - 1]->link.next, 0);
-    stack_push_chain(&d->pending, &magazine_registry, &held[0]->link, &held[n - 1]->link, n);
-  }
-  if (ask != NULL) {
-    st = epoch_ready(&ask->ticket, stream_id);
-    if (st != EPOCH_PENDING) taken = ask;
-    else stack_push(&d->pending, &magazine_registry, &ask->link);
-  }
-  return taken != NULL ? depot_hand_over(d, taken, st) : NULL;
+  if (keep_first) stack_push_chain(&d->pending, &magazine_registry, keep_first, keep_last, kept);
+  *tries_out = tries;
+  return taken;
 }
 
 magazine *depot_take(struct heap *h, unsigned cls, uint64_t stream_id) {

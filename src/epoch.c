@@ -158,7 +158,7 @@ static int epoch_query(stream_rec *r, event_node *e, uint64_t seq) {
   return 0;
 }
 
-enum epoch_state epoch_ready_known(const epoch_ticket *t, uint64_t stream_id) {
+enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
   stream_rec *r = t->rec;
   if (r == NULL) return EPOCH_READY_DONE;
 #ifdef MAGPIE_TEST_BREAK_EPOCH_CHECK
@@ -166,13 +166,6 @@ enum epoch_state epoch_ready_known(const epoch_ticket *t, uint64_t stream_id) {
 #endif
   if (r->id == stream_id) return EPOCH_READY_SAME;
   if (atomic_load_acquire(&r->done) >= t->seq) return EPOCH_READY_DONE;
-  return EPOCH_PENDING;
-}
-
-enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
-  enum epoch_state st = epoch_ready_known(t, stream_id);
-  if (st != EPOCH_PENDING) return st;
-  stream_rec *r = t->rec;
   /* The stream's newest seal first: blocks are wanted long after most
    * seals, so it has usually completed too, and then every ticket of the
    * stream is decided by comparison until the next seal. On the H200's

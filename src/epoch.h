@@ -126,9 +126,6 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out);
  * for all its tickets), the ticket's own event only if that one is still
  * pending. */
 enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id);
-/* The same decision where it needs no event query; EPOCH_PENDING where
- * only a query could tell. */
-enum epoch_state epoch_ready_known(const epoch_ticket *t, uint64_t stream_id);
 /* Block until the ticket's epoch completed (off the allocation fast path). */
 int epoch_wait(const epoch_ticket *t);
 /* Let go of a ticket: its event returns to the pool, its reference drops. */
