@@ -184,13 +184,11 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
  * matched by id before this. */
 static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaStream_t stream) {
   tslot *ts = tc->last;
-  uint32_t c = sl->cls;
-  uintptr_t off = (uintptr_t)ptr - sl->base;
-  uint64_t i = ((uint64_t)off * sl->magic) >> SIZECLASS_MAGIC_SHIFT;
+  uint32_t c = sl->cls, i;
   /* record_stream: slabs with recorded blocks take the slow path
    * (sl->recorded, record.h). */
-  if (unlikely(ts->handle != stream || ts->heap != sl->heap || c >= SIZECLASS_COUNT || i * sl->bsize != off ||
-               i >= sl->nblocks || atomic_load_relaxed(&sl->recorded) != 0))
+  if (unlikely(ts->handle != stream || ts->heap != sl->heap || c >= SIZECLASS_COUNT ||
+               !slab_block_index(sl, (uintptr_t)ptr, &i) || atomic_load_relaxed(&sl->recorded) != 0))
     return 0;
   magazine *m = ts->cl[c].loaded;
   if (unlikely(m->count >= m->cap)) return 0;
