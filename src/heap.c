@@ -2,9 +2,9 @@
  *
  * Lock order: heap_create_lock -> (region/epoch init, no other magpie
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
- * epoch_table.lock, region.lock, slab_lock, slab_desc_lock,
- * registry.grow_lock, span_grow_lock -> (region.lock, span_lock), one at
- * a time).
+ * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_lock,
+ * slab_desc_lock, registry.grow_lock, span_grow_lock -> (region.lock,
+ * span_lock), one at a time).
  * reaper_lock, slab_lock are leaves.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
