@@ -48,7 +48,8 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     sizeclass_info *ci = &sizeclass_table[c];
     ci->size = sizeclass_size_calc(c);
-    ci->slab_size = span_serves(ci->size, granularity) ? SPAN_CHUNK : sizeclass_pick_slab(ci->size, granularity);
+    ci->chunked = (uint32_t)span_serves(ci->size, granularity);
+    ci->slab_size = ci->chunked ? SPAN_CHUNK : sizeclass_pick_slab(ci->size, granularity);
     ci->blocks = (uint32_t)(ci->slab_size / ci->size);
     size_t cap = magazine_bytes / ci->size;
     if (cap < 2) cap = 2;

@@ -42,6 +42,7 @@ typedef struct sizeclass_info {
   uint32_t blocks;   /* blocks per slab */
   uint32_t mag_cap;  /* blocks per magazine to start with (slabs carve these) */
   uint32_t mag_max;  /* most blocks per magazine (magazine_bytes / size) */
+  uint32_t chunked;  /* 1: a slab is one span chunk (span.h); 0: whole granules */
   uint64_t magic;    /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
 } sizeclass_info;
 

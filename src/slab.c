@@ -84,7 +84,7 @@ int slab_carve(struct heap *h, unsigned cls, magazine **out) {
   if (s == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   span *sp = NULL;
   int rc;
-  if (ci->slab_size < h->region.gran) {
+  if (ci->chunked) {
     rc = span_chunk_get(h, &s->base, &sp);
     s->raw = s->base;
     s->raw_size = ci->slab_size;
