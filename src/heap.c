@@ -82,6 +82,7 @@ static heap *heap_create(int device) {
   pthread_mutex_init(&h->span_lock, NULL);
   pthread_mutex_init(&h->span_grow_lock, NULL);
   h->spans = NULL;
+  atomic_store_relaxed(&h->releasing, 0);
   pthread_mutex_init(&h->reclaim_lock, NULL);
   /* Events made now, while the device is likely idle (a failure here only
    * leaves creation to later). */
@@ -270,6 +271,11 @@ int heap_trim(heap *h, size_t keep) {
     if (heap_cached_bytes(h) <= keep) break;
     heap_relieve(h, steps[i]);
   }
+  /* Another thread's release (the maintenance thread's, above a release
+   * threshold) may hold memory the steps above found gone from every list
+   * but not yet unmapped: wait it out, so that the caller finds at most
+   * keep bytes cached. */
+  while (atomic_load_acquire(&h->releasing) > 0) sched_yield();
   return MAGPIE_OK;
 }
 

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "atomic.h"
 #include "backend.h"
 #include "depot.h"
 #include "epoch.h"
@@ -74,6 +75,12 @@ typedef struct heap {
   _Atomic uint64_t stat_threads_flushed;
   _Atomic uint64_t stat_threads_stolen;
   _Atomic int reaping; /* threads inside heap_reap (release/acquire) */
+  /* Releases whose memory is off every list but still mapped: slab.c and
+   * large.c unlink what they give back under their lock, then drop it for
+   * the driver calls. Raised (relaxed) under that lock, so a thread that
+   * takes the lock later sees it; lowered (acq_rel) after the calls,
+   * pairing with heap_trim's acquire load. */
+  _Atomic int releasing;
   /* Per class allocations served by magazines / slow paths, folded in from
    * thread slots when they are retired. */
   _Atomic uint64_t stat_class_hits[SIZECLASS_COUNT];
@@ -99,6 +106,10 @@ void heap_unmap(heap *h, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_
 int heap_map_at(heap *h, uintptr_t addr, size_t size);
 int heap_unmap_at(heap *h, uintptr_t addr, size_t size);
 void heap_slab_added(heap *h, slab *s);
+/* Around a release's driver calls, made with its lock dropped (see
+ * heap.releasing): begin before dropping the lock, end after the calls. */
+static inline void heap_release_begin(heap *h) { atomic_add_relaxed(&h->releasing, 1); }
+static inline void heap_release_end(heap *h) { atomic_sub_acq_rel(&h->releasing, 1); }
 
 /* A magazine of class cls usable by stream_id (handle stream) now: from
  * the depot, else a new slab; under pressure, through a stream wait on
@@ -116,7 +127,8 @@ int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stre
 int heap_relieve(heap *h, enum heap_step step);
 
 /* Give back cached memory until at most keep bytes are reserved beyond
- * what is in use (magpie_trim). Does not wait for pending epochs. */
+ * what is in use (magpie_trim). Does not wait for pending epochs; does
+ * wait for other threads' releases already past their lists. */
 int heap_trim(heap *h, size_t keep);
 
 /* Cached bytes (reserved - in use), from the cheap counters. */

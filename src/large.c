@@ -685,8 +685,10 @@ static size_t large_release_locked(struct heap *h, size_t want) {
     size_t left = want - released;
     size_t max_gran = left / g + (left % g != 0);
     if (large_find_unmappable(h, &sg, &g0, &g1, max_gran)) {
+      heap_release_begin(h);
       pthread_mutex_unlock(&c->lock);
       int rc = heap_unmap_at(h, sg->base + g0 * g, (g1 - g0) * g);
+      heap_release_end(h);
       pthread_mutex_lock(&c->lock);
       for (size_t k = g0; k < g1; k++) sg->gran[k] = rc == MAGPIE_OK ? GRAN_UNMAPPED : GRAN_MAPPED;
       pthread_cond_broadcast(&c->granule_cv);
@@ -699,9 +701,11 @@ static size_t large_release_locked(struct heap *h, size_t want) {
     }
     sg = large_find_idle_seg(c);
     if (sg == NULL) break;
+    heap_release_begin(h);
     pthread_mutex_unlock(&c->lock);
     pagemap_set(sg->base, sg->size, NULL); /* leaves exist: cannot fail */
     heap_unmap(h, sg->base, sg->size, sg->raw, sg->raw_size);
+    heap_release_end(h);
     pthread_mutex_lock(&c->lock);
     released += sg->raw_size;
     atomic_sub_relaxed(&c->mapped_bytes, sg->raw_size);

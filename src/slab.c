@@ -193,6 +193,7 @@ size_t slab_release_free(struct heap *h, size_t want) {
     dead = s;
   }
   pthread_mutex_unlock(&h->slab_lock);
+  if (dead != NULL) heap_release_begin(h);
   pthread_mutex_unlock(&h->reclaim_lock);
   /* Driver calls with no lock held. */
   for (slab *s = dead, *next; s; s = next) {
@@ -205,5 +206,6 @@ size_t slab_release_free(struct heap *h, size_t want) {
     s->dead = 0;
     slab_desc_put(s);
   }
+  if (dead != NULL) heap_release_end(h);
   return bytes;
 }

@@ -139,7 +139,31 @@ static int f_map(int d, uintptr_t a, size_t size) {
   mprotect((void *)a, size, PROT_READ | PROT_WRITE);
   return MAGPIE_OK;
 }
+/* Gates: device_synchronize and unmap wait while theirs is closed. */
+static pthread_mutex_t fake_gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t fake_gate_cv = PTHREAD_COND_INITIALIZER;
+static int fake_gate_closed, fake_unmap_gate_closed, fake_unmap_waiters;
+
+void fake_gate_unmap(int closed) {
+  pthread_mutex_lock(&fake_gate_mu);
+  fake_unmap_gate_closed = closed;
+  pthread_cond_broadcast(&fake_gate_cv);
+  pthread_mutex_unlock(&fake_gate_mu);
+}
+
+int fake_unmaps_held(void) {
+  pthread_mutex_lock(&fake_gate_mu);
+  int n = fake_unmap_waiters;
+  pthread_mutex_unlock(&fake_gate_mu);
+  return n;
+}
+
 static int f_unmap(int d, uintptr_t a, size_t size) {
+  pthread_mutex_lock(&fake_gate_mu);
+  fake_unmap_waiters++;
+  while (fake_unmap_gate_closed) pthread_cond_wait(&fake_gate_cv, &fake_gate_mu);
+  fake_unmap_waiters--;
+  pthread_mutex_unlock(&fake_gate_mu);
   mprotect((void *)a, size, PROT_NONE);
   madvise((void *)a, size, MADV_DONTNEED);
   pthread_mutex_lock(&fake_lock);
@@ -237,10 +261,6 @@ static int f_stream_device(cudaStream_t s, int *dev) {
   *dev = d;
   return MAGPIE_OK;
 }
-static pthread_mutex_t fake_gate_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t fake_gate_cv = PTHREAD_COND_INITIALIZER;
-static int fake_gate_closed;
-
 void fake_gate_device_sync(int closed) {
   pthread_mutex_lock(&fake_gate_mu);
   fake_gate_closed = closed;

@@ -27,6 +27,10 @@ void fake_set_current_device(int device);
 void fake_set_map_delay_us(unsigned us);
 /* While closed, device_synchronize blocks (the work is still running). */
 void fake_gate_device_sync(int closed);
+/* While closed, unmap blocks (a slow driver call in flight); how many
+ * unmaps are inside the gate now. */
+void fake_gate_unmap(int closed);
+int fake_unmaps_held(void);
 
 typedef struct fake_counters {
   uint64_t maps, unmaps, event_records, event_queries, event_syncs, device_syncs, stream_waits;

@@ -5,13 +5,16 @@
  * operation sequences, and snapshots parsed back and checked against the
  * statistics. */
 #include <pthread.h>
+#include <sched.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -126,6 +129,50 @@ static void test_segment_grows_and_shrinks(void **state) {
   assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
   assert_int_equal(magpie_stats_get(0, &s2), MAGPIE_OK);
   assert_int_equal(s2.large_mapped_bytes, 0);
+  check_layers(0);
+}
+
+/* magpie_trim while another thread's release is between taking memory off
+ * the free lists and the driver's unmap: the trim finds nothing left to
+ * release, and must still not return before that memory is gone (the
+ * maintenance thread above a release threshold is such a thread). */
+typedef struct trim_run {
+  int rc; /* magpie_trim's, then magpie_stats_get's if that failed */
+  magpie_stats after;
+  _Atomic int done;
+} trim_run;
+
+static void *trim_thread(void *arg) {
+  trim_run *r = arg;
+  r->rc = magpie_trim(0, 0);
+  if (r->rc == MAGPIE_OK) r->rc = magpie_stats_get(0, &r->after);
+  atomic_store(&r->done, 1);
+  return NULL;
+}
+
+static void test_trim_waits_for_release_in_flight(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  void *p = magpie_malloc_async(8 * MiB, s);
+  assert_non_null(p);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  fake_gate_unmap(1);
+  trim_run first = {.done = 0}, second = {.done = 0};
+  pthread_t a, b;
+  assert_int_equal(pthread_create(&a, NULL, trim_thread, &first), 0);
+  while (fake_unmaps_held() == 0) sched_yield(); /* a is in the driver's unmap */
+  assert_int_equal(pthread_create(&b, NULL, trim_thread, &second), 0);
+  /* b finds nothing to release; give it time to return (it must not). */
+  for (int i = 0; i < 200 && !atomic_load(&second.done); i++) usleep(1000);
+  fake_gate_unmap(0);
+  assert_int_equal(pthread_join(a, NULL), 0);
+  assert_int_equal(pthread_join(b, NULL), 0);
+  assert_int_equal(first.rc, MAGPIE_OK);
+  assert_int_equal(second.rc, MAGPIE_OK);
+  assert_int_equal(second.after.reserved_bytes, second.after.in_use_bytes);
+  assert_int_equal(first.after.reserved_bytes, first.after.in_use_bytes);
   check_layers(0);
 }
 
@@ -372,6 +419,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_split_and_coalesce),
       cmocka_unit_test(test_segment_grows_and_shrinks),
+      cmocka_unit_test(test_trim_waits_for_release_in_flight),
       cmocka_unit_test(test_large_stream_rules),
       cmocka_unit_test(test_idle_thread_gives_back),
       cmocka_unit_test(test_random_sequences_keep_invariants),
