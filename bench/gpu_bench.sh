@@ -18,5 +18,5 @@ bundle ready: $root/$MAGPIE_GPU_BUNDLE
 on the GPU machine (from the folder holding $MAGPIE_GPU_BUNDLE):
   bash $MAGPIE_GPU_BUNDLE/run_gpu.sh OUTDIR            # all workloads; options go to magpie_bench
   MAGPIE_BENCH_MEMCHECK=1 bash $MAGPIE_GPU_BUNDLE/run_gpu.sh OUTDIR   # and the GPU tests under memcheck
-then here: python3 bench/plot.py OUTDIR/results.csv bench/results/NAME
+then here: python3 bench/plot.py OUTDIR/results.csv bench/results/<machine>-<YYYY-MM-DD>-<commit>
 MSG
