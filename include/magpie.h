@@ -175,7 +175,7 @@ MAGPIE_API size_t magpie_size_class_size(unsigned i);
 MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
 
 /* Every segment, slab and block of the device with its state, as JSON
- * (format: docs in src/snapshot.c and the README). */
+ * (format: docs in src/front/snapshot.c and the README). */
 MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
 
 /* Like PyTorch's Tensor.record_stream: the block at ptr will not be reused

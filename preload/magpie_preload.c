@@ -45,10 +45,10 @@
 #include <string.h>
 
 #include "magpie.h"
-#include "src/heap.h"
-#include "src/init.h"
-#include "src/pagemap.h"
-#include "src/slab.h"
+#include "heap/heap.h"
+#include "front/init.h"
+#include "base/pagemap.h"
+#include "pool/slab.h"
 
 #define PRELOAD_API __attribute__((visibility("default")))
 

@@ -9,7 +9,7 @@
 #include <cmocka.h>
 
 #include "magpie.h"
-#include "src/init.h"
+#include "front/init.h"
 #include "tests/fake_backend.h"
 
 static void test_double_free_small(void **state) {

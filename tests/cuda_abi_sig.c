@@ -1,4 +1,4 @@
-/* Part of cuda_abi_test: every function type in src/cuda_driver.h must be
+/* Part of cuda_abi_test: every function type in src/device/cuda_driver.h must be
  * exactly cuda.h's PFN_<symbol>_v<version> for the version listed beside it,
  * since the backend asks cuGetProcAddress for that variant and calls it
  * through that type. Here the cudrv_ types are the real CUDA types, so the
@@ -18,7 +18,7 @@ typedef CUmemLocation cudrv_mem_location;
 typedef CUmemAllocationProp cudrv_mem_alloc_prop;
 typedef CUmemAccessDesc cudrv_mem_access_desc;
 #define CUDRV_EXTERNAL_TYPES
-#include "src/cuda_driver.h"
+#include "device/cuda_driver.h"
 
 #if CUDA_VERSION < 12080
 #error "cuda_abi_test needs the headers of CUDA 12.8 or newer (cuStreamGetDevice)"

@@ -1,4 +1,4 @@
-/* cuda_abi_test: src/cuda_driver.h against the real cuda.h.
+/* cuda_abi_test: src/device/cuda_driver.h against the real cuda.h.
  *
  * The backend calls the driver through declarations of its own; a wrong
  * size, offset or constant there would corrupt memory silently on the GPU
@@ -20,8 +20,8 @@
 #include <cmocka.h>
 #include <cuda.h>
 
-#include "src/backend.h"
-#include "src/cuda_driver.h"
+#include "device/backend.h"
+#include "device/cuda_driver.h"
 
 int cuda_abi_sig_checked(void); /* cuda_abi_sig.c */
 

@@ -20,17 +20,18 @@ def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwarg
     )
 
 def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], env = {}, size = "small"):
-    """Builds magpie with `define` (a deliberate bug, see src/epoch.c and
-    src/tcache.c), links the test sources against it, and passes only if
+    """Builds magpie with `define` (a deliberate bug, see src/pool/epoch.c
+    and src/front/tcache.c), links the test sources against it, and passes only if
     that test binary fails with `pattern` in its output
     (tests/expect_failure.sh)."""
     native.cc_library(
         name = name + "_lib",
         testonly = True,
         srcs = ["//:lib_srcs"],
-        copts = MAGPIE_COPTS + ["-fvisibility=hidden", "-D" + define],
+        # All layers in one library: their headers by "<layer>/<file>.h".
+        copts = MAGPIE_COPTS + ["-fvisibility=hidden", "-Isrc", "-D" + define],
         linkopts = ["-lpthread", "-ldl"],
-        deps = ["//:public_headers", "@system_libs//:jemalloc_private"],
+        deps = ["//:sim_header", "@system_libs//:jemalloc_private"],
         alwayslink = True,
         linkstatic = True,
     )

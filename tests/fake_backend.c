@@ -2,7 +2,7 @@
  * Lock order: fake_gate_mu and fake_lock are leaves, never nested. */
 #include "fake_backend.h"
 
-#include "src/init.h"
+#include "front/init.h"
 
 #include <pthread.h>
 #include <stdlib.h>

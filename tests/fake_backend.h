@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "src/backend.h"
+#include "device/backend.h"
 
 const backend_ops *fake_backend(void);
 

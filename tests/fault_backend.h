@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#include "src/backend.h"
+#include "device/backend.h"
 
 /* The operations that can be made to fail. */
 enum fault_op {

@@ -43,7 +43,7 @@
 #include "fault_backend.h"
 #include "magpie.h"
 #include "magpie_sim.h"
-#include "src/init.h"
+#include "front/init.h"
 
 extern char **environ;
 

@@ -19,9 +19,9 @@
 #include <cmocka.h>
 
 #include "magpie.h"
-#include "src/heap.h"
-#include "src/init.h"
-#include "src/large.h"
+#include "heap/heap.h"
+#include "front/init.h"
+#include "pool/large.h"
 #include "tests/fake_backend.h"
 #include "tests/json_mini.h"
 
@@ -89,7 +89,7 @@ static void test_split_and_coalesce(void **state) {
   assert_int_equal(magpie_free_async(f, s), MAGPIE_OK);
   /* Once s's work completed, the two merge. */
   fake_stream_complete(s);
-  large_reclaim(heap_peek(0));
+  large_reclaim(&heap_peek(0)->large);
   assert_int_equal(large_free_count(0), 1);
   check_layers(0);
 }

@@ -16,18 +16,18 @@
 #include <cmocka.h>
 
 #include "magpie.h"
-#include "src/depot.h"
-#include "src/epoch.h"
-#include "src/magazine.h"
-#include "src/heap.h"
-#include "src/init.h"
-#include "src/meta.h"
-#include "src/pagemap.h"
-#include "src/slab.h"
-#include "src/span.h"
-#include "src/sizeclass.h"
-#include "src/tcache.h"
-#include "src/stack.h"
+#include "pool/depot.h"
+#include "pool/epoch.h"
+#include "pool/magazine.h"
+#include "heap/heap.h"
+#include "front/init.h"
+#include "base/meta.h"
+#include "base/pagemap.h"
+#include "pool/slab.h"
+#include "pool/span.h"
+#include "base/sizeclass.h"
+#include "front/tcache.h"
+#include "base/stack.h"
 #include "tests/fake_backend.h"
 
 static void test_sizeclass(void **state) {
@@ -229,7 +229,7 @@ static magazine *put_pending(heap *h, unsigned cls, stream_rec *r, cudaStream_t 
   assert_non_null(m);
   while (m->count < n && m->count < m->cap) m->slots[m->count++] = (void *)addr;
   assert_int_equal(epoch_seal(r, s, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
+  depot_put(&h->depots[m->cls], m);
   return m;
 }
 
@@ -255,23 +255,23 @@ static void test_magazine_and_depot(void **state) {
   stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
   m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
   assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
-  assert_null(depot_take(h, cls, idb));       /* A's work may be running */
-  assert_ptr_equal(depot_take(h, cls, ida), m); /* A itself: at once */
+  depot_put(&h->depots[m->cls], m);
+  assert_null(depot_take(&h->depots[cls], idb));       /* A's work may be running */
+  assert_ptr_equal(depot_take(&h->depots[cls], ida), m); /* A itself: at once */
   assert_null(m->ticket.rec);                  /* handed over without a ticket */
 
   assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
-  depot_put(h, m);
+  depot_put(&h->depots[m->cls], m);
   magpie_stats st0, st1;
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   fake_stream_complete(a);
-  assert_ptr_equal(depot_take(h, cls, idb), m); /* A completed: B may */
+  assert_ptr_equal(depot_take(&h->depots[cls], idb), m); /* A completed: B may */
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(st1.cross_stream_migrations, st0.cross_stream_migrations + 1);
 
-  depot_put(h, m); /* no ticket: ready for anyone */
-  assert_ptr_equal(depot_take(h, cls, EPOCH_NO_STREAM), m);
-  assert_null(depot_take(h, cls, idb));
+  depot_put(&h->depots[m->cls], m); /* no ticket: ready for anyone */
+  assert_ptr_equal(depot_take(&h->depots[cls], EPOCH_NO_STREAM), m);
+  assert_null(depot_take(&h->depots[cls], idb));
   m->count = 0;
   magazine_put_empty(m);
   epoch_stream_release(ra);
@@ -292,12 +292,12 @@ static void test_depot_finds_old_ready_magazine(void **state) {
   magazine *old = put_pending(h, cls, ra, a, 1, 0x1000);
   fake_stream_complete(a); /* old's epoch is over */
   for (int i = 0; i < NEWER; i++) put_pending(h, cls, ra, a, 1, 0x2000);
-  assert_ptr_equal(depot_take(h, cls, idb), old); /* under 12 pending ones */
+  assert_ptr_equal(depot_take(&h->depots[cls], idb), old); /* under 12 pending ones */
   assert_null(old->ticket.rec);
-  assert_null(depot_take(h, cls, idb)); /* the rest still run on A */
+  assert_null(depot_take(&h->depots[cls], idb)); /* the rest still run on A */
   /* Every newer one is still there, and A takes each back at once. */
   int back = 0;
-  for (magazine *m; (m = depot_take(h, cls, ida)) != NULL; back++) {
+  for (magazine *m; (m = depot_take(&h->depots[cls], ida)) != NULL; back++) {
     assert_null(m->ticket.rec);
     m->count = 0;
     magazine_put_empty(m);
@@ -327,15 +327,15 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   magpie_stats st0, st1;
   fake_get_counters(&c0);
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
-  assert_null(depot_take(h, cls, idb));
-  assert_ptr_equal(depot_take_waiting(h, cls, idb, b), m);
+  assert_null(depot_take(&h->depots[cls], idb));
+  assert_ptr_equal(depot_take_waiting(&h->depots[cls], h->ops, idb, b), m);
   assert_null(m->ticket.rec);
   fake_get_counters(&c1);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(c1.stream_waits, c0.stream_waits + 1);
   assert_int_equal(c1.event_syncs, c0.event_syncs); /* no host wait */
   assert_int_equal(st1.stream_waits, st0.stream_waits + 1);
-  assert_null(depot_take_waiting(h, cls, idb, b)); /* nothing pending */
+  assert_null(depot_take_waiting(&h->depots[cls], h->ops, idb, b)); /* nothing pending */
   m->count = 0;
   magazine_put_empty(m);
 
@@ -349,13 +349,13 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   assert_int_equal(st1.slab_count, st0.slab_count + 1);
   assert_int_equal(st1.stream_waits, st0.stream_waits);
   assert_ptr_not_equal(fresh, m);
-  depot_put(h, fresh);
+  depot_put(&h->depots[fresh->cls], fresh);
   fake_stream_complete(a);
   /* Take the fake blocks back out; the slab's own magazines stay. */
   enum { MAX = 64 };
   magazine *keep[MAX];
   int nkeep = 0, fakes = 0;
-  for (magazine *r; (r = depot_take(h, cls, idb)) != NULL;) {
+  for (magazine *r; (r = depot_take(&h->depots[cls], idb)) != NULL;) {
     if (r->slots[0] == (void *)0x2000) {
       fakes++;
       r->count = 0;
@@ -493,7 +493,7 @@ static pthread_barrier_t span_start;
 static void *span_thread(void *arg) {
   span_got *g = arg;
   pthread_barrier_wait(&span_start);
-  g->rc = span_chunk_get(heap_get(0), &g->base, &g->sp);
+  g->rc = span_chunk_get(&heap_get(0)->spans, &g->base, &g->sp);
   return NULL;
 }
 
@@ -503,16 +503,16 @@ static void test_concurrent_span_maps_share_a_span(void **state) {
   assert_non_null(h);
   assert_true(h->region.gran / SPAN_CHUNK >= SPAN_THREADS);
   /* Fill every span there is, so that the threads below find none free. */
-  pthread_mutex_lock(&h->span_lock);
+  pthread_mutex_lock(&h->spans.span_lock);
   int free_chunks = 0;
-  for (span *sp = h->spans; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
-  pthread_mutex_unlock(&h->span_lock);
+  for (span *sp = h->spans.list; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
+  pthread_mutex_unlock(&h->spans.span_lock);
   assert_true(free_chunks <= SPAN_HOLD_MAX);
   static span_got held[SPAN_HOLD_MAX];
   fake_counters before, after;
   fake_get_counters(&before);
   for (int i = 0; i < free_chunks; i++)
-    assert_int_equal(span_chunk_get(h, &held[i].base, &held[i].sp), MAGPIE_OK);
+    assert_int_equal(span_chunk_get(&h->spans, &held[i].base, &held[i].sp), MAGPIE_OK);
   fake_get_counters(&after);
   assert_int_equal(after.maps, before.maps);
 
@@ -531,8 +531,8 @@ static void test_concurrent_span_maps_share_a_span(void **state) {
     assert_ptr_equal(got[i].sp, got[0].sp);
     for (int j = 0; j < i; j++) assert_true(got[j].base != got[i].base);
   }
-  for (int i = 0; i < SPAN_THREADS; i++) span_chunk_put(h, got[i].sp, got[i].base);
-  for (int i = 0; i < free_chunks; i++) span_chunk_put(h, held[i].sp, held[i].base);
+  for (int i = 0; i < SPAN_THREADS; i++) span_chunk_put(&h->spans, got[i].sp, got[i].base);
+  for (int i = 0; i < free_chunks; i++) span_chunk_put(&h->spans, held[i].sp, held[i].base);
 }
 
 int main(void) {

@@ -8,7 +8,8 @@
  * the test needs, however many allocations it makes meanwhile. */
 #include "tests/sim_test_util.h"
 
-#include "src/record.h"
+#include "heap/heap.h"
+#include "pool/record.h"
 
 #define SMALL 4096
 #define LARGE (4 * MiB)
@@ -25,7 +26,7 @@ static size_t layers_add_up(void) {
                s.large_free_bytes + s.overhead_bytes;
   assert_int_equal(sum, s.reserved_bytes);
   assert_true(s.large_in_use_bytes <= s.in_use_bytes);
-  assert_true(s.epoch_pending_bytes >= record_pending_bytes(heap0()));
+  assert_true(s.epoch_pending_bytes >= record_pending_bytes(&heap0()->records));
   return s.epoch_pending_bytes;
 }
 
@@ -94,7 +95,7 @@ static void run_recorded_case(size_t size, int rounds) {
   assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
   assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK); /* twice: one entry */
   assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
-  assert_int_equal(record_pending_bytes(heap0()), magpie_usable_size(p));
+  assert_int_equal(record_pending_bytes(&heap0()->records), magpie_usable_size(p));
   layers_add_up();
 
   void **va = calloc((size_t)rounds, sizeof *va), **vc = calloc((size_t)rounds, sizeof *vc);
@@ -108,7 +109,7 @@ static void run_recorded_case(size_t size, int rounds) {
 
   gate_open_and_sync(&g, b, a);
   assert_true(comes_back(p, size, c));
-  assert_int_equal(record_pending_bytes(heap0()), 0);
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
   layers_add_up();
   free(va);
   free(vc);
@@ -311,13 +312,13 @@ static void test_threads_record_and_free(void **state) {
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
   /* Slow paths poll: small and large allocations until nothing is parked. */
   cudaStream_t s = magpie_sim_stream_create();
-  for (int i = 0; i < 100 && record_pending_bytes(heap0()) != 0; i++) {
+  for (int i = 0; i < 100 && record_pending_bytes(&heap0()->records) != 0; i++) {
     void *a = magpie_malloc_async(LARGE, s), *b[200];
     for (int k = 0; k < 200; k++) b[k] = magpie_malloc_async(256 << (k % 8), s);
     assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
     free_all(b, 200, s);
   }
-  assert_int_equal(record_pending_bytes(heap0()), 0);
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
   layers_add_up();
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
   magpie_sim_stream_destroy(s);
@@ -331,7 +332,7 @@ static void test_accounting(void **state) {
   magpie_stats st;
   assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
   assert_int_equal(st.in_use_bytes, 0);
-  assert_int_equal(record_pending_bytes(heap0()), 0);
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
 }
 
 int main(void) {

@@ -4,7 +4,7 @@
  * Not part of the Bazel suite (it needs a ThreadSanitizer build). Run:
  *
  *   clang -fsanitize=thread -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I. \
- *     src/sim_stream.c src/sim_event.c src/sim_memory.c src/error.c \
+ *     sim/sim_stream.c sim/sim_event.c sim/sim_memory.c src/base/error.c \
  *     tests/sim_race_demo.c -o /tmp/sim_race_demo -lpthread
  *   for m in nowait wait event rerecord host-nosync host-sync destroyed devsync; do
  *     /tmp/sim_race_demo $m; echo "$m: exit $?"; done

@@ -20,8 +20,8 @@
 #include <unistd.h>
 
 #include "magpie_sim.h"
-#include "src/backend.h"
-#include "src/sim_internal.h"
+#include "device/backend.h"
+#include "sim/sim_internal.h"
 
 #define MiB ((size_t)1 << 20)
 #define TEST_DEVICES 3

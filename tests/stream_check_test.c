@@ -1,4 +1,4 @@
-/* The simulated device's stream-order checker (src/sim_check.c), driven
+/* The simulated device's stream-order checker (sim/sim_check.c), driven
  * directly through its two allocator hooks with stand-in block addresses
  * (the checker never touches the memory): each case builds one pattern of
  * stream work and says whether handing the block to the next stream must
@@ -20,7 +20,7 @@
 
 #include "magpie.h"
 #include "magpie_sim.h"
-#include "src/sim_check.h"
+#include "sim/sim_check.h"
 
 static _Alignas(256) char arena[4 << 20]; /* stand-in addresses, never touched */
 static _Atomic int ran;

@@ -30,7 +30,7 @@
 
 #include <cmocka.h>
 
-#include "src/backend.h"
+#include "device/backend.h"
 #include "tests/gpu/gpu_util.h"
 
 extern char **environ;

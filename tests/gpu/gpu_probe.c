@@ -12,7 +12,7 @@
 
 #include <cuda.h>
 
-#include "src/backend.h"
+#include "device/backend.h"
 #include "tests/gpu/gpu_util.h"
 
 static const gpu_env *penv;

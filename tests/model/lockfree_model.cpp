@@ -4,8 +4,8 @@
 //
 // What is checked (each model mirrors the code named, operation for
 // operation and memory order for memory order):
-//   stack_tagged   src/stack.c: push and pop of a tagged Treiber stack of
-//                  type-stable nodes (src/registry.h: a stale index still
+//   stack_tagged   src/base/stack.c: push and pop of a tagged Treiber stack of
+//                  type-stable nodes (src/base/registry.h: a stale index still
 //                  names readable memory). Three threads each pop a node,
 //                  write its payload (plain data: a race is an error), and
 //                  push it back, twice, while a node is popped and pushed
@@ -14,7 +14,7 @@
 //                  duplicated (all nodes back at the end), no data race.
 //   stack_untagged The same stack without the tag (negative control): the
 //                  checker must find the ABA corruption.
-//   epoch          src/epoch.c: a stream completes work (plain writes to
+//   epoch          src/pool/epoch.c: a stream completes work (plain writes to
 //                  two blocks) then its events 1 and 2 in order (release);
 //                  host threads decide "ready" as epoch_ready does (acquire
 //                  load of done; else an acquire event query that, on
@@ -129,7 +129,7 @@ struct epoch_model : rl::test_suite<epoch_model<AcquireQuery>, 3> {
     block[2]($) = 0;
   }
 
-  // atomic_max_u64_release (src/atomic.h)
+  // atomic_max_u64_release (src/base/atomic.h)
   void max_release(unsigned long long v) {
     unsigned long long cur = done($).load(rl::mo_relaxed);
     while (cur < v && !done($).compare_exchange_weak(cur, v, rl::mo_release, rl::mo_relaxed)) {

@@ -1,0 +1,148 @@
+/* The backend table over the simulated device (sim_*.c). Every operation is
+ * a thin wrapper: the simulator already returns magpie_error codes and puts
+ * the reason in backend_error_detail(). */
+#include "device/backend.h"
+#include "sim/sim_internal.h"
+
+static int backend_sim_init(void) { return sim_init(); }
+
+static int backend_sim_device_count(int *count) {
+  int rc = sim_init();
+  if (rc != MAGPIE_OK) return rc;
+  *count = sim_device_count();
+  return MAGPIE_OK;
+}
+
+static int backend_sim_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
+  return sim_memory_info(device, free_bytes, total_bytes);
+}
+
+
+static int backend_sim_vmm_supported(int device, int *supported) {
+  int rc = sim_check_device(device);
+  if (rc != MAGPIE_OK) return rc;
+  *supported = sim_memory_vmm_supported();
+  return MAGPIE_OK;
+}
+
+static int backend_sim_granularity(int device, size_t *bytes) {
+  int rc = sim_check_device(device);
+  if (rc != MAGPIE_OK) return rc;
+  *bytes = SIM_GRANULARITY;
+  return MAGPIE_OK;
+}
+
+/* With MAGPIE_SIM_VMM=0 the virtual memory operations fail, as a driver
+ * without VMM support would: the caller should have asked vmm_supported. */
+static int backend_sim_need_vmm(void) {
+  if (!sim_memory_vmm_supported())
+    return sim_fail(MAGPIE_ERR_BACKEND, "virtual memory management is disabled (MAGPIE_SIM_VMM=0)");
+  return MAGPIE_OK;
+}
+
+static int backend_sim_reserve(int device, size_t size, uintptr_t *base) {
+  int rc = backend_sim_need_vmm();
+  return rc != MAGPIE_OK ? rc : sim_memory_reserve(device, size, base);
+}
+
+static int backend_sim_unreserve(int device, uintptr_t base, size_t size) {
+  int rc = backend_sim_need_vmm();
+  return rc != MAGPIE_OK ? rc : sim_memory_unreserve(device, base, size);
+}
+
+static int backend_sim_map(int device, uintptr_t addr, size_t size) {
+  int rc = backend_sim_need_vmm();
+  return rc != MAGPIE_OK ? rc : sim_memory_map(device, addr, size);
+}
+
+static int backend_sim_unmap(int device, uintptr_t addr, size_t size) {
+  int rc = backend_sim_need_vmm();
+  return rc != MAGPIE_OK ? rc : sim_memory_unmap(device, addr, size);
+}
+
+static int backend_sim_mem_alloc(int device, size_t size, uintptr_t *out) {
+  return sim_memory_alloc(device, size, out);
+}
+
+static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) {
+  return sim_memory_free(device, ptr, size);
+}
+
+static int backend_sim_event_create(int device, void **event) {
+  magpie_sim_event e;
+  int rc = sim_event_create(device, &e);
+  if (rc == MAGPIE_OK) *event = e;
+  return rc;
+}
+
+static int backend_sim_event_destroy(void *event) { return sim_event_destroy(event); }
+
+static int backend_sim_event_record(void *event, cudaStream_t stream) {
+  return sim_event_record(event, stream);
+}
+
+static int backend_sim_event_query(void *event) {
+  int rc = sim_event_query(event);
+  return rc == MAGPIE_SIM_NOT_READY ? BACKEND_NOT_READY : rc;
+}
+
+static int backend_sim_event_synchronize(void *event) { return sim_event_synchronize(event); }
+
+static int backend_sim_stream_wait_event(cudaStream_t stream, void *event) {
+  return sim_event_stream_wait(stream, event);
+}
+
+static int backend_sim_stream_id(cudaStream_t stream, uint64_t *id) {
+  uint64_t v = sim_stream_id(stream);
+  if (v == 0)
+    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream",
+                    (void *)stream);
+  *id = v;
+  return MAGPIE_OK;
+}
+
+static int backend_sim_stream_id_fast(cudaStream_t stream, unsigned long long *id) {
+  uint64_t v = sim_stream_id(stream);
+  *id = v;
+  return v == 0;
+}
+
+static int backend_sim_stream_device(cudaStream_t stream, int *device) {
+  int d = sim_stream_device_of_handle(stream);
+  if (d < 0)
+    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream",
+                    (void *)stream);
+  *device = d;
+  return MAGPIE_OK;
+}
+
+static int backend_sim_device_synchronize(int device) {
+  return sim_stream_device_synchronize(device);
+}
+
+static const backend_ops backend_sim_ops = {
+    .name = "sim",
+    .init = backend_sim_init,
+    .device_count = backend_sim_device_count,
+    .mem_info = backend_sim_mem_info,
+    .vmm_supported = backend_sim_vmm_supported,
+    .granularity = backend_sim_granularity,
+    .reserve = backend_sim_reserve,
+    .unreserve = backend_sim_unreserve,
+    .map = backend_sim_map,
+    .unmap = backend_sim_unmap,
+    .mem_alloc = backend_sim_mem_alloc,
+    .mem_free = backend_sim_mem_free,
+    .event_create = backend_sim_event_create,
+    .event_destroy = backend_sim_event_destroy,
+    .event_record = backend_sim_event_record,
+    .event_query = backend_sim_event_query,
+    .event_synchronize = backend_sim_event_synchronize,
+    .stream_wait_event = backend_sim_stream_wait_event,
+    .stream_id = backend_sim_stream_id,
+    .stream_id_fast = backend_sim_stream_id_fast,
+    .stream_device = backend_sim_stream_device,
+    .device_synchronize = backend_sim_device_synchronize,
+};
+
+const backend_ops *backend_sim(void) { return &backend_sim_ops; }

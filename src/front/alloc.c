@@ -1,0 +1,84 @@
+/* The public allocation API: thin wrappers over the thread-cache fast
+ * paths (tcache.h), which fall through to the slow paths in tcache.c. The
+ * simulated device's stream-order checker watches hand-outs and frees here,
+ * behind one read-mostly flag (sim_check.h). */
+#include "base/error.h"
+#include "front/init.h"
+#include "pool/large.h"
+#include "sim/sim_check.h"
+#include "front/tcache.h"
+
+/* Everything but a fast-path hit: the slow path, and the checker's view of
+ * every hand-out while it is on. The checker's calls stay out of line so
+ * that the fast paths need no frame of their own. */
+static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
+  void *p = tcache_alloc_slow(size, stream, id);
+  if (unlikely(atomic_load_relaxed(&sim_check_on)) && p != NULL) {
+    size_t usable = magpie_usable_size(p);
+    sim_check_handout(p, usable > size ? usable : size, stream);
+  }
+  return p;
+}
+
+static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
+  uint64_t id = 0;
+  if (likely(!atomic_load_relaxed(&sim_check_on))) {
+    void *p = tcache_alloc_fast(size, stream, &id);
+    if (likely(p != NULL)) return p;
+  }
+  return alloc_slow(size, stream, id);
+}
+
+static MAGPIE_NOINLINE int free_watched(void *ptr, cudaStream_t stream) {
+  sim_check_free(ptr, stream);
+  return tcache_free(ptr, stream);
+}
+
+static MAGPIE_INLINE int free_checked(void *ptr, cudaStream_t stream) {
+  if (unlikely(atomic_load_relaxed(&sim_check_on))) return free_watched(ptr, stream);
+  return tcache_free(ptr, stream);
+}
+
+MAGPIE_API void *magpie_malloc_async(size_t size, cudaStream_t stream) { return alloc_checked(size, stream); }
+
+MAGPIE_API int magpie_free_async(void *ptr, cudaStream_t stream) { return free_checked(ptr, stream); }
+
+MAGPIE_API void *magpie_malloc(size_t size) { return alloc_checked(size, (cudaStream_t)0); }
+
+MAGPIE_API int magpie_free(void *ptr) { return free_checked(ptr, (cudaStream_t)0); }
+
+MAGPIE_API size_t magpie_usable_size(const void *ptr) {
+  slab *sl = pagemap_lookup((uintptr_t)ptr);
+  uint32_t i = 0;
+  if (sl == NULL || !slab_block_index(sl, (uintptr_t)ptr, &i)) return 0;
+  size_t bsize = 0;
+  if (sl->cls == SLAB_LARGE) return large_lookup(&sl->heap->large, (uintptr_t)ptr, &bsize) ? bsize : 0;
+  return sl->bsize;
+}
+
+MAGPIE_API int magpie_trim(int device, size_t keep_bytes) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  int n = 0;
+  if (global_ops()->device_count(&n) != MAGPIE_OK || device < 0 || device >= n)
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_trim: no device %d (the backend has %d)", device, n);
+  heap *h = heap_peek(device);
+  if (h == NULL) return MAGPIE_OK; /* nothing allocated there */
+  tcache_flush_self(h);
+  return heap_trim(h, keep_bytes);
+}
+
+MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream) {
+  (void)device;
+  if (size < 0) {
+    error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_torch_malloc: negative size %zd", size);
+    return NULL;
+  }
+  return alloc_checked((size_t)size, stream);
+}
+
+MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
+  (void)size;
+  (void)device;
+  free_checked(ptr, stream); /* errors are kept in magpie_last_error */
+}

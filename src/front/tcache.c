@@ -1,0 +1,669 @@
+/* Thread caches: slow paths, stream slots, thread exit, give-back.
+ *
+ * Lock order: tcache_list_lock is taken alone (never while calling into the
+ * heap, depot or backend). Everything else here is thread-owned, or taken
+ * over from an idle owner through the steal handshake (tcache.h). */
+#include "front/tcache.h"
+
+#include <linux/membarrier.h>
+#include <pthread.h>
+#include <sched.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "base/error.h"
+#include "front/init.h"
+#include "base/meta.h"
+#include "pool/record.h"
+#include "front/stats.h"
+
+__thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
+
+static pthread_once_t tcache_key_once = PTHREAD_ONCE_INIT;
+static pthread_key_t tcache_key;
+static pthread_mutex_t tcache_list_lock = PTHREAD_MUTEX_INITIALIZER;
+static tcache *tcache_list;                     /* under tcache_list_lock */
+static int64_t tcache_retired_live[HEAP_MAX_DEVICES]; /* under tcache_list_lock */
+
+static void tcache_destroy(void *arg);
+static size_t tcache_reclaim_threads(heap *h);
+
+/* 1 once membarrier(PRIVATE_EXPEDITED) is registered: idle threads'
+ * magazines may then be taken. Without it threads are only asked. */
+static int tcache_can_steal;
+
+void tcache_module_init(void) {
+  tcache_can_steal =
+      syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+  heap_set_threads_reclaim(tcache_reclaim_threads);
+}
+
+static int tcache_barrier(void) {
+  return tcache_can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+}
+
+static void tcache_key_create(void) { pthread_key_create(&tcache_key, tcache_destroy); }
+
+static void tcache_slot_clear(tslot *ts) {
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    atomic_store_relaxed(&ts->cl[c].hits, 0);
+    atomic_store_relaxed(&ts->cl[c].misses, 0);
+  }
+  ts->id = 0;
+  ts->handle = (cudaStream_t)UINTPTR_MAX;
+  ts->heap = NULL;
+  atomic_store_relaxed(&ts->stats_heap, NULL);
+  ts->rec = NULL;
+  ts->alloc_ok = 0;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
+}
+
+/* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
+static void tcache_slot_index(tcache *tc, const tslot *ts) {
+  size_t i = (size_t)(ts - tc->slots);
+  int ok = ts->heap != NULL && ts->alloc_ok;
+  tc->alloc_id[i] = ok ? ts->id : 0;
+  tc->alloc_handle[i] = ok ? ts->handle : (cudaStream_t)UINTPTR_MAX;
+}
+
+/* Allocations of class c through slot ts so far. */
+static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
+  return atomic_load_relaxed(&ts->cl[c].hits) + atomic_load_relaxed(&ts->cl[c].misses);
+}
+
+/* Frees of one class in a row, with no allocation of it between, that
+ * show blocks flowing out of a slot rather than coming and going. */
+#define TCACHE_GROW_RUN 32
+
+/* A free found both magazines of class c full: size the next empty one.
+ * A run of TCACHE_GROW_RUN frees without an allocation means blocks only
+ * flow out of this slot (another thread or stream allocates them): one
+ * exchange per magazine whatever its size, so a larger one costs no more
+ * memory per block in flight and saves exchanges. A slot whose blocks come
+ * and go (a random walk) frees no more in a row than it holds; doubling on
+ * any magazine's worth of frees in a row grew small magazines there too,
+ * and every thread then held a slab's worth of a class (workload 2 on the
+ * H200). Many allocations since the last exchange bring it back toward
+ * the start. */
+static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
+  const sizeclass_info *ci = &sizeclass_table[c];
+  uint64_t now = tcache_slot_allocs(ts, c);
+  uint32_t cap = ts->cap[c];
+  if (now == ts->mark[c]) {
+    uint32_t run = ts->run[c] + cap;
+    if (run >= TCACHE_GROW_RUN) {
+      cap = cap * 2 < ci->mag_max ? cap * 2 : ci->mag_max;
+      run = 0;
+    }
+    ts->run[c] = (uint8_t)run;
+  } else {
+    ts->run[c] = 0;
+    if (now - ts->mark[c] > 4 * (uint64_t)cap) cap = cap / 2 > ci->mag_cap ? cap / 2 : ci->mag_cap;
+  }
+  ts->cap[c] = (uint8_t)cap;
+  ts->mark[c] = now;
+  return cap;
+}
+
+static tcache *tcache_create(void) {
+  if (global_ensure() != MAGPIE_OK) return NULL; /* error already set */
+  pthread_once(&tcache_key_once, tcache_key_create);
+  tcache *tc = meta_alloc(sizeof *tc);
+  if (tc == NULL) {
+    error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory for a thread cache");
+    return NULL;
+  }
+  tc->ops = global_ops();
+  tc->check = global_config()->check;
+  tcache_slot_clear(&tc->dummy);
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    tcache_slot_clear(&tc->slots[i]);
+    tcache_slot_index(tc, &tc->slots[i]);
+  }
+  tc->last = &tc->dummy;
+  atomic_store_relaxed(&tc->busy, 1); /* created inside a slow path */
+  pthread_mutex_lock(&tcache_list_lock);
+  tc->lnext = tcache_list;
+  if (tcache_list) tcache_list->lprev = tc;
+  tcache_list = tc;
+  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_setspecific(tcache_key, tc);
+  tcache_tls = tc;
+  return tc;
+}
+
+static void tcache_publish(tcache *tc, heap *h) {
+  int d = h->device;
+  int64_t live = atomic_load_relaxed(&tc->live[d]);
+  if (live != tc->published[d]) {
+    heap_publish_in_use(h, live - tc->published[d]);
+    tc->published[d] = live;
+  }
+}
+
+/* Seal a non-empty magazine on `handle`, which the caller just passed and
+ * which names the slot's stream (its id matched), and give it to the depot;
+ * limbo if the seal fails. */
+static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
+  depot *d = &ts->heap->depots[m->cls];
+  depot_note_thread_out(d, m);
+  if (epoch_seal(ts->rec, handle, &m->ticket) == MAGPIE_OK) depot_put(d, m);
+  else heap_limbo_put(ts->heap, m);
+  heap_note_cached(ts->heap);
+}
+
+/* Hand a slot's non-empty magazines to limbo (the slot stays). */
+static size_t tcache_slot_empty(tslot *ts) {
+  size_t bytes = 0;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
+    for (int k = 0; k < 2; k++) {
+      magazine *m = *pair[k];
+      if (!magazine_is_real(m) || m->count == 0) continue;
+      bytes += depot_magazine_bytes(m);
+      depot_note_thread_out(&ts->heap->depots[m->cls], m); /* before limbo: then it is not ours */
+      heap_limbo_put(ts->heap, m);
+      *pair[k] = &magazine_sentinel;
+    }
+  }
+  return bytes;
+}
+
+/* Fold a retiring slot's class counters into its heap. */
+static void tcache_slot_fold(tslot *ts) {
+  pthread_mutex_lock(&tcache_list_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    atomic_add_relaxed(&ts->heap->stat_class_hits[c], atomic_load_relaxed(&ts->cl[c].hits));
+    atomic_add_relaxed(&ts->heap->stat_class_misses[c], atomic_load_relaxed(&ts->cl[c].misses));
+    atomic_store_relaxed(&ts->cl[c].hits, 0);
+    atomic_store_relaxed(&ts->cl[c].misses, 0);
+  }
+  pthread_mutex_unlock(&tcache_list_lock);
+}
+
+/* Give back everything a slot holds. Its non-empty magazines go to limbo,
+ * which waits for a device synchronisation: the slot's handle may name a
+ * destroyed stream by now, and a stored handle is never passed to the
+ * driver again (cuStreamGetId on a destroyed stream crashes the process,
+ * and an event recorded on a recycled handle would follow the wrong
+ * stream). Retiring happens at thread exit, on slot eviction and when a
+ * handle is found recycled; seals on live streams happen in the free path,
+ * where the caller's handle is known to be valid. */
+static void tcache_slot_retire(tcache *tc, tslot *ts) {
+  tcache_slot_empty(ts);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    if (magazine_is_real(ts->cl[c].loaded)) magazine_put_empty(ts->cl[c].loaded);
+    if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
+  }
+  tcache_slot_fold(ts);
+  tcache_publish(tc, ts->heap);
+  epoch_stream_release(ts->rec);
+  if (tc->last == ts) tc->last = &tc->dummy;
+  tcache_slot_clear(ts);
+  tcache_slot_index(tc, ts);
+}
+
+static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) {
+  int dev = -1;
+  int rc = tc->ops->stream_device(s, &dev);
+  if (rc != MAGPIE_OK) {
+    error_set(MAGPIE_ERR_INVALID_STREAM, "stream %p has no device: %s", (void *)s, backend_error_detail());
+    return NULL;
+  }
+  heap *sh = heap_get(dev);
+  if (sh == NULL) return NULL;
+  if (h == NULL) h = sh;
+  tslot *ts = NULL;
+  for (int i = 0; i < TCACHE_SLOTS && ts == NULL; i++)
+    if (tc->slots[i].heap == NULL) ts = &tc->slots[i];
+  if (ts == NULL) {
+    ts = &tc->slots[tc->next_evict++ % TCACHE_SLOTS];
+    tcache_slot_retire(tc, ts);
+  }
+  stream_rec *rec = epoch_stream_acquire(&sh->epochs, id);
+  if (rec == NULL) {
+    error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory for a stream record");
+    return NULL;
+  }
+  ts->id = id;
+  ts->handle = s;
+  ts->heap = h;
+  atomic_store_relaxed(&ts->stats_heap, h);
+  ts->rec = rec;
+  ts->live = &tc->live[h->device];
+  ts->alloc_ok = (h == sh);
+  tcache_slot_index(tc, ts);
+  /* Magazine capacity starts over with the slot (its counters are 0). */
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
+    ts->mark[c] = 0;
+    ts->run[c] = 0;
+  }
+  return ts;
+}
+
+/* The alloc-capable slot of stream id (handle s), created if needed. */
+static tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id) {
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    if (tc->alloc_id[i] == id) return &tc->slots[i];
+#ifdef MAGPIE_TEST_IGNORE_STREAM_ID /* deliberately broken build: tests/BUILD expects its tests to fail */
+    if (tc->alloc_handle[i] == s) {
+      tc->slots[i].id = id;
+      tcache_slot_index(tc, &tc->slots[i]);
+      return &tc->slots[i];
+    }
+#endif
+  }
+  /* A slot that has this (non-special) handle but another id belonged to a
+   * stream that was destroyed and its handle value reused. */
+  if (!tcache_special_handle(s)) {
+    for (int i = 0; i < TCACHE_SLOTS; i++) {
+      tslot *ts = &tc->slots[i];
+      if (ts->heap != NULL && ts->handle == s && ts->id != id) tcache_slot_retire(tc, ts);
+    }
+  }
+  return tcache_slot_new(tc, s, id, NULL);
+}
+
+static tslot *tcache_slot_for_free(tcache *tc, cudaStream_t s, uint64_t id, heap *h) {
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    tslot *ts = &tc->slots[i];
+    if (ts->heap == h && ts->id == id) return ts;
+  }
+  return tcache_slot_new(tc, s, id, h);
+}
+
+static void tcache_oom_error(heap *h, size_t size, int rc) {
+  if (rc != MAGPIE_ERR_OUT_OF_MEMORY) {
+    error_set(rc, "allocating %zu bytes on device %d failed: %s", size, h->device, backend_error_detail());
+    return;
+  }
+  char detail[512];
+  stats_describe(h, detail, sizeof detail);
+  error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of memory on device %d allocating %zu bytes: %s", h->device, size,
+            detail);
+}
+
+static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id, cudaStream_t s) {
+  heap *h = ts->heap;
+  if (size > SIZE_MAX - h->region.gran + 1) {
+    error_set(MAGPIE_ERR_SIZE_OVERFLOW, "requested size %zu cannot be rounded up to the %zu-byte granularity",
+              size, h->region.gran);
+    return NULL;
+  }
+  if (size > h->total_mem) {
+    error_set(MAGPIE_ERR_TOO_LARGE, "requested %zu bytes but device %d has %zu bytes in total", size,
+              h->device, h->total_mem);
+    return NULL;
+  }
+  uintptr_t p = 0;
+  size_t bsize = 0;
+  int rc = heap_large_alloc(h, size, id, s, &p, &bsize);
+  if (rc != MAGPIE_OK) {
+    tcache_oom_error(h, size, rc);
+    return NULL;
+  }
+  atomic_owner_add_i64(ts->live, (int64_t)bsize);
+  tcache_publish(tc, h);
+  if (!tc->check) tc->last = ts;
+  return (void *)p;
+}
+
+/* Entry to a slow path: wait out a reclaimer at work on this cache, then
+ * give back if one asked. */
+static void tcache_enter_slow(tcache *tc) {
+  tcache_enter(tc);
+  while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
+  if (unlikely(atomic_load_relaxed(&tc->flush_req))) {
+    atomic_store_relaxed(&tc->flush_req, 0);
+    int flushed = 0;
+    for (int i = 0; i < TCACHE_SLOTS; i++) {
+      tslot *ts = &tc->slots[i];
+      if (ts->heap == NULL || tcache_slot_empty(ts) == 0) continue;
+      if (!flushed++) atomic_add_relaxed(&ts->heap->stat_threads_flushed, 1);
+    }
+  }
+}
+
+static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id);
+
+void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
+  tcache *tc = tcache_tls;
+  if (tc == NULL && (tc = tcache_create()) == NULL) return NULL;
+  tcache_enter_slow(tc);
+  void *p = tcache_alloc_slow_in(tc, size, s, id);
+  tcache_leave(tc);
+  return p;
+}
+
+static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id) {
+  if (size == 0) size = 1; /* a unique minimum block, like malloc(0) */
+  if (id == 0 && tc->ops->stream_id(s, &id) != MAGPIE_OK) {
+    error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_malloc_async: stream %p is not valid: %s", (void *)s,
+              backend_error_detail());
+    return NULL;
+  }
+  tslot *ts = tcache_slot_for_alloc(tc, s, id);
+  if (ts == NULL) return NULL;
+  if (size > SIZECLASS_MAX_SIZE) return tcache_alloc_large(tc, ts, size, id, s);
+  unsigned c = sizeclass_of(size);
+  atomic_owner_inc_u64(&ts->cl[c].misses);
+  int publish = 0;
+  if (ts->cl[c].loaded->count == 0) {
+    if (ts->prev[c]->count > 0) {
+      magazine *t = ts->cl[c].loaded;
+      ts->cl[c].loaded = ts->prev[c];
+      ts->prev[c] = t;
+    } else {
+      magazine *fresh = NULL;
+      int rc = heap_refill(ts->heap, c, id, s, &fresh);
+      if (rc != MAGPIE_OK) {
+        tcache_oom_error(ts->heap, size, rc);
+        return NULL;
+      }
+      depot_note_thread_in(&ts->heap->depots[fresh->cls], fresh);
+      ts->mark[c] = tcache_slot_allocs(ts, c);
+      if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
+      ts->prev[c] = ts->cl[c].loaded;
+      ts->cl[c].loaded = fresh;
+      publish = 1;
+    }
+  }
+  magazine *m = ts->cl[c].loaded;
+  void *p = m->slots[--m->count];
+  if (tc->check) {
+    slab *sl = pagemap_lookup((uintptr_t)p);
+    uint32_t i = 0;
+    slab_block_index(sl, (uintptr_t)p, &i);
+    slab_mark_used(sl, i);
+  }
+  atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
+  /* Publish for the peak only when the depot was involved: swaps between
+   * the two magazines stay free of shared writes. */
+  if (publish) tcache_publish(tc, ts->heap);
+  if (!tc->check) tc->last = ts;
+  return p;
+}
+
+static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
+  epoch_ticket t = {0};
+  size_t bsize = 0;
+  int rc = epoch_seal(ts->rec, s, &t);
+  if (rc != MAGPIE_OK) {
+    /* Without an event the block cannot be ordered after the stream: keep
+     * it allocated and tell the caller, who may retry. */
+    return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p: %s", p, (void *)s,
+                     backend_error_detail());
+  }
+  rc = large_free(&ts->heap->large, (uintptr_t)p, &t, &bsize);
+  if (rc != MAGPIE_OK) {
+    epoch_ticket_release(&t);
+    if (rc == MAGPIE_ERR_DOUBLE_FREE)
+      return error_set(rc, "magpie_free_async(%p): block already free (double free)", p);
+    if (rc == MAGPIE_ERR_INVALID_POINTER)
+      return error_set(rc, "magpie_free_async(%p): not the start of an allocated large block", p);
+    return error_set(rc, "magpie_free_async(%p): out of host memory; the block stays allocated", p);
+  }
+  atomic_owner_add_i64(ts->live, -(int64_t)bsize);
+  tcache_publish(tc, ts->heap);
+  heap_note_cached(ts->heap);
+  return MAGPIE_OK;
+}
+
+static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s);
+
+int tcache_free_special(void *p, cudaStream_t s) {
+  tcache *tc = tcache_tls;
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  if (tc != NULL && sl != NULL) {
+    uint64_t id = tcache_stream_id(tc, s);
+    if (tcache_enter(tc) && id == tc->last->id && tcache_free_push(tc, sl, p, s)) {
+      tcache_leave(tc);
+      return MAGPIE_OK;
+    }
+  }
+  return tcache_free_slow(p, s);
+}
+
+/* A free on the handle of another alloc-capable slot than the last: that
+ * slot becomes the last and takes the block if the fast path's checks pass
+ * there (matched by handle, as in the fast path; no seal, no driver call).
+ * A thread that moves between streams frees on the new one first. */
+static int tcache_free_switch(tcache *tc, slab *sl, void *p, cudaStream_t s) {
+  if (tc->check || tcache_special_handle(s) || sl == NULL) return 0;
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    if (tc->alloc_handle[i] != s) continue;
+    tslot *was = tc->last;
+    tc->last = &tc->slots[i];
+    if (tcache_free_push(tc, sl, p, s)) return 1;
+    tc->last = was;
+    return 0;
+  }
+  return 0;
+}
+
+int tcache_free_slow(void *p, cudaStream_t s) {
+  if (p == NULL) return MAGPIE_OK;
+  tcache *tc = tcache_tls;
+  if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
+  tcache_enter_slow(tc);
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  int rc = tcache_free_switch(tc, sl, p, s) ? MAGPIE_OK : tcache_free_slow_in(tc, sl, p, s);
+  tcache_leave(tc);
+  return rc;
+}
+
+static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
+  if (sl == NULL)
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not a pointer returned by magpie", p);
+  uint32_t bi = 0;
+  if (!slab_block_index(sl, (uintptr_t)p, &bi)) {
+    size_t off = (size_t)((uintptr_t)p - sl->base);
+    size_t start = sl->cls == SLAB_LARGE ? 0 : (off / sl->bsize) * sl->bsize;
+    return error_set(MAGPIE_ERR_INVALID_POINTER,
+                     "magpie_free_async(%p): points %zu bytes into a block of %zu bytes at %p; free the block's "
+                     "start",
+                     p, off - start, sl->bsize, (void *)(sl->base + start));
+  }
+  uint64_t id = 0;
+  if (tc->ops->stream_id(s, &id) != MAGPIE_OK)
+    return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_free_async(%p): stream %p is not valid (%s); the block "
+                     "stays allocated", p, (void *)s, backend_error_detail());
+  tslot *ts = tcache_slot_for_free(tc, s, id, sl->heap);
+  if (ts == NULL) return magpie_last_error();
+  /* record_stream: a recorded block is parked until its streams' work
+   * completed (record.c). */
+  if (unlikely(atomic_load_relaxed(&sl->recorded) != 0)) {
+    size_t parked = 0;
+    int rc = record_free(&sl->heap->records, sl->cls != SLAB_LARGE ? &sl->heap->depots[sl->cls] : NULL, sl,
+                         (uintptr_t)p, ts->rec, s, &parked);
+    if (rc != MAGPIE_OK) return rc;
+    if (parked != 0) {
+      if (tc->check && sl->cls != SLAB_LARGE) slab_mark_free(sl, bi);
+      atomic_owner_add_i64(ts->live, -(int64_t)parked);
+      tcache_publish(tc, ts->heap);
+      return MAGPIE_OK;
+    }
+  }
+  if (sl->cls == SLAB_LARGE) return tcache_free_large(tc, ts, p, s);
+  if (tc->check && !slab_mark_free(sl, bi))
+    return error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
+  unsigned c = sl->cls;
+  int publish = 0;
+  if (ts->cl[c].loaded->count >= ts->cl[c].loaded->cap) {
+    magazine *pv = ts->prev[c];
+    if (magazine_is_real(pv) && pv->count == 0) {
+      ts->prev[c] = ts->cl[c].loaded;
+      ts->cl[c].loaded = pv;
+    } else {
+      magazine *e = magazine_get_empty(c);
+      if (e == NULL) {
+        if (tc->check) slab_mark_used(sl, bi);
+        return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory for a magazine; "
+                         "the block stays allocated", p);
+      }
+      e->cap = tcache_next_cap(ts, c);
+      /* The previous magazine is full: it leaves the thread, sealed on the
+       * stream its blocks were freed on (s names it: its id matched). */
+      if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
+      ts->prev[c] = ts->cl[c].loaded;
+      ts->cl[c].loaded = e;
+      publish = 1;
+    }
+  }
+  magazine *m = ts->cl[c].loaded;
+  m->slots[m->count++] = p;
+  atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
+  if (publish) tcache_publish(tc, ts->heap);
+  if (!tc->check && ts->alloc_ok) tc->last = ts;
+  return MAGPIE_OK;
+}
+
+static void tcache_destroy(void *arg) {
+  tcache *tc = arg;
+  /* Leave the list first, so no new reclaimer can pick this cache, then
+   * wait out one that already did (it set steal under the list lock). */
+  atomic_store_relaxed(&tc->busy, 1);
+  atomic_thread_fence(memory_order_seq_cst);
+  pthread_mutex_lock(&tcache_list_lock);
+  if (tc->lprev) tc->lprev->lnext = tc->lnext;
+  else tcache_list = tc->lnext;
+  if (tc->lnext) tc->lnext->lprev = tc->lprev;
+  pthread_mutex_unlock(&tcache_list_lock);
+  while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
+  for (int i = 0; i < TCACHE_SLOTS; i++)
+    if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
+  pthread_mutex_lock(&tcache_list_lock);
+  for (int d = 0; d < HEAP_MAX_DEVICES; d++) tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
+  pthread_mutex_unlock(&tcache_list_lock);
+  tcache_tls = NULL;
+  meta_free(tc);
+}
+
+int64_t tcache_live_bytes(int device) {
+  if (device < 0 || device >= HEAP_MAX_DEVICES) return 0;
+  pthread_mutex_lock(&tcache_list_lock);
+  int64_t sum = tcache_retired_live[device];
+  for (tcache *tc = tcache_list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[device]);
+  pthread_mutex_unlock(&tcache_list_lock);
+  return sum;
+}
+
+void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
+  pthread_mutex_lock(&tcache_list_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    hits[c] += atomic_load_relaxed(&h->stat_class_hits[c]);
+    misses[c] += atomic_load_relaxed(&h->stat_class_misses[c]);
+  }
+  for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
+    for (int i = 0; i < TCACHE_SLOTS; i++) {
+      tslot *ts = &tc->slots[i];
+      if (atomic_load_relaxed(&ts->stats_heap) != h) continue;
+      for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+        hits[c] += atomic_load_relaxed(&ts->cl[c].hits);
+        misses[c] += atomic_load_relaxed(&ts->cl[c].misses);
+      }
+    }
+  }
+  pthread_mutex_unlock(&tcache_list_lock);
+}
+
+/* Caches other than the caller's, each marked steal = 1 under the list
+ * lock; *n set. The array comes from host metadata (NULL if none). */
+static tcache **tcache_claim_others(int *n) {
+  tcache *self = tcache_tls;
+  *n = 0;
+  pthread_mutex_lock(&tcache_list_lock);
+  int count = 0;
+  for (tcache *tc = tcache_list; tc; tc = tc->lnext) count++;
+  tcache **all = count ? meta_alloc((size_t)count * sizeof *all) : NULL;
+  if (all != NULL) {
+    for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
+      if (tc == self || atomic_load_relaxed(&tc->steal) != 0) continue;
+      /* An exchange that acquires: it reads the last reclaimer's release
+       * store of 0, so what that one did to this cache happens before what
+       * this one does, and before the owner's next acquire of the 0 this
+       * one stores (a plain store would start a new release sequence and
+       * cut that chain: ThreadSanitizer saw the owner's read race with an
+       * earlier reclaimer's write). */
+      atomic_exchange_acq_rel(&tc->steal, 1);
+      all[(*n)++] = tc;
+    }
+  }
+  pthread_mutex_unlock(&tcache_list_lock);
+  return all;
+}
+
+/* Is tc's owner outside magpie, so that its caches may be read or taken?
+ * Only after the barrier (tcache_barrier) that followed claiming tc; the
+ * acquire pairs with the owner's release store of busy = 0. */
+static int tcache_owner_out(tcache *tc, int barrier) { return barrier && atomic_load_acquire(&tc->busy) == 0; }
+
+/* Hand tc's magazines of heap h to limbo; returns their bytes. The caller
+ * owns tc: it is the calling thread's, or its owner is out. */
+static size_t tcache_empty_heap(tcache *tc, heap *h) {
+  size_t got = 0;
+  for (int k = 0; k < TCACHE_SLOTS; k++)
+    if (tc->slots[k].heap == h) got += tcache_slot_empty(&tc->slots[k]);
+  return got;
+}
+
+/* The heap's give-back step: take idle threads' magazines of h, ask busy
+ * threads to give theirs back at their next slow path. */
+static size_t tcache_reclaim_threads(heap *h) {
+  int n = 0;
+  tcache **all = tcache_claim_others(&n);
+  if (all == NULL) return 0;
+  int barrier = tcache_barrier();
+  size_t bytes = 0;
+  for (int i = 0; i < n; i++) {
+    tcache *tc = all[i];
+    if (tcache_owner_out(tc, barrier)) {
+      size_t got = tcache_empty_heap(tc, h);
+      if (got) atomic_add_relaxed(&h->stat_threads_stolen, 1);
+      bytes += got;
+    } else {
+      atomic_store_relaxed(&tc->flush_req, 1);
+    }
+    atomic_store_release(&tc->steal, 0);
+  }
+  meta_free(all);
+  return bytes;
+}
+
+void tcache_flush_self(heap *h) {
+  tcache *tc = tcache_tls;
+  if (tc == NULL) return;
+  tcache_enter_slow(tc);
+  tcache_empty_heap(tc, h);
+  tcache_leave(tc);
+}
+
+int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx) {
+  tcache *self = tcache_tls;
+  int n = 0, skipped = 0;
+  tcache **all = tcache_claim_others(&n);
+  int barrier = tcache_barrier();
+  if (self) tcache_enter_slow(self);
+  for (int i = 0; i <= n; i++) {
+    tcache *tc = i < n ? all[i] : self;
+    if (tc == NULL) continue;
+    if (tc != self && !tcache_owner_out(tc, barrier)) {
+      skipped++;
+    } else {
+      for (int k = 0; k < TCACHE_SLOTS; k++) {
+        tslot *ts = &tc->slots[k];
+        if (ts->heap != h) continue;
+        for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+          if (magazine_is_real(ts->cl[c].loaded)) fn(ctx, ts->cl[c].loaded, 1);
+          if (magazine_is_real(ts->prev[c])) fn(ctx, ts->prev[c], 0);
+        }
+      }
+    }
+    if (tc != self) atomic_store_release(&tc->steal, 0);
+  }
+  if (self) tcache_leave(self);
+  meta_free(all);
+  return skipped;
+}

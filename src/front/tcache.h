@@ -1,0 +1,233 @@
+/* Thread caches: per thread, per stream, per size class, a loaded and a
+ * previous magazine (Bonwick). The fast paths below touch only memory the
+ * calling thread owns: no atomic read-modify-write, no lock, no driver call
+ * beyond the backend's stream identity.
+ *
+ * Stream slots. A slot is (stream id, heap): the magazines of blocks of that
+ * heap which that stream may reuse at once. Allocation identifies the stream
+ * by id (unique for the process) on every call, so a recycled handle value
+ * never reaches an old stream's magazines. Free matches the handle only:
+ * a block freed into a slot whose handle was recycled is still caught,
+ * because every allocation checks the id first (a mismatch sends the slot's
+ * magazines to limbo, which waits for the whole device) and seals use the
+ * handle of a free whose id matched. Special handles (0, 1, 2) name different streams on different
+ * devices, so their frees always check the id.
+ *
+ * INVARIANT: every block in slot.loaded/prev may be used by work enqueued on
+ *            the slot's stream after now.
+ * INVARIANT: tc->last is tc->dummy (whose magazines are the sentinel) or a
+ *            slot whose heap is its stream's own device (alloc-capable).
+ *
+ * Give-back from idle threads (asymmetric Dekker, as in hazard pointers).
+ * The owner marks itself `busy` with a plain store around every operation
+ * and then reads `steal`; a reclaimer sets `steal`, issues a process-wide
+ * barrier (membarrier), then reads `busy`. Either the reclaimer sees the
+ * owner busy (and only asks it, through flush_req, to give back at its next
+ * slow path) or the owner sees `steal` and waits in its slow path until the
+ * reclaimer, which took the idle thread's magazines, clears it. The fast
+ * paths pay two plain stores and one load, no fence: the barrier is the
+ * reclaimer's. */
+#ifndef MAGPIE_TCACHE_H
+#define MAGPIE_TCACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/atomic.h"
+#include "device/backend.h"
+#include "heap/heap.h"
+#include "pool/magazine.h"
+#include "base/pagemap.h"
+#include "base/sizeclass.h"
+#include "pool/slab.h"
+
+#define TCACHE_SLOTS 32
+
+typedef struct tclass {
+  magazine *loaded;
+  _Atomic uint64_t hits;   /* allocations served by the fast path */
+  _Atomic uint64_t misses; /* and by the slow path */
+} tclass;
+
+typedef struct tslot {
+  uint64_t id;          /* stream id; meaningful while heap != NULL */
+  cudaStream_t handle;  /* handle the slot was created with */
+  heap *heap;           /* heap of the cached blocks; NULL = unused slot */
+  stream_rec *rec;      /* the stream's record (one reference held) */
+  _Atomic int64_t *live; /* this thread's in-use counter for heap's device */
+  int alloc_ok;         /* heap is the stream's own device */
+  /* Per class, what an allocation reads and writes: the loaded magazine
+   * and the allocation counts. Side by side, so that a class whose lines
+   * went out of the cache (a thread taking turns on several streams) costs
+   * one miss here. Counts: owner-written (relaxed load + store); read by
+   * statistics under tcache_list_lock; folded into the heap when the slot
+   * retires. */
+  tclass cl[SIZECLASS_COUNT];
+  magazine *prev[SIZECLASS_COUNT];
+  /* Capacity of the empty magazines this slot takes for its frees, per
+   * class (mag_cap..mag_max), the class's allocation count at the last
+   * exchange with the depot, and the frees in a row (no allocation between)
+   * that ended at exchanges since the last growth. Owner only. */
+  uint8_t cap[SIZECLASS_COUNT];
+  uint64_t mark[SIZECLASS_COUNT];
+  uint8_t run[SIZECLASS_COUNT];
+  /* heap, for statistics readers (owner-written, relaxed; a reader may
+   * miss a slot being set up or retired). */
+  _Atomic(heap *) stats_heap;
+} tslot;
+
+typedef struct tcache {
+  /* Owner: 1 (relaxed store) on entry to any operation, 0 (release store,
+   * pairing with the reclaimer's acquire load after its membarrier) on
+   * exit. */
+  _Atomic uint32_t busy;
+  /* Reclaimer: 1 (exchange, acq_rel, under tcache_list_lock: it acquires
+   * the previous reclaimer's release of 0) while it decides and possibly
+   * takes this cache's magazines; 0 (release) when done, pairing with the
+   * owner's acquire loads in tcache_enter and tcache_enter_slow, which
+   * come after the owner marked itself busy, and with the next
+   * reclaimer's exchange. */
+  _Atomic uint32_t steal;
+  /* Reclaimer -> owner: empty your magazines at your next slow path
+   * (relaxed both sides: the owner's give-back publishes through the
+   * depot's stacks). */
+  _Atomic uint32_t flush_req;
+  tslot *last; /* the fast paths' slot */
+  const backend_ops *ops;
+  int check;
+  unsigned next_evict;
+  /* Bytes handed out minus freed by this thread, per device. Written by the
+   * owner only (relaxed load + store); read (relaxed) by statistics under
+   * tcache_list_lock. */
+  _Atomic int64_t live[HEAP_MAX_DEVICES];
+  int64_t published[HEAP_MAX_DEVICES]; /* owner only */
+  struct tcache *lnext, *lprev;        /* under tcache_list_lock */
+  /* Per slot, so that the slow paths find a slot without touching every
+   * slot's lines: the id and handle of an alloc-capable slot, 0 and
+   * UINTPTR_MAX for any other. Owner only; after the fast paths' fields,
+   * which share the first cache line. */
+  uint64_t alloc_id[TCACHE_SLOTS];
+  cudaStream_t alloc_handle[TCACHE_SLOTS];
+  tslot dummy;
+  tslot slots[TCACHE_SLOTS];
+} tcache;
+
+extern __thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
+
+/* id: the stream's id if the fast path looked it up, else 0. */
+void *tcache_alloc_slow(size_t size, cudaStream_t stream, uint64_t id);
+int tcache_free_slow(void *ptr, cudaStream_t stream);
+
+static inline int tcache_special_handle(cudaStream_t s) { return (uintptr_t)s <= 2; }
+
+/* Mark the owner busy, then see whether a reclaimer is at work. The signal
+ * fence keeps the compiler from reordering the store after the load; the
+ * reclaimer's membarrier orders them for the processor. */
+static inline int tcache_enter(tcache *tc) {
+  atomic_store_relaxed(&tc->busy, 1);
+  atomic_signal_fence(memory_order_seq_cst);
+  /* Acquire: a reclaimer that looked at this cache stored 0 with release
+   * after its last read; the owner's writes that follow are ordered after
+   * those reads (a plain load on x86-64). */
+  return atomic_load_acquire(&tc->steal) == 0;
+}
+
+static inline void tcache_leave(tcache *tc) { atomic_store_release(&tc->busy, 0); }
+
+static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) {
+  atomic_store_relaxed(p, atomic_load_relaxed(p) + 1);
+}
+
+/* The stream's id for the fast paths: ordinary handles straight from the
+ * backend's fast form; special ones through stream_id (cached by context).
+ * Returns 0 on any failure (ids are never 0). */
+static MAGPIE_INLINE uint64_t tcache_stream_id(const tcache *tc, cudaStream_t stream) {
+  if (unlikely(tcache_special_handle(stream))) {
+    uint64_t v = 0;
+    return tc->ops->stream_id(stream, &v) == MAGPIE_OK ? v : 0;
+  }
+  unsigned long long v;
+  if (unlikely(tc->ops->stream_id_fast(stream, &v) != 0)) return 0;
+  return (uint64_t)v;
+}
+
+/* Allocation fast path: a block from the loaded magazine of the last slot,
+ * or NULL for the slow path (no cache yet, size 0 or large, a reclaimer at
+ * work, another stream than the last, an empty magazine), with *id_out the
+ * stream's id if it was looked up (else left as it was). The driver call
+ * comes before the cache is marked busy: it touches none of the cache. */
+static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, uint64_t *id_out) {
+  tcache *tc = tcache_tls;
+  /* Size 0 goes to the slow path (a unique minimum block). */
+  if (unlikely(tc == NULL || size == 0 || size > SIZECLASS_MAX_SIZE)) return NULL;
+  uint64_t id = tcache_stream_id(tc, stream);
+  *id_out = id; /* spares the slow path a second driver call */
+  if (unlikely(!tcache_enter(tc))) return NULL;
+  tslot *ts = tc->last;
+  /* A failed lookup (0) matches only the dummy slot, whose magazines are
+   * the empty sentinel. */
+  if (unlikely(id != ts->id)) return NULL;
+  unsigned c = sizeclass_of(size);
+  magazine *m = ts->cl[c].loaded;
+  if (unlikely(m->count == 0)) return NULL;
+  atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
+  atomic_owner_inc_u64(&ts->cl[c].hits);
+  void *p = m->slots[--m->count];
+  tcache_leave(tc);
+  return p;
+}
+
+/* The free fast path's checks and push, with tc marked busy: into the
+ * loaded magazine of the last slot when the block is a small one of that
+ * slot's heap and the magazine has room. 0: the slow path must serve.
+ * Ordinary handles are matched by value (see above); special ones were
+ * matched by id before this. */
+static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaStream_t stream) {
+  tslot *ts = tc->last;
+  uint32_t c = sl->cls, i;
+  /* record_stream: slabs with recorded blocks take the slow path
+   * (sl->recorded, record.h). */
+  if (unlikely(ts->handle != stream || ts->heap != sl->heap || c >= SIZECLASS_COUNT ||
+               !slab_block_index(sl, (uintptr_t)ptr, &i) || atomic_load_relaxed(&sl->recorded) != 0))
+    return 0;
+  magazine *m = ts->cl[c].loaded;
+  if (unlikely(m->count >= m->cap)) return 0;
+  m->slots[m->count++] = ptr;
+  atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
+  return 1;
+}
+
+/* Special handles (0, 1, 2) name a stream through the current context: a
+ * free on one is matched by id (tcache.c), out of line so that the fast
+ * path below needs no frame. */
+int tcache_free_special(void *ptr, cudaStream_t stream);
+
+static MAGPIE_INLINE int tcache_free(void *ptr, cudaStream_t stream) {
+  if (unlikely(tcache_special_handle(stream))) return tcache_free_special(ptr, stream);
+  tcache *tc = tcache_tls;
+  slab *sl = pagemap_lookup((uintptr_t)ptr);
+  if (likely(tc != NULL && sl != NULL && tcache_enter(tc) && tcache_free_push(tc, sl, ptr, stream))) {
+    tcache_leave(tc);
+    return MAGPIE_OK;
+  }
+  return tcache_free_slow(ptr, stream);
+}
+
+/* Statistics: this device's live bytes over all threads, past and present. */
+int64_t tcache_live_bytes(int device);
+/* Statistics: per-class hits and misses of heap h (added to the arrays). */
+void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses);
+
+/* Give back the calling thread's magazines of heap h (to limbo). Only from
+ * a public entry point, never from inside an allocation. */
+void tcache_flush_self(heap *h);
+
+/* Snapshots: call fn on every magazine of heap h held by a thread cache
+ * (the caller's own included), each cache inspected while its owner is
+ * outside magpie. Returns how many busy caches could not be inspected. */
+int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);
+
+/* Set up give-back from idle threads (membarrier registration). */
+void tcache_module_init(void);
+
+#endif /* MAGPIE_TCACHE_H */

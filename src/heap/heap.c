@@ -1,0 +1,414 @@
+/* Per-device heaps, the refill ladder and the limbo reaper.
+ *
+ * Lock order: heap_create_lock -> (region/epoch init, no other magpie
+ * lock). depot.carve_lock -> (what a depot take and a slab carve take:
+ * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_set.slab_lock,
+ * slab_desc_lock, registry.grow_lock, span_set.span_grow_lock ->
+ * (region.lock, span_set.span_lock), one at a time).
+ * reaper_lock is a leaf.
+ * None is held across a device synchronisation (the exit handler waits on
+ * reaper_idle_cv, which releases reaper_lock). */
+#include "heap/heap.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/error.h"
+#include "base/meta.h"
+
+static const backend_ops *heap_ops;
+static magpie_config heap_cfg; /* set once by heap_module_init */
+static pthread_mutex_t heap_create_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Heaps by device. Written once (release) under heap_create_lock after the
+ * heap is fully built; read with acquire. */
+static _Atomic(heap *) heaps[HEAP_MAX_DEVICES];
+
+static void heap_wake_maintenance(void);
+
+static void heap_events_low(void);
+
+void heap_module_init(const backend_ops *ops, const magpie_config *cfg) {
+  heap_ops = ops;
+  heap_cfg = *cfg;
+  epoch_set_low_hook(heap_events_low);
+}
+
+heap *heap_peek(int device) {
+  if (device < 0 || device >= HEAP_MAX_DEVICES) return NULL;
+  return atomic_load_acquire(&heaps[device]);
+}
+
+static heap *heap_create(int device) {
+  const backend_ops *ops = heap_ops;
+  size_t free_b = 0, total = 0;
+  int rc = ops->mem_info(device, &free_b, &total);
+  if (rc != MAGPIE_OK) {
+    error_set(rc, "cannot query memory of device %d: %s", device, backend_error_detail());
+    return NULL;
+  }
+  heap *h = meta_alloc_aligned(sizeof *h, _Alignof(heap));
+  if (h == NULL) {
+    error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory creating the heap of device %d", device);
+    return NULL;
+  }
+  h->device = device;
+  h->ops = ops;
+  h->total_mem = total;
+  /* Virtual range: four times the device (room for fragmentation of the
+   * range itself), at least 4 GiB, at most 1 TiB. Reserving costs no
+   * memory. */
+  size_t hint = total * 4;
+  if (hint < ((size_t)4 << 30)) hint = (size_t)4 << 30;
+  if (hint > ((size_t)1 << 40)) hint = (size_t)1 << 40;
+  rc = region_init(&h->region, device, ops, hint);
+  if (rc != MAGPIE_OK) {
+    error_set(rc, "cannot set up device memory of device %d: %s", device, backend_error_detail());
+    meta_free(h);
+    return NULL;
+  }
+  const magpie_config *cfg = &heap_cfg;
+  if (cfg->limit_percent) h->region.limit = (size_t)((unsigned __int128)total * cfg->limit_percent / 100);
+  else if (cfg->limit) h->region.limit = cfg->limit;
+  h->release_threshold = cfg->release_threshold;
+  h->reuse_wait = cfg->reuse_wait;
+  epoch_table_init(&h->epochs, device, ops);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_init(&h->depots[c]);
+  stack_init(&h->limbo);
+  large_init(&h->large, &h->region, ops, total, h->reuse_wait, h);
+  span_set_init(&h->spans, &h->region);
+  slab_set_init(&h->slabs, &h->region, &h->spans, h->depots, h);
+  record_table_init(&h->records);
+  /* Events made now, while the device is likely idle (a failure here only
+   * leaves creation to later). */
+  if (ops->event_prefill > 0) epoch_pool_fill(&h->epochs, ops->event_prefill);
+  if (h->release_threshold != SIZE_MAX) heap_wake_maintenance(); /* starts its timer */
+  return h;
+}
+
+heap *heap_get(int device) {
+  if (device < 0 || device >= HEAP_MAX_DEVICES) {
+    error_set(MAGPIE_ERR_INVALID_ARGUMENT, "device %d out of range (0..%d)", device, HEAP_MAX_DEVICES - 1);
+    return NULL;
+  }
+  heap *h = atomic_load_acquire(&heaps[device]);
+  if (likely(h != NULL)) return h;
+  pthread_mutex_lock(&heap_create_lock);
+  h = atomic_load_relaxed(&heaps[device]);
+  if (h == NULL) {
+    h = heap_create(device);
+    if (h != NULL) atomic_store_release(&heaps[device], h);
+  }
+  pthread_mutex_unlock(&heap_create_lock);
+  return h;
+}
+
+void heap_publish_in_use(heap *h, int64_t delta) {
+  int64_t now = atomic_add_relaxed(&h->stat_in_use_published, delta) + delta;
+  if (now > 0) atomic_max_size_relaxed(&h->stat_peak_in_use, (size_t)now);
+}
+
+static heap_threads_reclaim_fn heap_threads_reclaim;
+static void heap_reap_wait(heap *h);
+
+void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { heap_threads_reclaim = fn; }
+
+size_t heap_cached_bytes(heap *h) {
+  size_t reserved = atomic_load_relaxed(&h->region.mapped);
+  int64_t used = atomic_load_relaxed(&h->stat_in_use_published);
+  size_t in_use = used > 0 ? (size_t)used : 0;
+  return reserved > in_use ? reserved - in_use : 0;
+}
+
+void heap_note_cached(heap *h) {
+  if (h->release_threshold != SIZE_MAX && heap_cached_bytes(h) > h->release_threshold) heap_wake_maintenance();
+}
+
+int heap_relieve(heap *h, enum heap_step step) {
+  atomic_add_relaxed(&h->stat_ladder[step], 1);
+  size_t got = 0;
+  switch (step) {
+  case HEAP_STEP_RECLAIM:
+    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_reclaim(&h->depots[c]);
+    got += large_reclaim(&h->large);
+    break;
+  case HEAP_STEP_SLABS:
+    got = slab_release_free(&h->slabs, SIZE_MAX);
+    break;
+  case HEAP_STEP_THREADS:
+    if (heap_threads_reclaim) got = heap_threads_reclaim(h);
+    break;
+  case HEAP_STEP_WAIT:
+    /* Blocking, off the fast path: every pending magazine and free large
+     * block, and limbo (whose streams are gone: a device synchronisation
+     * is the only wait that covers them). Then slabs may have emptied. */
+    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_wait_pending(&h->depots[c]);
+    got += large_wait(&h->large);
+    if (stack_count(&h->limbo) > 0 || atomic_load_acquire(&h->reaping) > 0) {
+      heap_reap_wait(h);
+      got++;
+    }
+    got += slab_release_free(&h->slabs, SIZE_MAX);
+    break;
+  case HEAP_STEP_UNMAP:
+    got = large_release(&h->large, SIZE_MAX);
+    break;
+  default:
+    break;
+  }
+  return got > 0;
+}
+
+/* The out-of-memory ladder, cheapest step first, shared by small refills
+ * and large allocations. */
+static const enum heap_step heap_ladder[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_THREADS, HEAP_STEP_WAIT,
+                                             HEAP_STEP_UNMAP};
+enum { HEAP_LADDER_LEN = sizeof heap_ladder / sizeof heap_ladder[0] };
+
+/* Run ladder step i; nonzero if retrying the allocation can now succeed.
+ * The threads step only moves magazines to limbo, which the wait step
+ * drains, so no retry follows it. */
+static int heap_ladder_step(heap *h, unsigned i) {
+  return heap_relieve(h, heap_ladder[i]) && heap_ladder[i] != HEAP_STEP_THREADS;
+}
+
+/* Carve a slab of class cls, one thread per class at a time. Threads that
+ * found the class empty together would otherwise each map a slab: sixteen
+ * threads starting at once on the H200 mapped nine slabs of one class
+ * while the first slab's magazines sat unused in the depot. Whoever waited
+ * looks at the depot again first. */
+static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
+  depot *d = &h->depots[cls];
+  pthread_mutex_lock(&d->carve_lock);
+  magazine *m = depot_take(d, stream_id);
+  int rc = MAGPIE_OK;
+  if (m != NULL) *out = m;
+  else rc = slab_carve(&h->slabs, cls, out);
+  pthread_mutex_unlock(&d->carve_lock);
+  return rc;
+}
+
+int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out) {
+  record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
+  magazine *m = depot_take(&h->depots[cls], stream_id);
+  if (m != NULL) {
+    *out = m;
+    return MAGPIE_OK;
+  }
+  int rc = heap_carve(h, cls, stream_id, out);
+  if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
+  /* Pressure: order this stream after another stream's free (a stream
+   * wait) before any host-side wait. Only under pressure: small refills
+   * are frequent, and a wait taken whenever it saves a slab would tie
+   * streams together (a synchronisation of one would wait for another's
+   * unrelated work, as seen on a GPU test holding a stream for seconds). */
+  if ((m = depot_take_waiting(&h->depots[cls], h->ops, stream_id, stream)) != NULL) {
+    *out = m;
+    return MAGPIE_OK;
+  }
+  /* Down the ladder. Nothing here runs on the fast path. */
+  for (unsigned i = 0; i < HEAP_LADDER_LEN; i++) {
+    if (!heap_ladder_step(h, i)) continue;
+    if ((rc = heap_carve(h, cls, stream_id, out)) != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
+  }
+  atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
+  return MAGPIE_ERR_OUT_OF_MEMORY;
+}
+
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out,
+                     size_t *bsize) {
+  record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
+  int rc = large_alloc(&h->large, size, stream_id, stream, 0, out, bsize);
+  if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
+  /* Before any host-side wait: reuse a block another stream freed by
+   * making this stream wait on the free's event. */
+  rc = large_alloc(&h->large, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
+  for (unsigned i = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && i < HEAP_LADDER_LEN; i++)
+    if (heap_ladder_step(h, i)) rc = large_alloc(&h->large, size, stream_id, stream, LARGE_MAY_WAIT_EVENT, out, bsize);
+  if (rc == MAGPIE_ERR_OUT_OF_MEMORY) atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
+  return rc;
+}
+
+int heap_trim(heap *h, size_t keep) {
+  /* Cheapest first; stop once the target is met. Thread caches are
+   * emptied too (their blocks then need a device synchronisation). */
+  static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_UNMAP,
+                                         HEAP_STEP_THREADS, HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
+  for (unsigned i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+    if (heap_cached_bytes(h) <= keep) break;
+    heap_relieve(h, steps[i]);
+  }
+  /* Another thread's release (the maintenance thread's, above a release
+   * threshold) may hold memory the steps above found gone from every list
+   * but not yet unmapped: wait it out, so that the caller finds at most
+   * keep bytes cached. */
+  region_releases_wait(&h->region);
+  return MAGPIE_OK;
+}
+
+/* ---- limbo and the maintenance thread ----
+ *
+ * One background thread per process: it drains limbo (a device
+ * synchronisation, never on an allocation path), for heaps with a release
+ * threshold gives cached memory above it back to the driver, and refills
+ * event pools that run low, so that no driver call of those kinds lands on
+ * an allocation path. */
+
+static pthread_mutex_t reaper_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t reaper_cv = PTHREAD_COND_INITIALIZER;
+static int reaper_started; /* under reaper_lock */
+static int reaper_work;    /* under reaper_lock */
+static int reaper_timed;   /* under reaper_lock: some heap has a threshold */
+/* Process exit: the thread must not call the driver once the CUDA
+ * runtime's exit handlers tear it down. heap_reaper_atexit (registered
+ * when the thread starts, so after CUDA's own handlers and run before
+ * them) sets reaper_stop and waits while reaper_busy (a round of driver
+ * calls is under way). Both under reaper_lock. */
+static int reaper_stop;
+static int reaper_busy;
+static pthread_cond_t reaper_idle_cv = PTHREAD_COND_INITIALIZER;
+
+/* Move everything in h's limbo to the depot once the device has drained.
+ * The chain is taken before the synchronisation, so every magazine in it
+ * was put there (and its stream's work enqueued) before the wait began. */
+static void heap_reap(heap *h) {
+  atomic_add_relaxed(&h->reaping, 1);
+  registry_link *chain = stack_take_all(&h->limbo, &magazine_registry);
+  if (chain != NULL) {
+    int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
+    for (registry_link *n = chain, *next; n; n = next) {
+      next = stack_next(&magazine_registry, n);
+      magazine *m = (magazine *)n;
+      if (ok) {
+        atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
+        depot_put(&h->depots[m->cls], m);
+      } else {
+        stack_push(&h->limbo, &magazine_registry, &m->link);
+      }
+    }
+  }
+  /* Release pairs with the acquire in heap_reap_wait: what this reap moved
+   * to the depot is visible to a thread that saw the count drop. */
+  atomic_sub_acq_rel(&h->reaping, 1);
+}
+
+/* Reap here, then wait out a reap another thread has in progress. */
+static void heap_reap_wait(heap *h) {
+  heap_reap(h);
+  while (atomic_load_acquire(&h->reaping) > 0) sched_yield();
+}
+
+/* Cached bytes above the release threshold (0 if none). */
+static size_t heap_excess(heap *h) {
+  size_t cached = heap_cached_bytes(h);
+  return cached > h->release_threshold ? cached - h->release_threshold : 0;
+}
+
+/* Release threshold: give back what is cached above it, cheapest first.
+ * Thread caches are left alone (emptying them needs a device
+ * synchronisation; they are bounded by the magazine size). */
+static void heap_release_above_threshold(heap *h) {
+  if (h->release_threshold == SIZE_MAX || heap_excess(h) == 0) return;
+  heap_relieve(h, HEAP_STEP_RECLAIM);
+  if (heap_excess(h) > 0) large_release(&h->large, heap_excess(h));
+  if (heap_excess(h) > 0) slab_release_free(&h->slabs, heap_excess(h));
+}
+
+static void *heap_reaper_main(void *arg) {
+  (void)arg;
+  for (;;) {
+    pthread_mutex_lock(&reaper_lock);
+    while (!reaper_work && !reaper_stop) {
+      if (!reaper_timed) {
+        pthread_cond_wait(&reaper_cv, &reaper_lock);
+        continue;
+      }
+      /* Threshold checks also run on a timer: memory cached by a program
+       * that went quiet is given back too. */
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 200 * 1000 * 1000;
+      if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+      }
+      if (pthread_cond_timedwait(&reaper_cv, &reaper_lock, &ts) != 0) break;
+    }
+    reaper_work = 0;
+    if (reaper_stop) break;
+    reaper_busy = 1;
+    pthread_mutex_unlock(&reaper_lock);
+    for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
+      heap *h = heap_peek(d);
+      if (h == NULL) continue;
+      heap_reap(h);
+      heap_release_above_threshold(h);
+      if (atomic_load_acquire(&h->epochs.refill_asked)) epoch_pool_fill(&h->epochs, h->ops->event_prefill);
+    }
+    pthread_mutex_lock(&reaper_lock);
+    reaper_busy = 0;
+    pthread_cond_broadcast(&reaper_idle_cv);
+    pthread_mutex_unlock(&reaper_lock);
+  }
+  pthread_mutex_unlock(&reaper_lock); /* stopping: the loop broke with it held */
+  return NULL;
+}
+
+/* At exit: let a round under way finish, then keep the thread off the
+ * driver for good (what limbo still holds is the process's last memory). */
+static void heap_reaper_atexit(void) {
+  pthread_mutex_lock(&reaper_lock);
+  reaper_stop = 1;
+  pthread_cond_broadcast(&reaper_cv);
+  while (reaper_busy) pthread_cond_wait(&reaper_idle_cv, &reaper_lock);
+  pthread_mutex_unlock(&reaper_lock);
+}
+
+/* Signal the thread, starting it if needed; returns 0 if none could be
+ * started. reaper_lock is held by the caller. */
+static int heap_reaper_signal_locked(void) {
+  reaper_work = 1;
+  if (!reaper_started) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, heap_reaper_main, NULL) == 0) {
+      reaper_started = 1;
+      atexit(heap_reaper_atexit);
+    }
+    pthread_attr_destroy(&attr);
+  }
+  pthread_cond_signal(&reaper_cv);
+  return reaper_started;
+}
+
+/* The event pool of some heap runs low (epoch.c's hook): refill it in the
+ * background thread. */
+static void heap_events_low(void) {
+  pthread_mutex_lock(&reaper_lock);
+  heap_reaper_signal_locked();
+  pthread_mutex_unlock(&reaper_lock);
+}
+
+static void heap_wake_maintenance(void) {
+  pthread_mutex_lock(&reaper_lock);
+  reaper_timed = 1;
+  heap_reaper_signal_locked();
+  pthread_mutex_unlock(&reaper_lock);
+}
+
+void heap_limbo_put(heap *h, magazine *m) {
+  m->ticket = (epoch_ticket){0};
+  atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
+  stack_push(&h->limbo, &magazine_registry, &m->link);
+  atomic_add_relaxed(&h->stat_limbo, 1);
+  pthread_mutex_lock(&reaper_lock);
+  int started = heap_reaper_signal_locked();
+  pthread_mutex_unlock(&reaper_lock);
+  /* No thread could be started: drain here (this is a slow path: a slot
+   * being retired), rather than strand the memory. */
+  if (!started) heap_reap(h);
+}

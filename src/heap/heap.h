@@ -1,0 +1,124 @@
+/* A heap: everything magpie holds for one device.
+ *
+ *   region   — the device's virtual range and mapped memory
+ *   depots   — per size class, magazines no thread holds
+ *   epochs   — stream records and the event pool
+ *   large    — free large blocks waiting for reuse
+ *   limbo    — magazines of streams that died before their blocks could be
+ *              sealed; a background thread synchronises the device and
+ *              returns them to the depot.
+ *
+ * Heaps are created on first use of their device and live for the process. */
+#ifndef MAGPIE_HEAP_H
+#define MAGPIE_HEAP_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/atomic.h"
+#include "device/backend.h"
+#include "pool/depot.h"
+#include "pool/epoch.h"
+#include "pool/large.h"
+#include "pool/record.h"
+#include "pool/region.h"
+#include "base/sizeclass.h"
+#include "pool/slab.h"
+#include "pool/span.h"
+
+#define HEAP_MAX_DEVICES 64
+
+/* Out-of-memory ladder steps, cheapest first (magpie_stats.ladder_steps). */
+enum heap_step {
+  HEAP_STEP_RECLAIM = 0, /* query pending epochs, merge what completed */
+  HEAP_STEP_SLABS = 1,   /* give back slabs wholly free in the depot */
+  HEAP_STEP_THREADS = 2, /* take idle threads' magazines, ask busy ones */
+  HEAP_STEP_WAIT = 3,    /* block until pending epochs (and limbo) drain */
+  HEAP_STEP_UNMAP = 4,   /* unmap free large granules / segments */
+  HEAP_STEP_FAILED = 5,  /* the request failed after every step */
+  HEAP_STEP_COUNT = 6
+};
+
+/* Statistics below are relaxed counters, written by any thread on slow
+ * paths and read by magpie_stats_get; none publishes other memory. Byte
+ * counters of a layer move when whole magazines move between layers. */
+typedef struct heap {
+  int device;
+  const backend_ops *ops;
+  size_t total_mem;
+  size_t release_threshold; /* set once at creation */
+  int reuse_wait;           /* magpie_config.reuse_wait; set once */
+  region region;
+  epoch_table epochs;
+  depot depots[SIZECLASS_COUNT];
+  stack limbo;
+  large_cache large;
+  span_set spans;       /* granules shared by small classes' slabs */
+  slab_set slabs;       /* class slabs, for release and snapshots */
+  record_table records; /* blocks with record_stream entries */
+  _Atomic int64_t stat_in_use_published; /* sum of threads' published live bytes */
+  _Atomic size_t stat_peak_in_use;
+  _Atomic uint64_t stat_limbo;
+  _Atomic int64_t stat_limbo_bytes;
+  _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
+  _Atomic uint64_t stat_threads_flushed;
+  _Atomic uint64_t stat_threads_stolen;
+  _Atomic int reaping; /* threads inside heap_reap (release/acquire) */
+  /* Per class allocations served by magazines / slow paths, folded in from
+   * thread slots when they are retired. */
+  _Atomic uint64_t stat_class_hits[SIZECLASS_COUNT];
+  _Atomic uint64_t stat_class_misses[SIZECLASS_COUNT];
+} heap;
+
+/* The thread-cache layer's give-back (tcache.c registers it: the heap lies
+ * below the thread caches and cannot name them). Empties idle threads'
+ * magazines of heap h into limbo and asks busy threads to do the same at
+ * their next slow path; returns the bytes taken. */
+typedef size_t (*heap_threads_reclaim_fn)(heap *h);
+void heap_set_threads_reclaim(heap_threads_reclaim_fn fn);
+
+/* Set up the heap layer for a backend and a configuration (once, from
+ * global init; cfg is copied). */
+void heap_module_init(const backend_ops *ops, const magpie_config *cfg);
+/* The heap of a device (created on first use); NULL with the error set. */
+heap *heap_get(int device);
+/* The heap if it exists, else NULL (no creation). */
+heap *heap_peek(int device);
+
+/* A magazine of class cls usable by stream_id (handle stream) now: from
+ * the depot, else a new slab; under pressure, through a stream wait on
+ * another stream's pending magazine, then down the ladder (which waits
+ * for pending epochs and gives back cached large blocks) before failing
+ * with MAGPIE_ERR_OUT_OF_MEMORY. */
+int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out);
+
+/* A large block of at least size bytes usable by stream_id (handle
+ * stream) now; under pressure, goes down the same ladder. */
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out,
+                     size_t *bsize);
+
+/* Run one ladder step; returns nonzero if it freed or readied anything. */
+int heap_relieve(heap *h, enum heap_step step);
+
+/* Give back cached memory until at most keep bytes are reserved beyond
+ * what is in use (magpie_trim). Does not wait for pending epochs; does
+ * wait for other threads' releases already past their lists. */
+int heap_trim(heap *h, size_t keep);
+
+/* Cached bytes (reserved - in use), from the cheap counters. */
+size_t heap_cached_bytes(heap *h);
+
+/* A slow path freed memory: wake the background releaser if the cache is
+ * above the release threshold. */
+void heap_note_cached(heap *h);
+
+/* A non-empty magazine whose stream can no longer be sealed (destroyed):
+ * reusable only after a device synchronisation, done off the allocation
+ * path by the reaper thread. */
+void heap_limbo_put(heap *h, magazine *m);
+
+/* Add a thread's unpublished in-use delta and raise the peak. */
+void heap_publish_in_use(heap *h, int64_t delta);
+
+#endif /* MAGPIE_HEAP_H */

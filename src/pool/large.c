@@ -1,0 +1,726 @@
+/* Large blocks: segments, best fit, split and coalesce.
+ *
+ * Lock order: large_cache.lock is a leaf. No driver call is made under it,
+ * and tickets whose last reference drops under it are released after it is
+ * unlocked (releasing takes the epoch table's lock). */
+#include "pool/large.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool/epoch.h"
+#include "base/meta.h"
+#include "base/pagemap.h"
+#include "pool/slab.h"
+
+void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_mem, int reuse_wait,
+                struct heap *owner) {
+  memset(c, 0, sizeof *c);
+  c->region = r;
+  c->ops = ops;
+  c->total_mem = total_mem;
+  c->reuse_wait = reuse_wait;
+  c->owner = owner;
+  pthread_mutex_init(&c->lock, NULL);
+  pthread_cond_init(&c->granule_cv, NULL);
+}
+
+/* ---- tickets ---- */
+
+static void lticket_ref(lticket *lt) {
+  if (lt) lt->refs++;
+}
+
+/* Drop a reference; the last one queues the ticket on *deferred, to be
+ * released once the lock is let go. */
+static void lticket_unref(lticket *lt, lticket **deferred) {
+  if (lt == NULL || --lt->refs > 0) return;
+  lt->dnext = *deferred;
+  *deferred = lt;
+}
+
+static void lticket_release_all(lticket *lt) {
+  for (lticket *next; lt; lt = next) {
+    next = lt->dnext;
+    epoch_ticket_release(&lt->t);
+    meta_free(lt);
+  }
+}
+
+static int lblock_ready_for(const lblock *b, uint64_t stream_id) {
+  return b->ticket == NULL || b->ticket->t.rec->id == stream_id || lticket_done(b->ticket);
+}
+
+/* ---- lists and hash (all under the lock) ---- */
+
+static void large_free_link(large_cache *c, lblock *b) {
+  b->state = LBLOCK_FREE;
+  b->fprev = NULL;
+  b->fnext = c->free;
+  if (c->free) c->free->fprev = b;
+  c->free = b;
+}
+
+static void large_free_unlink(large_cache *c, lblock *b) {
+  if (b->fprev) b->fprev->fnext = b->fnext;
+  else c->free = b->fnext;
+  if (b->fnext) b->fnext->fprev = b->fprev;
+  b->fprev = b->fnext = NULL;
+}
+
+MAGPIE_WRAPS static size_t large_hash_of(uintptr_t p, size_t cap) {
+  return (size_t)(((uint64_t)p >> 12) * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+}
+
+static int large_hash_grow(large_cache *c) {
+  size_t cap = c->hash_cap ? c->hash_cap * 2 : 256;
+  lblock **nh = meta_alloc(cap * sizeof *nh);
+  if (nh == NULL) return 0;
+  for (size_t i = 0; i < c->hash_cap; i++) {
+    for (lblock *b = c->hash[i], *next; b; b = next) {
+      next = b->hnext;
+      size_t k = large_hash_of(b->base, cap);
+      b->hnext = nh[k];
+      nh[k] = b;
+    }
+  }
+  meta_free(c->hash);
+  c->hash = nh;
+  c->hash_cap = cap;
+  return 1;
+}
+
+static int large_hash_insert(large_cache *c, lblock *b) {
+  if (c->hash_count >= c->hash_cap && !large_hash_grow(c) && c->hash_cap == 0) return 0;
+  size_t k = large_hash_of(b->base, c->hash_cap);
+  b->hnext = c->hash[k];
+  c->hash[k] = b;
+  c->hash_count++;
+  return 1;
+}
+
+static lblock *large_hash_find(large_cache *c, uintptr_t p, int unlink) {
+  if (c->hash_cap == 0) return NULL;
+  for (lblock **pp = &c->hash[large_hash_of(p, c->hash_cap)]; *pp; pp = &(*pp)->hnext) {
+    lblock *b = *pp;
+    if (b->base != p) continue;
+    if (unlink) {
+      *pp = b->hnext;
+      b->hnext = NULL;
+      c->hash_count--;
+    }
+    return b;
+  }
+  return NULL;
+}
+
+/* ---- granules ---- */
+
+static size_t large_gran(large_cache *c) { return c->region->gran; }
+
+/* Bytes of [a, a+n) in granules not mapped yet (the cost of using it). */
+static size_t large_unmapped_in(large_cache *c, const lseg *sg, uintptr_t a, size_t n) {
+  if (!sg->vmm) return 0;
+  size_t g = large_gran(c);
+  size_t cost = 0;
+  for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++)
+    if (sg->gran[i] != GRAN_MAPPED) cost += g;
+  return cost;
+}
+
+/* ---- merging ---- */
+
+/* Can free neighbours a (lower) and b be one block? Clears completed
+ * tickets on the way; on yes, a's ticket is the merged block's. */
+static int large_mergeable(lblock *a, lblock *b, lticket **deferred) {
+  if (a->ticket && lticket_done(a->ticket)) {
+    lticket_unref(a->ticket, deferred);
+    a->ticket = NULL;
+  }
+  if (b->ticket && lticket_done(b->ticket)) {
+    lticket_unref(b->ticket, deferred);
+    b->ticket = NULL;
+  }
+  if (a->ticket == NULL && b->ticket == NULL) return 1;
+  if (a->ticket == NULL || b->ticket == NULL || a->ticket->t.rec != b->ticket->t.rec) return 0;
+  /* Same stream: the later ticket covers both (events complete in order). */
+  if (b->ticket->t.seq > a->ticket->t.seq) {
+    lticket *t = a->ticket;
+    a->ticket = b->ticket;
+    b->ticket = t;
+  }
+  lticket_unref(b->ticket, deferred);
+  b->ticket = NULL;
+  return 1;
+}
+
+/* Fold free block b into its lower neighbour a (mergeable). */
+static void large_absorb(large_cache *c, lblock *a, lblock *b) {
+  a->size += b->size;
+  a->next = b->next;
+  if (b->next) b->next->prev = a;
+  large_free_unlink(c, b);
+  meta_free(b);
+}
+
+/* Merge free block b with free neighbours it may join; returns the block
+ * that now contains b. */
+static lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
+  lblock *p = b->prev;
+  if (p && p->state == LBLOCK_FREE && large_mergeable(p, b, deferred)) {
+    large_absorb(c, p, b);
+    b = p;
+  }
+  lblock *n = b->next;
+  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, deferred)) large_absorb(c, b, n);
+  return b;
+}
+
+/* Clear completed tickets of free blocks and merge what may be merged.
+ * Returns the bytes that became ready. */
+static size_t large_settle_locked(large_cache *c, lticket **deferred) {
+  size_t ready = 0;
+  for (int again = 1; again;) {
+    again = 0;
+    for (lblock *b = c->free; b; b = b->fnext) {
+      if (b->ticket == NULL || !lticket_done(b->ticket)) continue;
+      lticket_unref(b->ticket, deferred);
+      b->ticket = NULL;
+      ready += b->size;
+      large_coalesce(c, b, deferred);
+      again = 1; /* the list changed under the iterator */
+      break;
+    }
+  }
+  /* Ready neighbours left unmerged because one was pending at its free. */
+  for (int again = 1; again;) {
+    again = 0;
+    for (lblock *b = c->free; b; b = b->fnext) {
+      if (b->ticket != NULL) continue;
+      lblock *n = b->next;
+      if ((n && n->state == LBLOCK_FREE && n->ticket == NULL) ||
+          (b->prev && b->prev->state == LBLOCK_FREE && b->prev->ticket == NULL)) {
+        large_coalesce(c, b, deferred);
+        again = 1;
+        break;
+      }
+    }
+  }
+  return ready;
+}
+
+/* ---- segments ---- */
+
+static void large_seg_destroy(lseg *sg) {
+  meta_free(sg->gran);
+  meta_free(sg);
+}
+
+/* A new segment of at least need bytes with one free block spanning it.
+ * Called without the lock (it maps memory without VMM). */
+static int large_seg_new(large_cache *c, size_t need, lseg **out) {
+  size_t g = large_gran(c);
+  size_t size = region_round(c->region, need);
+  lseg *sg = meta_alloc(sizeof *sg);
+  lblock *b = meta_alloc(sizeof *b);
+  slab *d = slab_desc_get();
+  if (sg == NULL || b == NULL || d == NULL) goto fail_host;
+  if (c->region->vmm) {
+    /* Virtual space is cheap: claim room to grow into (the device's size,
+     * at most an eighth of the reserved range, which slabs share), so later
+     * blocks find free space next to earlier ones. */
+    size_t roomy = region_round(c->region, c->total_mem < c->region->size / 8 ? c->total_mem : c->region->size / 8);
+    uintptr_t a = size < roomy ? region_claim_va(c->region, roomy) : 0;
+    if (a != 0) size = roomy;
+    else a = region_claim_va(c->region, size);
+    if (a == 0) {
+      backend_set_error_detail("the reserved virtual range of %zu bytes is exhausted", c->region->size);
+      goto fail_oom;
+    }
+    sg->base = a;
+    sg->size = size;
+    sg->vmm = 1;
+    sg->ngran = size / g;
+    sg->gran = meta_alloc(sg->ngran); /* zeroed: GRAN_UNMAPPED */
+    if (sg->gran == NULL) goto fail_host; /* the VA claim is lost; harmless */
+  } else {
+    int rc = region_map(c->region, size, &sg->base, &sg->raw, &sg->raw_size);
+    if (rc != MAGPIE_OK) {
+      slab_desc_put(d);
+      meta_free(b);
+      meta_free(sg);
+      return rc;
+    }
+    sg->size = size;
+    sg->ngran = size / g;
+  }
+  d->base = sg->base;
+  d->size = sg->size;
+  d->cls = SLAB_LARGE;
+  d->heap = c->owner;
+  d->seg = sg;
+  sg->desc = d;
+  if (pagemap_set(sg->base, sg->size, d) != MAGPIE_OK) {
+    if (!sg->vmm) region_unmap(c->region, sg->base, sg->size, sg->raw, sg->raw_size);
+    goto fail_host;
+  }
+  b->base = sg->base;
+  b->size = sg->size;
+  b->seg = sg;
+  sg->first = b;
+  *out = sg;
+  return MAGPIE_OK;
+fail_host:
+  backend_set_error_detail("out of host memory for large-block metadata");
+fail_oom:
+  if (d) slab_desc_put(d);
+  meta_free(b);
+  if (sg) large_seg_destroy(sg);
+  return MAGPIE_ERR_OUT_OF_MEMORY;
+}
+
+static void large_seg_link(large_cache *c, lseg *sg) {
+  sg->next = c->segs;
+  c->segs = sg;
+  large_free_link(c, sg->first);
+  if (!sg->vmm) atomic_add_relaxed(&c->mapped_bytes, sg->raw_size);
+  atomic_add_relaxed(&c->segments, 1);
+}
+
+/* ---- carving ---- */
+
+static size_t large_release_locked(large_cache *c, size_t want);
+
+typedef struct large_pick {
+  lblock *b;
+  int at_end;
+  size_t cost;
+} large_pick;
+
+static void large_consider(large_cache *c, lblock *b, size_t need, large_pick *best) {
+  size_t c0 = large_unmapped_in(c, b->seg, b->base, need);
+  size_t c1 = b->size > need ? large_unmapped_in(c, b->seg, b->base + b->size - need, need) : c0;
+  size_t cost = c1 < c0 ? c1 : c0;
+  if (best->b == NULL || cost < best->cost || (cost == best->cost && b->size < best->b->size)) {
+    best->b = b;
+    best->at_end = c1 < c0;
+    best->cost = cost;
+  }
+}
+
+/* Cut a USED block of need bytes from free block b (at its start or end).
+ * The new block keeps a reference to b's ticket until it is handed out. */
+static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
+  if (b->size == need) {
+    large_free_unlink(c, b);
+    b->state = LBLOCK_USED;
+    return b;
+  }
+  lblock *u = meta_alloc(sizeof *u);
+  if (u == NULL) return NULL;
+  u->seg = b->seg;
+  u->size = need;
+  u->state = LBLOCK_USED;
+  u->ticket = b->ticket;
+  lticket_ref(u->ticket);
+  b->size -= need;
+  if (at_end) {
+    u->base = b->base + b->size;
+    u->prev = b;
+    u->next = b->next;
+    if (b->next) b->next->prev = u;
+    b->next = u;
+  } else {
+    u->base = b->base;
+    b->base += need;
+    u->next = b;
+    u->prev = b->prev;
+    if (b->prev) b->prev->next = u;
+    else b->seg->first = u;
+    b->prev = u;
+  }
+  return u;
+}
+
+/* Return a carved block that could not be handed out (keeps its ticket). */
+static void large_uncarve(large_cache *c, lblock *u, lticket **deferred) {
+  large_free_link(c, u);
+  large_coalesce(c, u, deferred);
+}
+
+/* Map the unmapped granules under u (lock held on entry and exit; dropped
+ * around each driver call). */
+static int large_map_under(large_cache *c, lblock *u) {
+  lseg *sg = u->seg;
+  if (!sg->vmm) return MAGPIE_OK;
+  size_t g = large_gran(c);
+  size_t g0 = (u->base - sg->base) / g, g1 = (u->base + u->size - 1 - sg->base) / g + 1;
+  /* Claim: wait until no granule here is in another thread's hands. A
+   * granule shared with a neighbour may be mapped by the neighbour's
+   * carver; one inside u may be being unmapped by a trim. */
+  for (;;) {
+    int busy = 0;
+    for (size_t i = g0; i < g1 && !busy; i++) busy = sg->gran[i] >= GRAN_MAPPING;
+    if (!busy) break;
+    pthread_cond_wait(&c->granule_cv, &c->lock);
+  }
+  for (size_t i = g0; i < g1; i++)
+    if (sg->gran[i] == GRAN_UNMAPPED) sg->gran[i] = GRAN_MAPPING;
+  int rc = MAGPIE_OK;
+  for (size_t i = g0; i < g1;) {
+    if (sg->gran[i] != GRAN_MAPPING) {
+      i++;
+      continue;
+    }
+    size_t j = i;
+    while (j < g1 && sg->gran[j] == GRAN_MAPPING) j++;
+    if (rc == MAGPIE_OK) {
+      pthread_mutex_unlock(&c->lock);
+      rc = region_map_at(c->region, sg->base + i * g, (j - i) * g);
+      pthread_mutex_lock(&c->lock);
+    }
+    uint8_t st = rc == MAGPIE_OK ? GRAN_MAPPED : GRAN_UNMAPPED;
+    for (size_t k = i; k < j; k++) sg->gran[k] = st;
+    if (rc == MAGPIE_OK) atomic_add_relaxed(&c->mapped_bytes, (j - i) * g);
+    i = j;
+  }
+  pthread_cond_broadcast(&c->granule_cv);
+  return rc;
+}
+
+/* Hand out carved block u (lock held). */
+static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
+  if (!large_hash_insert(c, u)) {
+    backend_set_error_detail("out of host memory for the large-block table");
+    return MAGPIE_ERR_OUT_OF_MEMORY;
+  }
+  lticket_unref(u->ticket, deferred);
+  u->ticket = NULL;
+  atomic_add_relaxed(&c->in_use_bytes, u->size);
+  return MAGPIE_OK;
+}
+
+/* Streams whose free blocks are queried in one round (one query per
+ * stream: its latest ticket vouches for all earlier ones). */
+#define LARGE_QUERY_MAX 64
+
+/* Query, outside the lock, the latest pending ticket of each stream with
+ * free blocks waiting on it (lock held on entry and exit); the caller
+ * merges what completed (large_settle_locked). Returns how many tickets
+ * were queried. */
+static int large_query_pending_locked(large_cache *c, lticket **deferred) {
+  lticket *q[LARGE_QUERY_MAX];
+  int nq = 0;
+  for (lblock *b = c->free; b; b = b->fnext) {
+    lticket *lt = b->ticket;
+    if (lt == NULL || lticket_done(lt)) continue; /* own stream too: merging needs it */
+    int i = 0;
+    while (i < nq && q[i]->t.rec != lt->t.rec) i++;
+    if (i < nq) {
+      if (lt->t.seq > q[i]->t.seq) q[i] = lt;
+    } else if (nq < LARGE_QUERY_MAX) {
+      q[nq++] = lt;
+    }
+  }
+  if (nq == 0) return 0;
+  for (int i = 0; i < nq; i++) lticket_ref(q[i]);
+  pthread_mutex_unlock(&c->lock);
+  for (int i = 0; i < nq; i++) epoch_ready(&q[i]->t, EPOCH_NO_STREAM);
+  pthread_mutex_lock(&c->lock);
+  for (int i = 0; i < nq; i++) lticket_unref(q[i], deferred);
+  return nq;
+}
+
+/* The granules [*i, *end) lying wholly inside free block b, if b is ready
+ * and its segment can unmap granules; 0 otherwise. */
+static int large_whole_granules(const lblock *b, size_t g, size_t *i, size_t *end) {
+  const lseg *sg = b->seg;
+  if (!sg->vmm || b->ticket != NULL || b->size < g) return 0;
+  *i = (b->base - sg->base + g - 1) / g;
+  *end = (b->base + b->size - sg->base) / g;
+  return *i < *end;
+}
+
+/* Mapped bytes in whole granules of free ready blocks (unmappable now). */
+static size_t large_free_whole_locked(large_cache *c) {
+  size_t g = large_gran(c), sum = 0, i, end;
+  for (lblock *b = c->free; b; b = b->fnext)
+    if (large_whole_granules(b, g, &i, &end))
+      for (; i < end; i++) sum += b->seg->gran[i] == GRAN_MAPPED ? g : 0;
+  return sum;
+}
+
+/* Growing while free memory sits mapped in holes too small for the
+ * request: give back as much of it as is about to be mapped, beyond a
+ * small reserve kept for reuse (1/32 of the large bytes in use, at least
+ * 32 MiB). Peak reserved memory then follows peak live memory instead of
+ * the history of sizes, at the price of one unmap per granule remapped. */
+static size_t large_keep(large_cache *c) {
+  size_t keep = atomic_load_relaxed(&c->in_use_bytes) / 32;
+  return keep < 32 * ((size_t)1 << 20) ? 32 * ((size_t)1 << 20) : keep;
+}
+
+static void large_shrink_before_grow(large_cache *c, size_t growing) {
+  size_t keep = large_keep(c);
+  size_t avail = large_free_whole_locked(c);
+  if (avail > keep) large_release_locked(c, avail - keep < growing ? avail - keep : growing);
+}
+
+int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                size_t *bsize) {
+  if (size > SIZE_MAX - LARGE_QUANTUM) return MAGPIE_ERR_SIZE_OVERFLOW;
+  size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
+  lticket *deferred = NULL;
+  int rc = MAGPIE_ERR_OUT_OF_MEMORY;
+  int queried = 0;
+  pthread_mutex_lock(&c->lock);
+  for (int round = 0; round < 64; round++) {
+    large_pick best = {0}, wait = {0};
+    for (lblock *b = c->free; b; b = b->fnext) {
+      if (b->size < need) continue;
+      if (lblock_ready_for(b, stream_id)) {
+        large_consider(c, b, need, &best);
+      } else {
+        large_consider(c, b, need, &wait);
+      }
+    }
+    /* Best of all: ready and already mapped. */
+    if (best.b != NULL && best.cost == 0) goto carve_best;
+    /* Blocks waiting on other streams may have completed (and merged into
+     * larger ones): one round of queries before mapping more memory. */
+    if (!queried) {
+      queried = 1;
+      if (large_query_pending_locked(c, &deferred) > 0) {
+        large_settle_locked(c, &deferred);
+        continue;
+      }
+    }
+    /* Reuse another stream's block through a stream wait rather than map
+     * more when mapping failed, or when what the large layer holds beyond
+     * its use already passes its reserve (as cudaMallocAsync's pools do
+     * with internal dependencies allowed). */
+    size_t held = atomic_load_relaxed(&c->mapped_bytes), used = atomic_load_relaxed(&c->in_use_bytes);
+    int soft = c->reuse_wait && held > used && held - used > large_keep(c);
+    int use_wait = ((flags & LARGE_MAY_WAIT_EVENT) || soft) && wait.b != NULL && wait.cost == 0;
+    if (best.b != NULL && !use_wait) goto carve_best;
+    if (use_wait) {
+      /* Pressure (mapping just failed): order this stream after the free
+       * instead of mapping. */
+      lblock *u = large_carve(c, wait.b, need, wait.at_end);
+      if (u == NULL) break;
+      lticket *lt = u->ticket;
+      lticket_ref(lt);
+      pthread_mutex_unlock(&c->lock);
+      rc = c->ops->stream_wait_event(stream, lt->t.ev->ev);
+      pthread_mutex_lock(&c->lock);
+      lticket_unref(lt, &deferred);
+      if (rc == MAGPIE_OK) rc = large_hand_out(c, u, &deferred);
+      if (rc != MAGPIE_OK) {
+        large_uncarve(c, u, &deferred);
+        break;
+      }
+      atomic_add_relaxed(&c->stream_waits, 1);
+      *out = u->base;
+      *bsize = u->size;
+      goto done;
+    }
+    /* Nothing free is large enough (or ready): a new segment. */
+    if (c->growing) {
+      /* Another thread is adding a segment: use it rather than add one. */
+      while (c->growing) pthread_cond_wait(&c->granule_cv, &c->lock);
+      continue;
+    }
+    c->growing = 1;
+    pthread_mutex_unlock(&c->lock);
+    lseg *sg = NULL;
+    rc = large_seg_new(c, need, &sg);
+    pthread_mutex_lock(&c->lock);
+    c->growing = 0;
+    pthread_cond_broadcast(&c->granule_cv);
+    if (rc != MAGPIE_OK) break;
+    large_seg_link(c, sg);
+    /* Carve from the new segment at once: under contention, others would
+     * take it and this call would grow again. */
+    best = (large_pick){.b = sg->first, .at_end = 0, .cost = large_unmapped_in(c, sg, sg->base, need)};
+    goto carve_best;
+
+  carve_best: {
+    lblock *u = large_carve(c, best.b, need, best.at_end);
+    if (u == NULL) {
+      backend_set_error_detail("out of host memory for a large-block descriptor");
+      rc = MAGPIE_ERR_OUT_OF_MEMORY;
+      break;
+    }
+    if (best.cost > 0) large_shrink_before_grow(c, best.cost);
+    rc = large_map_under(c, u);
+    if (rc == MAGPIE_OK) rc = large_hand_out(c, u, &deferred);
+    if (rc != MAGPIE_OK) {
+      large_uncarve(c, u, &deferred);
+      break;
+    }
+    *out = u->base;
+    *bsize = u->size;
+    goto done;
+  }
+  }
+  if (rc == MAGPIE_OK) rc = MAGPIE_ERR_OUT_OF_MEMORY; /* rounds ran out */
+done:
+  pthread_mutex_unlock(&c->lock);
+  lticket_release_all(deferred);
+  return rc;
+}
+
+int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
+  pthread_mutex_lock(&c->lock);
+  lblock *b = large_hash_find(c, p, 0);
+  if (b) *bsize = b->size;
+  pthread_mutex_unlock(&c->lock);
+  return b != NULL;
+}
+
+int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize) {
+  lticket *lt = meta_alloc(sizeof *lt);
+  if (lt == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+  lt->t = *t;
+  lt->refs = 1;
+  lticket *deferred = NULL;
+  pthread_mutex_lock(&c->lock);
+  lblock *b = large_hash_find(c, p, 1);
+  int rc = MAGPIE_OK;
+  if (b == NULL) {
+    rc = MAGPIE_ERR_INVALID_POINTER;
+    for (lblock *f = c->free; f; f = f->fnext)
+      if (p >= f->base && p - f->base < f->size) rc = MAGPIE_ERR_DOUBLE_FREE;
+  } else {
+    *bsize = b->size;
+    atomic_sub_relaxed(&c->in_use_bytes, b->size);
+    b->ticket = lt;
+    lt = NULL;
+    large_free_link(c, b);
+    large_coalesce(c, b, &deferred);
+  }
+  pthread_mutex_unlock(&c->lock);
+  lticket_release_all(deferred);
+  meta_free(lt); /* not taken: the caller keeps (and releases) its ticket */
+  return rc;
+}
+
+size_t large_reclaim(large_cache *c) {
+  lticket *deferred = NULL;
+  pthread_mutex_lock(&c->lock);
+  large_query_pending_locked(c, &deferred);
+  size_t ready = large_settle_locked(c, &deferred);
+  pthread_mutex_unlock(&c->lock);
+  lticket_release_all(deferred);
+  return ready;
+}
+
+size_t large_wait(large_cache *c) {
+  size_t waited = 0;
+  for (;;) {
+    lticket *deferred = NULL, *lt = NULL;
+    pthread_mutex_lock(&c->lock);
+    for (lblock *b = c->free; b && lt == NULL; b = b->fnext) {
+      if (b->ticket == NULL || lticket_done(b->ticket)) continue;
+      lt = b->ticket;
+      waited += b->size;
+      lticket_ref(lt);
+    }
+    pthread_mutex_unlock(&c->lock);
+    if (lt == NULL) break;
+    int rc = epoch_wait(&lt->t);
+    pthread_mutex_lock(&c->lock);
+    lticket_unref(lt, &deferred);
+    pthread_mutex_unlock(&c->lock);
+    lticket_release_all(deferred);
+    if (rc != MAGPIE_OK) break; /* the driver failed: leave the rest */
+  }
+  large_reclaim(c);
+  return waited;
+}
+
+/* One run of mapped granules lying wholly in a free ready block, marked
+ * UNMAPPING. */
+static int large_find_unmappable(large_cache *c, lseg **seg, size_t *g0, size_t *g1, size_t max_gran) {
+  size_t g = large_gran(c), i, end;
+  for (lblock *b = c->free; b; b = b->fnext) {
+    if (!large_whole_granules(b, g, &i, &end)) continue;
+    lseg *sg = b->seg;
+    while (i < end && sg->gran[i] != GRAN_MAPPED) i++;
+    if (i >= end) continue;
+    size_t j = i;
+    while (j < end && sg->gran[j] == GRAN_MAPPED && j - i < max_gran) sg->gran[j++] = GRAN_UNMAPPING;
+    *seg = sg;
+    *g0 = i;
+    *g1 = j;
+    return 1;
+  }
+  return 0;
+}
+
+/* Without VMM: a segment that is one free ready block, unlinked. */
+static lseg *large_find_idle_seg(large_cache *c) {
+  for (lseg **pp = &c->segs; *pp; pp = &(*pp)->next) {
+    lseg *sg = *pp;
+    lblock *b = sg->first;
+    if (sg->vmm || b->state != LBLOCK_FREE || b->next != NULL || b->ticket != NULL) continue;
+    large_free_unlink(c, b);
+    *pp = sg->next;
+    return sg;
+  }
+  return NULL;
+}
+
+/* Unmap up to want bytes (lock held; dropped around driver calls). */
+static size_t large_release_locked(large_cache *c, size_t want) {
+  size_t g = large_gran(c);
+  size_t released = 0;
+  while (released < want) {
+    lseg *sg = NULL;
+    size_t g0 = 0, g1 = 0;
+    size_t left = want - released;
+    size_t max_gran = left / g + (left % g != 0);
+    if (large_find_unmappable(c, &sg, &g0, &g1, max_gran)) {
+      region_release_begin(c->region);
+      pthread_mutex_unlock(&c->lock);
+      int rc = region_unmap_at(c->region, sg->base + g0 * g, (g1 - g0) * g);
+      region_release_end(c->region);
+      pthread_mutex_lock(&c->lock);
+      for (size_t k = g0; k < g1; k++) sg->gran[k] = rc == MAGPIE_OK ? GRAN_UNMAPPED : GRAN_MAPPED;
+      pthread_cond_broadcast(&c->granule_cv);
+      if (rc != MAGPIE_OK) break;
+      size_t bytes = (g1 - g0) * g;
+      released += bytes;
+      atomic_sub_relaxed(&c->mapped_bytes, bytes);
+      atomic_add_relaxed(&c->bytes_unmapped, bytes);
+      continue;
+    }
+    sg = large_find_idle_seg(c);
+    if (sg == NULL) break;
+    region_release_begin(c->region);
+    pthread_mutex_unlock(&c->lock);
+    pagemap_set(sg->base, sg->size, NULL); /* leaves exist: cannot fail */
+    region_unmap(c->region, sg->base, sg->size, sg->raw, sg->raw_size);
+    region_release_end(c->region);
+    pthread_mutex_lock(&c->lock);
+    released += sg->raw_size;
+    atomic_sub_relaxed(&c->mapped_bytes, sg->raw_size);
+    atomic_add_relaxed(&c->bytes_unmapped, sg->raw_size);
+    atomic_sub_relaxed(&c->segments, 1);
+    slab_desc_put(sg->desc);
+    meta_free(sg->first);
+    large_seg_destroy(sg);
+  }
+  return released;
+}
+
+size_t large_release(large_cache *c, size_t want) {
+  lticket *deferred = NULL;
+  pthread_mutex_lock(&c->lock);
+  large_settle_locked(c, &deferred);
+  size_t released = large_release_locked(c, want);
+  pthread_mutex_unlock(&c->lock);
+  lticket_release_all(deferred);
+  return released;
+}
+

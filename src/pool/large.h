@@ -1,0 +1,171 @@
+/* Large blocks: requests above the largest size class.
+ *
+ * They are carved best-fit out of *segments* and split and coalesced there,
+ * like PyTorch's expandable segments:
+ *   - with VMM, a segment is a stretch of the device's reserved virtual range
+ *     whose 2 MiB granules are mapped only while some block needs them: a
+ *     segment grows by mapping granules under a new block and shrinks by
+ *     unmapping granules that lie wholly inside free blocks, so a free hole
+ *     never strands a whole segment;
+ *   - without VMM, a segment is one plain device allocation, given back when
+ *     it is wholly free.
+ *
+ * Stream rules are those of small blocks. A free block carries the ticket
+ * of the free that made it (the freeing stream and one event): the freeing
+ * stream may reuse it at once, any stream once the event completed, and,
+ * under memory pressure, another stream after being made to wait on that
+ * event (stream_wait_event), never after a host-side synchronisation.
+ * Neighbouring free blocks are merged when both are ready for every stream
+ * or both wait on the same stream (the later ticket covers the earlier).
+ *
+ * Lock order: large_cache.lock is a leaf; no driver call is made while it
+ * is held. Mapping and unmapping happen outside it; a granule being mapped
+ * or unmapped is marked so in the segment and waited for on granule_cv.
+ * Small-block traffic never takes this lock. */
+#ifndef MAGPIE_LARGE_H
+#define MAGPIE_LARGE_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "base/atomic.h"
+#include "device/backend.h"
+#include "pool/epoch.h"
+#include "pool/magazine.h"
+#include "pool/region.h"
+
+struct heap;
+struct slab;
+
+/* Large block sizes are multiples of this. */
+#define LARGE_QUANTUM ((size_t)4096)
+
+/* A free's ticket shared by the free blocks it covers (a split keeps it on
+ * both parts). refs counts those blocks plus threads querying or waiting on
+ * its event outside the lock; under the lock. The ticket (and its event)
+ * is released when refs drops to 0. */
+typedef struct lticket {
+  epoch_ticket t;
+  uint32_t refs;
+  struct lticket *dnext; /* deferred-release list */
+} lticket;
+
+enum { LBLOCK_FREE = 0, LBLOCK_USED = 1 };
+
+/* INVARIANT: the blocks of a segment tile [seg->base, seg->base+seg->size)
+ *            in address order without gap or overlap.
+ * INVARIANT: every granule under a USED block is mapped; a free block's
+ *            granules may be mapped or not.
+ * INVARIANT: a FREE block is on the free list; a USED block that has been
+ *            handed out is in the hash (one being mapped is in neither). */
+typedef struct lblock {
+  uintptr_t base;
+  size_t size;
+  struct lseg *seg;
+  struct lblock *prev, *next;   /* address order within the segment */
+  struct lblock *fprev, *fnext; /* free list */
+  struct lblock *hnext;         /* hash chain of handed-out blocks */
+  lticket *ticket;              /* free: the free's epoch (NULL: ready) */
+  int state;
+} lblock;
+
+/* Granule states. MAPPING and UNMAPPING belong to one thread working
+ * outside the lock; others wait on granule_cv. */
+enum { GRAN_UNMAPPED = 0, GRAN_MAPPED = 1, GRAN_MAPPING = 2, GRAN_UNMAPPING = 3 };
+
+typedef struct lseg {
+  uintptr_t base;
+  size_t size;
+  int vmm;                  /* 0: one device allocation, all mapped */
+  uintptr_t raw;            /* without VMM: what the region allocated */
+  size_t raw_size;
+  size_t ngran;
+  uint8_t *gran;            /* per granule state (VMM) */
+  struct slab *desc;        /* page-map descriptor (cls SLAB_LARGE) */
+  lblock *first;
+  struct lseg *next;
+} lseg;
+
+typedef struct large_cache {
+  /* Set once by large_init. */
+  region *region;         /* maps segments and granules */
+  const backend_ops *ops; /* stream waits */
+  size_t total_mem;       /* the device's memory (segment reach) */
+  int reuse_wait;         /* magpie_config.reuse_wait */
+  struct heap *owner;     /* stored in segment descriptors (slab.heap) */
+  pthread_mutex_t lock;
+  pthread_cond_t granule_cv;
+  lseg *segs;              /* under lock */
+  lblock *free;            /* under lock */
+  lblock **hash;           /* under lock */
+  size_t hash_cap, hash_count;
+  int growing;             /* a thread is adding a segment; under lock */
+  /* Statistics: written under the lock (relaxed), read without it. */
+  _Atomic size_t in_use_bytes;
+  _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
+  _Atomic uint64_t segments;
+  _Atomic uint64_t stream_waits;
+  _Atomic uint64_t bytes_unmapped;
+} large_cache;
+
+/* Helpers shared by large.c and large_view.c (lock held by the caller). */
+
+/* Complete by a comparison (no driver call)? */
+static inline int lticket_done(const lticket *lt) {
+  return lt == NULL || atomic_load_acquire(&lt->t.rec->done) >= lt->t.seq;
+}
+
+/* Mapped bytes of [a, a+n) in segment sg with granule g (granules shared
+ * with a neighbour count for the part inside the range). */
+static inline size_t lseg_mapped_in(const lseg *sg, size_t g, uintptr_t a, size_t n) {
+  if (!sg->vmm) return n;
+  size_t sum = 0;
+  for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++) {
+    if (sg->gran[i] != GRAN_MAPPED) continue;
+    uintptr_t gs = sg->base + i * g, ge = gs + g;
+    uintptr_t s = gs > a ? gs : a, e = ge < a + n ? ge : a + n;
+    sum += e - s;
+  }
+  return sum;
+}
+
+/* Flags of large_alloc. */
+#define LARGE_MAY_WAIT_EVENT 1 /* pressure: reuse another stream's block via stream_wait_event */
+
+void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_mem, int reuse_wait,
+                struct heap *owner);
+/* A block of at least size bytes usable by stream_id (handle `stream`) now.
+ * Sets *out and *bsize (the block's size). MAGPIE_ERR_OUT_OF_MEMORY when it
+ * needs memory that cannot be mapped. */
+int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                size_t *bsize);
+/* Is p the start of a handed-out large block? Sets *bsize. */
+int large_lookup(large_cache *c, uintptr_t p, size_t *bsize);
+/* Free the block at p with the ticket sealed on its freeing stream (taken
+ * over on success). MAGPIE_ERR_DOUBLE_FREE / MAGPIE_ERR_INVALID_POINTER. */
+int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize);
+
+/* Pressure and trimming. */
+/* Query the events of free blocks still waiting on a stream; merge those
+ * that completed. Returns bytes that became ready. */
+size_t large_reclaim(large_cache *c);
+/* Block until every free block's epoch completed. Returns bytes waited for. */
+size_t large_wait(large_cache *c);
+/* Unmap up to want bytes of granules lying wholly in free ready blocks
+ * (whole segments without VMM). Returns bytes given back. */
+size_t large_release(large_cache *c, size_t want);
+
+/* Where the large bytes are, walked under the lock. */
+typedef struct large_account {
+  size_t free_ready;   /* mapped bytes in free blocks any stream may use */
+  size_t free_pending; /* mapped bytes in free blocks waiting on an epoch */
+  size_t overhead;     /* mapped but outside segments' usable range */
+} large_account;
+void large_account_get(large_cache *c, large_account *out);
+
+/* Append the large segments to a snapshot (JSON array elements). */
+void large_snapshot(large_cache *c, FILE *out, int *first);
+
+#endif /* MAGPIE_LARGE_H */

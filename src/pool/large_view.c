@@ -1,0 +1,69 @@
+/* Read-only views of the large layer: where its bytes are (statistics)
+ * and every segment and block (snapshots).
+ *
+ * Lock order: large_cache.lock alone; nothing is written to the caller's
+ * stream while it is held. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool/large.h"
+
+void large_account_get(large_cache *c, large_account *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&c->lock);
+  for (lblock *b = c->free; b; b = b->fnext) {
+    size_t m = lseg_mapped_in(b->seg, c->region->gran, b->base, b->size);
+    if (b->ticket == NULL || lticket_done(b->ticket)) out->free_ready += m;
+    else out->free_pending += m;
+  }
+  for (lseg *sg = c->segs; sg; sg = sg->next)
+    if (!sg->vmm) out->overhead += sg->raw_size - sg->size;
+  pthread_mutex_unlock(&c->lock);
+}
+
+static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f) {
+  size_t g = c->region->gran;
+  fprintf(f, "{\"kind\":\"large_segment\",\"base\":%llu,\"size\":%zu,\"vmm\":%d,\"granule\":%zu,\"mapped\":[",
+          (unsigned long long)sg->base, sg->size, sg->vmm, g);
+  /* Mapped granules as [first, count] runs. */
+  int firstrun = 1;
+  for (size_t i = 0; i < sg->ngran;) {
+    int m = !sg->vmm || sg->gran[i] == GRAN_MAPPED;
+    size_t j = i + 1;
+    while (j < sg->ngran && (!sg->vmm || sg->gran[j] == GRAN_MAPPED) == m) j++;
+    if (m) {
+      fprintf(f, "%s[%zu,%zu]", firstrun ? "" : ",", i, j - i);
+      firstrun = 0;
+    }
+    i = j;
+  }
+  fputs("],\"blocks\":[", f);
+  for (lblock *b = sg->first; b; b = b->next) {
+    fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",",
+            (unsigned long long)b->base, b->size, lseg_mapped_in(sg, c->region->gran, b->base, b->size));
+    if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
+    else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
+    else
+      fprintf(f, "\"state\":\"pending\",\"stream\":%llu,\"seq\":%llu}", (unsigned long long)b->ticket->t.rec->id,
+              (unsigned long long)b->ticket->t.seq);
+  }
+  fputs("]}", f);
+}
+
+void large_snapshot(large_cache *c, FILE *out, int *first) {
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *mem = open_memstream(&buf, &len);
+  if (mem == NULL) return;
+  /* Written to memory under the lock; to the caller's stream after. */
+  pthread_mutex_lock(&c->lock);
+  for (lseg *sg = c->segs; sg; sg = sg->next) {
+    if (!*first) fputc(',', mem);
+    *first = 0;
+    large_snapshot_seg(c, sg, mem);
+  }
+  pthread_mutex_unlock(&c->lock);
+  fclose(mem);
+  fwrite(buf, 1, len, out);
+  free(buf);
+}

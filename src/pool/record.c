@@ -1,0 +1,273 @@
+/* record_stream: recorded streams, parking at free, polling (see record.h).
+ *
+ * Lock order: record_table.lock is a leaf: no other magpie lock is taken
+ * while it is held and no driver call is made under it (stream records are acquired
+ * before it is taken; seals, event queries and the hand-back to the depot
+ * and the large cache happen after it is released). Host metadata is
+ * allocated under it (jemalloc's own locks are leaves). */
+#include "pool/record.h"
+
+#include <pthread.h>
+#include <string.h>
+
+#include "base/error.h"
+#include "pool/magazine.h"
+#include "base/meta.h"
+#include "base/pagemap.h"
+
+#define RECORD_POLL_FILLED 64 /* magazines one poll hands back at most */
+
+typedef struct record_ref {
+  stream_rec *rec; /* one reference held by the entry */
+  cudaStream_t handle;
+} record_ref;
+
+/* One recorded block.
+ * INVARIANT: an entry is in its device's hash from the first
+ *            magpie_record_stream of its block until its block goes back
+ *            to the pools; its slab's `recorded` counts it all that time.
+ * INVARIANT: parked == 0: refs[0..nrefs) are the recorded streams (distinct
+ *            ids), no tickets. parked == 1: the block was freed; refs are
+ *            gone and tickets[0..ntickets) are the seals of the freeing and
+ *            recorded streams; the entry is on the parked list or in one
+ *            poller's private chain, never both. */
+typedef struct record_entry {
+  uintptr_t ptr;
+  size_t bytes; /* the block's size */
+  slab *slab;
+  int parked;
+  unsigned nrefs, cap;
+  record_ref *refs;
+  unsigned ntickets;
+  epoch_ticket *tickets;
+  struct record_entry *hnext; /* hash chain; under record_table.lock */
+  struct record_entry *pnext; /* parked list or a poller's chain */
+} record_entry;
+
+void record_table_init(record_table *t) {
+  memset(t, 0, sizeof *t);
+  pthread_mutex_init(&t->lock, NULL);
+}
+
+MAGPIE_WRAPS static inline unsigned record_bucket(uintptr_t p) {
+  return (unsigned)(((uint64_t)p >> 8) * 0x9E3779B97F4A7C15ull >> 56) & (RECORD_BUCKETS - 1);
+}
+
+/* Under t->lock. */
+static record_entry **record_find(record_table *t, uintptr_t p) {
+  record_entry **pp = &t->buckets[record_bucket(p)];
+  while (*pp != NULL && (*pp)->ptr != p) pp = &(*pp)->hnext;
+  return pp;
+}
+
+/* Under t->lock: an entry joins (+1) or leaves (-1) the parked ones. */
+static void record_count(record_table *t, const record_entry *e, int dir) {
+  size_t n = atomic_load_relaxed(&t->parked_count), b = atomic_load_relaxed(&t->parked_bytes);
+  size_t lb = atomic_load_relaxed(&t->parked_large_bytes);
+  size_t eb = e->slab->cls == SLAB_LARGE ? e->bytes : 0;
+  atomic_store_relaxed(&t->parked_count, dir > 0 ? n + 1 : n - 1);
+  atomic_store_relaxed(&t->parked_bytes, dir > 0 ? b + e->bytes : b - e->bytes);
+  atomic_store_relaxed(&t->parked_large_bytes, dir > 0 ? lb + eb : lb - eb);
+}
+
+int record_add(record_table *t, slab *sl, uintptr_t p, size_t bytes, stream_rec *rec, cudaStream_t handle) {
+  int rc = MAGPIE_OK, dup = 0;
+  pthread_mutex_lock(&t->lock);
+  record_entry **pp = record_find(t, p);
+  record_entry *e = *pp;
+  if (e == NULL) {
+    e = meta_alloc(sizeof *e);
+    if (e == NULL) {
+      rc = MAGPIE_ERR_OUT_OF_MEMORY;
+      goto out;
+    }
+    e->ptr = p;
+    e->bytes = bytes;
+    e->slab = sl;
+    *pp = e;
+    atomic_add_relaxed(&sl->recorded, 1);
+  } else if (e->parked) {
+    rc = MAGPIE_ERR_INVALID_POINTER;
+    goto out;
+  }
+  for (unsigned i = 0; i < e->nrefs && !dup; i++) dup = e->refs[i].rec->id == rec->id;
+  if (dup) goto out;
+  if (e->nrefs == e->cap) {
+    unsigned ncap = e->cap ? 2 * e->cap : 4;
+    record_ref *n = meta_alloc(ncap * sizeof *n);
+    if (n == NULL) {
+      rc = MAGPIE_ERR_OUT_OF_MEMORY;
+      goto out; /* an entry with no refs is harmless: its free seals the freeing stream only */
+    }
+    if (e->nrefs) memcpy(n, e->refs, e->nrefs * sizeof *n);
+    meta_free(e->refs);
+    e->refs = n;
+    e->cap = ncap;
+  }
+  epoch_stream_ref(rec);
+  e->refs[e->nrefs++] = (record_ref){.rec = rec, .handle = handle};
+out:
+  pthread_mutex_unlock(&t->lock);
+  return rc;
+}
+
+static void record_tickets_release(epoch_ticket *tk, unsigned n) {
+  for (unsigned i = 0; i < n; i++) epoch_ticket_release(&tk[i]);
+}
+
+int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle,
+                size_t *parked) {
+  *parked = 0;
+  pthread_mutex_lock(&t->lock);
+  record_entry *e = *record_find(t, p);
+  int was_parked = e != NULL && e->parked;
+  if (e != NULL) e->parked = 1; /* a racing second free now fails */
+  pthread_mutex_unlock(&t->lock);
+  if (e == NULL) return MAGPIE_OK;
+  if (was_parked)
+    return error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", (void *)p);
+  /* The entry is ours now (parked, not yet on the list): seal outside the
+   * lock. */
+  epoch_ticket *tk = meta_alloc((e->nrefs + 1) * sizeof *tk);
+  unsigned n = 0;
+  int rc = tk == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : epoch_seal(frec, handle, &tk[n]);
+  if (rc == MAGPIE_OK) n++;
+  for (unsigned i = 0; rc == MAGPIE_OK && i < e->nrefs; i++) {
+    if (e->refs[i].rec->id == frec->id) continue; /* the freeing stream's seal covers it */
+    rc = epoch_seal(e->refs[i].rec, e->refs[i].handle, &tk[n]);
+    if (rc == MAGPIE_OK) n++;
+  }
+  if (rc != MAGPIE_OK) {
+    if (tk != NULL) record_tickets_release(tk, n);
+    meta_free(tk);
+    pthread_mutex_lock(&t->lock);
+    e->parked = 0;
+    pthread_mutex_unlock(&t->lock);
+    return error_set(rc, "magpie_free_async(%p): cannot record an event on a stream the block was used on "
+                     "(magpie_record_stream): %s; the block stays allocated",
+                     (void *)p, rc == MAGPIE_ERR_OUT_OF_MEMORY ? "out of host memory" : backend_error_detail());
+  }
+  /* The tickets hold their own references to the stream records. */
+  for (unsigned i = 0; i < e->nrefs; i++) epoch_stream_release(e->refs[i].rec);
+  meta_free(e->refs);
+  e->refs = NULL;
+  e->nrefs = e->cap = 0;
+  e->tickets = tk;
+  e->ntickets = n;
+  size_t bytes = e->bytes; /* e belongs to the pollers once on the list */
+  /* Statistics: a small block leaves the freeing thread here (as a
+   * magazine given back would), and is counted as waiting on streams until
+   * record_poll hands it to the depot. */
+  if (d != NULL) atomic_add_relaxed(&d->thread_out, (int64_t)bytes);
+  pthread_mutex_lock(&t->lock);
+  e->pnext = t->parked;
+  t->parked = e;
+  record_count(t, e, 1);
+  pthread_mutex_unlock(&t->lock);
+  *parked = bytes;
+  return MAGPIE_OK;
+}
+
+static int record_entry_ready(const record_entry *e) {
+  for (unsigned i = 0; i < e->ntickets; i++)
+    if (epoch_ready(&e->tickets[i], EPOCH_NO_STREAM) == EPOCH_PENDING) return 0;
+  return 1;
+}
+
+void record_poll(record_table *t, depot *depots, large_cache *lc) {
+  if (likely(atomic_load_relaxed(&t->parked_count) == 0)) return;
+  /* Another thread polling (or recording) now: leave it to a later slow
+   * path rather than wait here. */
+  if (pthread_mutex_trylock(&t->lock) != 0) return;
+  record_entry *chain = t->parked;
+  t->parked = NULL;
+  pthread_mutex_unlock(&t->lock);
+
+  /* Event queries, outside the lock. Small blocks go into magazines per
+   * class (published only after their entries left the hash). */
+  magazine *mags[SIZECLASS_COUNT] = {0}; /* being filled, per class */
+  magazine *filled[RECORD_POLL_FILLED];    /* full ones; the rest wait for the next poll */
+  unsigned nfilled = 0;
+  record_entry *ready = NULL, *keep = NULL;
+  for (record_entry *e = chain, *next; e != NULL; e = next) {
+    next = e->pnext;
+    int ok = record_entry_ready(e);
+    slab *sl = e->slab;
+    if (ok && sl->cls != SLAB_LARGE) {
+      magazine **mp = &mags[sl->cls];
+      if (*mp != NULL && (*mp)->count == (*mp)->cap) {
+        if (nfilled < RECORD_POLL_FILLED) {
+          filled[nfilled++] = *mp;
+          *mp = NULL;
+        } else {
+          ok = 0;
+        }
+      }
+      if (ok && *mp == NULL && (*mp = magazine_get_empty(sl->cls)) == NULL) ok = 0; /* host memory: later */
+      if (ok) (*mp)->slots[(*mp)->count++] = (void *)e->ptr;
+    }
+    e->pnext = ok ? ready : keep;
+    if (ok) ready = e;
+    else keep = e;
+  }
+
+  /* Out of the hash first: a block back in a magazine may be handed out and
+   * freed again at once, and that free must not find a parked entry. */
+  pthread_mutex_lock(&t->lock);
+  for (record_entry *e = ready; e != NULL; e = e->pnext) {
+    record_entry **pp = record_find(t, e->ptr);
+    *pp = e->hnext;
+    atomic_sub_relaxed(&e->slab->recorded, 1);
+    record_count(t, e, -1);
+  }
+  while (keep != NULL) {
+    record_entry *e = keep;
+    keep = e->pnext;
+    e->pnext = t->parked;
+    t->parked = e;
+  }
+  pthread_mutex_unlock(&t->lock);
+
+  /* Back to the pools, for any stream: every ticket completed. */
+  for (record_entry *e = ready, *next; e != NULL; e = next) {
+    next = e->pnext;
+    if (e->slab->cls != SLAB_LARGE) {
+      record_tickets_release(e->tickets, e->ntickets);
+      meta_free(e->tickets);
+      meta_free(e);
+      continue;
+    }
+    /* A large block goes back with one of its tickets, all completed: the
+     * large cache takes it over and treats the block as ready for every
+     * stream. */
+    size_t bsize = 0;
+    if (large_free(lc, e->ptr, &e->tickets[0], &bsize) == MAGPIE_OK) {
+      record_tickets_release(e->tickets + 1, e->ntickets - 1);
+      meta_free(e->tickets);
+      meta_free(e);
+      continue;
+    }
+    /* Out of host memory: park it again with its completed tickets and
+     * try at the next poll rather than lose the block. */
+    pthread_mutex_lock(&t->lock);
+    record_entry **pp = record_find(t, e->ptr);
+    e->hnext = NULL;
+    *pp = e;
+    e->pnext = t->parked;
+    t->parked = e;
+    atomic_add_relaxed(&e->slab->recorded, 1);
+    record_count(t, e, 1);
+    pthread_mutex_unlock(&t->lock);
+  }
+  for (unsigned i = 0; i < nfilled; i++) depot_put(&depots[filled[i]->cls], filled[i]);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
+    if (mags[c] != NULL) depot_put(&depots[c], mags[c]);
+}
+
+size_t record_pending_bytes(const record_table *t) { return atomic_load_relaxed(&t->parked_bytes); }
+
+void record_pending(const record_table *t, size_t *small, size_t *large) {
+  size_t all = atomic_load_relaxed(&t->parked_bytes), lb = atomic_load_relaxed(&t->parked_large_bytes);
+  *large = lb <= all ? lb : all;
+  *small = all - *large;
+}

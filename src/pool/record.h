@@ -1,0 +1,82 @@
+/* record_stream: blocks used on more streams than the one they are freed on
+ * (magpie_record_stream, like PyTorch's Tensor.record_stream).
+ *
+ * magpie_record_stream(p, S) remembers S for the block at p. When p is
+ * freed on stream F, one event is sealed on F and one on every recorded
+ * stream (epoch tickets), and the block is parked in its heap's deferred
+ * list instead of a magazine: nobody, F included, gets it back until every
+ * ticket has completed. The deferred list is polled (event queries, never a
+ * wait) from the heap's refill slow paths, and ready blocks go back to the
+ * normal pools: small blocks in magazines to the depot's full stack, large
+ * blocks to the large cache with no ticket. No stream is made to wait and
+ * nothing synchronises the host.
+ *
+ * The free fast path sees recorded blocks through slab.recorded (a count of
+ * entries for the slab's blocks) and leaves them to the slow path, which
+ * calls record_free.
+ *
+ * Lock order: record_table.lock is a leaf. No driver call is made while it
+ * is held (seals and event queries happen outside). */
+#ifndef MAGPIE_RECORD_H
+#define MAGPIE_RECORD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <pthread.h>
+
+#include "device/backend.h"
+#include "pool/depot.h"
+#include "pool/epoch.h"
+#include "pool/large.h"
+#include "pool/slab.h"
+
+#define RECORD_BUCKETS 256
+
+struct record_entry;
+
+/* One device's recorded blocks. */
+typedef struct record_table {
+  pthread_mutex_t lock;
+  struct record_entry *buckets[RECORD_BUCKETS]; /* under lock */
+  struct record_entry *parked;                  /* under lock */
+  /* Written under lock; read relaxed by record_poll's early exit (a stale
+   * zero only delays the hand-back to a later slow path) and by
+   * statistics. */
+  _Atomic size_t parked_count;
+  _Atomic size_t parked_bytes;
+  _Atomic size_t parked_large_bytes; /* part of parked_bytes */
+} record_table;
+
+void record_table_init(record_table *t);
+
+/* Remember that the block at p (start of a handed-out block of sl, bytes
+ * long) is used on stream `handle` (stream_rec of the block's heap). Takes
+ * its own reference to rec. MAGPIE_ERR_INVALID_POINTER if the block is
+ * parked (freed). */
+int record_add(record_table *t, slab *sl, uintptr_t p, size_t bytes, stream_rec *rec, cudaStream_t handle);
+
+/* Free of a block of sl whose slab has recorded blocks (slab.recorded != 0).
+ * If p has recorded streams, seals the freeing stream (frec, handle, id
+ * matched by the caller) and every recorded stream, parks the block and
+ * sets *parked to its size; the caller then only adjusts its live bytes.
+ * *parked = 0: not recorded, free normally. A parked small block leaves
+ * the freeing thread's cached bytes through d (its class's depot; NULL for
+ * a large block). A nonzero return is an error already reported with
+ * error_set; the block then stays allocated. */
+int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle,
+                size_t *parked);
+
+/* Return parked blocks whose tickets have all completed to the normal
+ * pools (small ones to depots[class], large ones to lc). Never blocks; at
+ * most one event query per pending ticket. Called from the heap's refill
+ * slow paths; a relaxed check when nothing is parked. */
+void record_poll(record_table *t, depot *depots, large_cache *lc);
+
+/* Bytes parked (freed, waiting for recorded streams) in t. */
+size_t record_pending_bytes(const record_table *t);
+/* The same split: small blocks (out of the threads' magazines) and large
+ * blocks (still counted in use by the large cache). For statistics. */
+void record_pending(const record_table *t, size_t *small, size_t *large);
+
+#endif /* MAGPIE_RECORD_H */

@@ -1,0 +1,193 @@
+/* Virtual range and physical mapping per device.
+ * Lock order: region.lock is a leaf; never held across a driver call. */
+#include "pool/region.h"
+
+#include <sched.h>
+#include <string.h>
+
+#include "base/meta.h"
+#include "base/pagemap.h"
+
+size_t region_unit(size_t g) {
+  if (g == 0 || (g & (g - 1)) != 0) g = (size_t)2 << 20;
+  /* The page map tells slabs apart by its pages: map no less. */
+  if (g < ((size_t)1 << PAGEMAP_PAGE_SHIFT)) g = (size_t)1 << PAGEMAP_PAGE_SHIFT;
+  return g;
+}
+
+int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint) {
+  memset(r, 0, sizeof *r);
+  r->device = device;
+  r->ops = ops;
+  pthread_mutex_init(&r->lock, NULL);
+  r->limit = SIZE_MAX;
+  int rc = ops->granularity(device, &r->gran);
+  if (rc != MAGPIE_OK) return rc;
+  r->gran = region_unit(r->gran);
+  int vmm = 0;
+  if (ops->vmm_supported(device, &vmm) != MAGPIE_OK) vmm = 0;
+  if (vmm) {
+    size_t want = region_round(r, reserve_hint);
+    while (want >= r->gran) {
+      if (ops->reserve(device, want, &r->base) == MAGPIE_OK) {
+        r->size = want;
+        r->vmm = 1;
+        break;
+      }
+      want /= 2;
+      want = region_round(r, want);
+    }
+  }
+  return MAGPIE_OK;
+}
+
+/* Claim a virtual range under the lock: first fit in the free list, else the
+ * bump pointer. Returns 0 if the range is exhausted. */
+static uintptr_t region_claim(region *r, size_t size) {
+  uintptr_t addr = 0;
+  pthread_mutex_lock(&r->lock);
+  for (region_range **pp = &r->free; *pp; pp = &(*pp)->next) {
+    region_range *f = *pp;
+    if (f->size < size) continue;
+    addr = f->base;
+    f->base += size;
+    f->size -= size;
+    if (f->size == 0) {
+      *pp = f->next;
+      meta_free(f);
+    }
+    break;
+  }
+  if (addr == 0 && r->size - r->bump >= size) {
+    addr = r->base + r->bump;
+    r->bump += size;
+  }
+  pthread_mutex_unlock(&r->lock);
+  return addr;
+}
+
+/* Return a virtual range, coalescing with its neighbours. */
+static void region_release(region *r, uintptr_t addr, size_t size) {
+  pthread_mutex_lock(&r->lock);
+  region_range **pp = &r->free;
+  while (*pp && (*pp)->base < addr) pp = &(*pp)->next;
+  region_range *next = *pp;
+  /* Predecessor: the node whose next pointer is pp (found by rescanning). */
+  region_range *prev = NULL;
+  for (region_range *q = r->free; q && q != next; q = q->next) prev = q;
+  if (prev && prev->base + prev->size == addr) {
+    prev->size += size;
+    if (next && prev->base + prev->size == next->base) {
+      prev->size += next->size;
+      prev->next = next->next;
+      meta_free(next);
+    }
+  } else if (next && addr + size == next->base) {
+    next->base = addr;
+    next->size += size;
+  } else {
+    region_range *n = meta_alloc(sizeof *n);
+    if (n != NULL) {
+      n->base = addr;
+      n->size = size;
+      n->next = next;
+      *pp = n;
+    }
+    /* Out of host memory: the range is leaked from the reservation only
+     * (no device memory stays mapped), which is safe. */
+  }
+  pthread_mutex_unlock(&r->lock);
+}
+
+/* Count size bytes as mapped before mapping them, unless that passes the
+ * limit. */
+static int region_commit(region *r, size_t size) {
+  size_t cur = atomic_load_relaxed(&r->mapped);
+  do {
+    if (cur > r->limit || r->limit - cur < size) {
+      backend_set_error_detail("the limit of %zu bytes reserved would be passed (%zu reserved, %zu more asked)",
+                               r->limit, cur, size);
+      return MAGPIE_ERR_OUT_OF_MEMORY;
+    }
+  } while (!atomic_cas_weak_relaxed(&r->mapped, &cur, cur + size));
+  return MAGPIE_OK;
+}
+
+static void region_uncommit(region *r, size_t size) { atomic_sub_relaxed(&r->mapped, size); }
+
+static void region_note_peak(region *r) { atomic_max_size_relaxed(&r->peak_mapped, atomic_load_relaxed(&r->mapped)); }
+
+void region_releases_wait(region *r) {
+  while (atomic_load_acquire(&r->releasing) > 0) sched_yield();
+}
+
+uintptr_t region_claim_va(region *r, size_t size) { return r->vmm ? region_claim(r, size) : 0; }
+
+int region_map_at(region *r, uintptr_t addr, size_t size) {
+  int rc = region_commit(r, size);
+  if (rc != MAGPIE_OK) return rc;
+  rc = r->ops->map(r->device, addr, size);
+  if (rc != MAGPIE_OK) region_uncommit(r, size);
+  else region_note_peak(r);
+  return rc;
+}
+
+int region_unmap_at(region *r, uintptr_t addr, size_t size) {
+  int rc = r->ops->unmap(r->device, addr, size);
+  if (rc == MAGPIE_OK) region_uncommit(r, size);
+  return rc;
+}
+
+int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size) {
+  if (r->vmm) {
+    uintptr_t a = region_claim(r, size);
+    if (a == 0) {
+      backend_set_error_detail("the reserved virtual range of %zu bytes is exhausted", r->size);
+      return MAGPIE_ERR_OUT_OF_MEMORY;
+    }
+    int rc = region_map_at(r, a, size);
+    if (rc != MAGPIE_OK) {
+      region_release(r, a, size);
+      return rc;
+    }
+    *addr = *raw = a;
+    *raw_size = size;
+    return MAGPIE_OK;
+  }
+  int rc = region_commit(r, size);
+  if (rc != MAGPIE_OK) return rc;
+  uintptr_t p = 0;
+  rc = r->ops->mem_alloc(r->device, size, &p);
+  if (rc != MAGPIE_OK) {
+    region_uncommit(r, size);
+    return rc;
+  }
+  size_t got = size;
+  if (p & (r->gran - 1)) {
+    /* The page map needs granularity alignment: over-allocate once. */
+    r->ops->mem_free(r->device, p, size);
+    region_uncommit(r, size);
+    got = size + r->gran;
+    if ((rc = region_commit(r, got)) != MAGPIE_OK) return rc;
+    rc = r->ops->mem_alloc(r->device, got, &p);
+    if (rc != MAGPIE_OK) {
+      region_uncommit(r, got);
+      return rc;
+    }
+  }
+  region_note_peak(r);
+  *raw = p;
+  *raw_size = got;
+  *addr = (p + r->gran - 1) & ~(uintptr_t)(r->gran - 1);
+  return MAGPIE_OK;
+}
+
+void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size) {
+  if (r->vmm) {
+    if (region_unmap_at(r, addr, size) != MAGPIE_OK) return; /* still mapped: keep it out of reuse */
+    region_release(r, addr, size);
+  } else {
+    if (r->ops->mem_free(r->device, raw, raw_size) != MAGPIE_OK) return;
+    region_uncommit(r, raw_size);
+  }
+}

@@ -1,0 +1,90 @@
+/* Device memory for slabs and large blocks, in granularity units (2 MiB).
+ *
+ * With VMM, one large virtual range per device is reserved up front and
+ * physical memory is mapped into it on demand; freed ranges return to a
+ * sorted, coalesced free list and are reused first-fit. Without VMM, each
+ * request is a plain device allocation, aligned to the granularity so the
+ * page map can describe it.
+ *
+ * Lock order: region.lock is a leaf, and no driver call is made while it is
+ * held (the range is claimed under the lock, mapped after). */
+#ifndef MAGPIE_REGION_H
+#define MAGPIE_REGION_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/atomic.h"
+#include "device/backend.h"
+
+typedef struct region_range {
+  uintptr_t base;
+  size_t size;
+  struct region_range *next;
+} region_range;
+
+typedef struct region {
+  int device;
+  const backend_ops *ops;
+  int vmm;     /* 1: reserved range + map/unmap; 0: mem_alloc/mem_free */
+  size_t gran; /* map unit */
+  uintptr_t base;
+  size_t size;
+  pthread_mutex_t lock; /* guards bump and free */
+  size_t bump;          /* [base, base+bump) has been handed out at least once */
+  region_range *free;   /* free ranges inside [base, base+bump), by address */
+  /* Bytes backed by device memory, including mappings in flight: raised
+   * (CAS, relaxed) before a map is attempted, so that concurrent mappers
+   * cannot together pass the limit, and lowered after an unmap or a failed
+   * map. Read for statistics. No other memory is published through it. */
+  _Atomic size_t mapped;
+  size_t limit; /* cap on mapped (SIZE_MAX: none); set once at init */
+  /* Statistics, relaxed counters that publish nothing: the highest mapped
+   * seen after a successful map, and the mapped bytes no block serves
+   * (slab tails, fallback alignment, free span chunks; written by slab.c
+   * and span.c as they carve what this region maps). */
+  _Atomic size_t peak_mapped;
+  _Atomic int64_t overhead;
+  /* Releases whose memory is off every list but still mapped: slab.c and
+   * large.c unlink what they give back under their lock, then drop it for
+   * the driver calls. Raised (relaxed) under that lock, so a thread that
+   * takes the lock later sees it; lowered (acq_rel) after the calls,
+   * pairing with the acquire load of region_releases_wait (magpie_trim). */
+  _Atomic int releasing;
+} region;
+
+/* The map unit for a driver's granularity g: g if it is a power of two no
+ * smaller than a page-map page (pagemap.h), else the nearest such unit.
+ * Slab sizes (sizeclass.c) and the region's own unit both come from it. */
+size_t region_unit(size_t g);
+/* reserve_hint: bytes of virtual range to try first (halved on failure). */
+int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint);
+/* Map size bytes (a granularity multiple). *raw/raw_size describe what to
+ * give back to region_unmap (differs from *addr only without VMM). */
+int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size);
+void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size);
+
+/* VMM only: claim size bytes of the reserved range without mapping them
+ * (large segments map and unmap granules inside it themselves). Returns 0
+ * when the range is exhausted. */
+uintptr_t region_claim_va(region *r, size_t size);
+/* Map / unmap granules inside a claimed range (counted in mapped, held to
+ * the limit). */
+int region_map_at(region *r, uintptr_t addr, size_t size);
+int region_unmap_at(region *r, uintptr_t addr, size_t size);
+
+/* Around a release's driver calls, made with its lock dropped (see
+ * region.releasing): begin before dropping the lock, end after the calls. */
+static inline void region_release_begin(region *r) { atomic_add_relaxed(&r->releasing, 1); }
+static inline void region_release_end(region *r) { atomic_sub_acq_rel(&r->releasing, 1); }
+/* Wait out every release begun before (yielding). */
+void region_releases_wait(region *r);
+
+static inline void region_overhead_add(region *r, int64_t bytes) { atomic_add_relaxed(&r->overhead, bytes); }
+
+static inline size_t region_round(const region *r, size_t size) {
+  return (size + r->gran - 1) & ~(r->gran - 1);
+}
+
+#endif /* MAGPIE_REGION_H */

@@ -1,0 +1,64 @@
+/* Spans: granules (the smallest map, 2 MiB on the H200) cut into chunks of
+ * SPAN_CHUNK bytes that serve as the slabs of small size classes, so that
+ * several classes share one granule instead of mapping one each (sixteen
+ * threads of workload 2 held 8 MiB of four small classes' slabs for under
+ * 2 MiB of their blocks).
+ *
+ * A span is mapped when no span has a free chunk and unmapped when its
+ * last chunk comes back. Mapped chunks no slab uses count as overhead.
+ *
+ * INVARIANT: used has bit i set iff chunk i (at base + i * SPAN_CHUNK)
+ *            belongs to a slab (or is being made one); a span is on its
+ *            set's list iff used != 0.
+ *
+ * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock: leaves,
+ * one at a time). A span is
+ * mapped under span_grow_lock only (one map at a time per set) and
+ * unmapped with no lock held. */
+#ifndef MAGPIE_SPAN_H
+#define MAGPIE_SPAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <pthread.h>
+
+#include "base/pagemap.h"
+#include "base/sizeclass.h"
+#include "pool/region.h"
+
+#define SPAN_CHUNK_SHIFT SIZECLASS_CHUNK_SHIFT
+#define SPAN_CHUNK SIZECLASS_CHUNK
+
+/* A chunk is a slab, so the page map must tell chunks apart. */
+_Static_assert(SPAN_CHUNK_SHIFT >= PAGEMAP_PAGE_SHIFT, "chunks smaller than page-map pages");
+
+typedef struct span {
+  uintptr_t base;    /* granule-aligned; immutable */
+  size_t size;       /* the region's granularity; immutable */
+  uintptr_t raw;     /* what region_unmap takes back; immutable */
+  size_t raw_size;
+  uint64_t used;     /* under span_set.span_lock */
+  unsigned nchunks;  /* size / SPAN_CHUNK, at most 64; immutable */
+  struct span *next; /* the set's list, under span_set.span_lock */
+} span;
+
+/* A device's spans. */
+typedef struct span_set {
+  region *region;                 /* maps and unmaps the granules; immutable */
+  pthread_mutex_t span_lock;      /* guards list and the spans' used masks */
+  span *list;
+  /* Held across one span's map: threads that find every span full
+   * together share that span instead of each mapping one. */
+  pthread_mutex_t span_grow_lock;
+} span_set;
+
+void span_set_init(span_set *ss, region *r);
+
+/* A free chunk of ss (mapping a new span if no span has one): its address
+ * and span. MAGPIE_ERR_OUT_OF_MEMORY (device or host) otherwise. */
+int span_chunk_get(span_set *ss, uintptr_t *base, span **out);
+/* Give back a chunk; its span is unmapped if no other chunk is in use. */
+void span_chunk_put(span_set *ss, span *sp, uintptr_t base);
+
+#endif /* MAGPIE_SPAN_H */
