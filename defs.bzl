@@ -9,6 +9,7 @@ MAGPIE_COPTS = [
     "-Wextra",
     "-Wno-unused-parameter",
     "-Werror=implicit-function-declaration",
+    "-Werror=incompatible-pointer-types",
 ]
 
 # The library's own code: internals hidden (only MAGPIE_API names leave a

@@ -1,4 +1,6 @@
-/* See bench_dev.h. */
+/* See bench_dev.h. The driver comes from magpie's one loader
+ * (src/device/cuda_driver.h), the table magpie's backend calls; the runtime
+ * (libcudart, for the reference allocators) is loaded here, with dlopen. */
 #include "bench/bench_dev.h"
 
 #include <dlfcn.h>
@@ -7,16 +9,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "device/cuda_driver.h"
 #include "magpie_sim.h"
 
 #ifdef MAGPIE_BENCH_PTX
 #include "bench/bench_kernels_ptx.h"
 #endif
 
-/* Driver and runtime values used here (cuda.h, driver_types.h). */
+/* Runtime values used here (driver_types.h); the driver's are cuda_driver.h's. */
 enum {
-  BENCH_CU_STREAM_NON_BLOCKING = 1,
-  BENCH_CU_EVENT_DISABLE_TIMING = 2,
   BENCH_POOL_RELEASE_THRESHOLD = 4, /* cudaMemPoolAttrReleaseThreshold */
   BENCH_POOL_RESERVED_CURRENT = 5,  /* cudaMemPoolAttrReservedMemCurrent */
   BENCH_POOL_RESERVED_HIGH = 6,     /* cudaMemPoolAttrReservedMemHigh */
@@ -24,37 +25,9 @@ enum {
 
 static struct {
   int cuda;
-  void *ctx;
-  int device;
-  void *function; /* the touch kernel */
-  int (*cuInit)(unsigned);
-  int (*cuDeviceGet)(int *, int);
-  int (*cuDeviceGetName)(char *, int, int);
-  int (*cuDevicePrimaryCtxRetain)(void **, int);
-  int (*cuCtxSetCurrent)(void *);
-  int (*cuCtxSynchronize)(void);
-  int (*cuStreamCreate)(cudaStream_t *, unsigned);
-  int (*cuStreamDestroy)(cudaStream_t);
-  int (*cuStreamSynchronize)(cudaStream_t);
-  int (*cuStreamWaitEvent)(cudaStream_t, void *, unsigned);
-  int (*cuStreamGetId)(cudaStream_t, unsigned long long *);
-  int (*cuEventCreate)(void **, unsigned);
-  int (*cuEventDestroy)(void *);
-  int (*cuEventRecord)(void *, cudaStream_t);
-  int (*cuEventSynchronize)(void *);
-  int (*cuModuleLoadData)(void **, const void *);
-  int (*cuModuleGetFunction)(void **, void *, const char *);
-  int (*cuLaunchKernel)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        cudaStream_t, void **, void **);
-  int (*cuMemAlloc)(uint64_t *, size_t);
-  int (*cuMemFree)(uint64_t);
-  int (*cuGetErrorName)(int, const char **);
-  /* Optional: workload 3's completion probe. */
-  int (*cuEventQuery)(void *);
-  int (*cuMemHostAlloc)(void **, size_t, unsigned);
-  int (*cuMemHostGetDevicePointer)(uint64_t *, void *, unsigned);
-  int (*cuStreamWriteValue64)(cudaStream_t, uint64_t, uint64_t, unsigned);
-  int (*cuMemFreeHost)(void *);
+  cudrv_context ctx;
+  cudrv_device device;
+  cudrv_function function; /* the touch kernel */
   /* runtime */
   void *cudart;
   char cudart_path[256];
@@ -84,7 +57,7 @@ void bench_dev_fail(const char *what, int code) {
 static int cu_check(int rc, const char *what) {
   if (rc == 0) return 0;
   const char *name = NULL;
-  if (dev.cuGetErrorName) dev.cuGetErrorName(rc, &name);
+  if (cudrv.get_error_name) cudrv.get_error_name(rc, &name);
   if (atomic_fetch_add(&dev_errors, 1) < 20)
     fprintf(stderr, "bench: %s failed: %s (%d)\n", what, name ? name : "?", rc);
   return rc;
@@ -155,51 +128,24 @@ int bench_dev_init(void) {
     snprintf(dev.name, sizeof dev.name, "simulated device");
     return 0;
   }
-  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (h == NULL) {
-    fprintf(stderr, "bench: libcuda.so.1: %s\n", dlerror());
+  /* Every entry point used here, workload 3's completion probe included
+   * (cuEventQuery, cuMemHostAlloc, cuMemHostGetDevicePointer,
+   * cuStreamWriteValue64, cuMemFreeHost), is in the loader's table. */
+  const char *why = NULL;
+  if (cudrv_load(CUDRV_LOAD_ALL, &why) != 0) {
+    fprintf(stderr, "bench: %s\n", why);
     return -1;
   }
-  int ok = 1;
-  LOAD(h, cuInit, "cuInit");
-  LOAD(h, cuDeviceGet, "cuDeviceGet");
-  LOAD(h, cuDeviceGetName, "cuDeviceGetName");
-  LOAD(h, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-  LOAD(h, cuCtxSetCurrent, "cuCtxSetCurrent");
-  LOAD(h, cuCtxSynchronize, "cuCtxSynchronize");
-  LOAD(h, cuStreamCreate, "cuStreamCreate");
-  LOAD(h, cuStreamDestroy, "cuStreamDestroy_v2");
-  LOAD(h, cuStreamSynchronize, "cuStreamSynchronize");
-  LOAD(h, cuStreamWaitEvent, "cuStreamWaitEvent");
-  dev.cuStreamGetId = (int (*)(cudaStream_t, unsigned long long *))dlsym(h, "cuStreamGetId"); /* 12.0+ */
-  LOAD(h, cuEventCreate, "cuEventCreate");
-  LOAD(h, cuEventDestroy, "cuEventDestroy_v2");
-  LOAD(h, cuEventRecord, "cuEventRecord");
-  LOAD(h, cuEventSynchronize, "cuEventSynchronize");
-  LOAD(h, cuModuleLoadData, "cuModuleLoadData");
-  LOAD(h, cuModuleGetFunction, "cuModuleGetFunction");
-  LOAD(h, cuLaunchKernel, "cuLaunchKernel");
-  LOAD(h, cuMemAlloc, "cuMemAlloc_v2");
-  LOAD(h, cuMemFree, "cuMemFree_v2");
-  LOAD(h, cuGetErrorName, "cuGetErrorName");
-  if (!ok) return -1;
-  dev.cuEventQuery = (int (*)(void *))dlsym(h, "cuEventQuery");
-  dev.cuMemHostAlloc = (int (*)(void **, size_t, unsigned))dlsym(h, "cuMemHostAlloc");
-  dev.cuMemHostGetDevicePointer =
-      (int (*)(uint64_t *, void *, unsigned))dlsym(h, "cuMemHostGetDevicePointer_v2");
-  dev.cuStreamWriteValue64 =
-      (int (*)(cudaStream_t, uint64_t, uint64_t, unsigned))dlsym(h, "cuStreamWriteValue64_v2");
-  dev.cuMemFreeHost = (int (*)(void *))dlsym(h, "cuMemFreeHost");
-  if (cu_check(dev.cuInit(0), "cuInit") || cu_check(dev.cuDeviceGet(&dev.device, 0), "cuDeviceGet") ||
-      cu_check(dev.cuDevicePrimaryCtxRetain(&dev.ctx, dev.device), "cuDevicePrimaryCtxRetain") ||
-      cu_check(dev.cuCtxSetCurrent(dev.ctx), "cuCtxSetCurrent"))
+  if (cu_check(cudrv.init(0), "cuInit") || cu_check(cudrv.device_get(&dev.device, 0), "cuDeviceGet") ||
+      cu_check(cudrv.primary_ctx_retain(&dev.ctx, dev.device), "cuDevicePrimaryCtxRetain") ||
+      cu_check(cudrv.ctx_set_current(dev.ctx), "cuCtxSetCurrent"))
     return -1;
-  if (cu_check(dev.cuDeviceGetName(dev.name, (int)sizeof dev.name, dev.device), "cuDeviceGetName"))
+  if (cu_check(cudrv.device_get_name(dev.name, (int)sizeof dev.name, dev.device), "cuDeviceGetName"))
     snprintf(dev.name, sizeof dev.name, "CUDA device %d", dev.device);
 #ifdef MAGPIE_BENCH_PTX
-  void *module = NULL;
-  if (cu_check(dev.cuModuleLoadData(&module, bench_kernels_ptx), "cuModuleLoadData") ||
-      cu_check(dev.cuModuleGetFunction(&dev.function, module, "bench_touch"), "cuModuleGetFunction"))
+  cudrv_module module = NULL;
+  if (cu_check(cudrv.module_load_data(&module, bench_kernels_ptx), "cuModuleLoadData") ||
+      cu_check(cudrv.module_get_function(&dev.function, module, "bench_touch"), "cuModuleGetFunction"))
     return -1;
 #endif
   load_cudart();
@@ -211,17 +157,17 @@ const char *bench_dev_name(void) { return dev.name; }
 
 int bench_dev_thread_init(void) {
   if (!dev.cuda) return 0;
-  return cu_check(dev.cuCtxSetCurrent(dev.ctx), "cuCtxSetCurrent");
+  return cu_check(cudrv.ctx_set_current(dev.ctx), "cuCtxSetCurrent");
 }
 
 cudaStream_t bench_stream_create(void) {
   if (!dev.cuda) {
     cudaStream_t s = magpie_sim_stream_create();
-    if (s == NULL) bench_dev_fail("magpie_sim_stream_create", magpie_last_error());
+    if (s == NULL) bench_dev_fail("magpie_sim_stream_create", magpie_sim_last_error());
     return s;
   }
   cudaStream_t s = NULL;
-  return cu_check(dev.cuStreamCreate(&s, BENCH_CU_STREAM_NON_BLOCKING), "cuStreamCreate") ? NULL : s;
+  return cu_check(cudrv.stream_create(&s, CUDRV_STREAM_NON_BLOCKING), "cuStreamCreate") ? NULL : s;
 }
 
 static int sim_check(int rc, const char *what) {
@@ -231,78 +177,79 @@ static int sim_check(int rc, const char *what) {
 
 int bench_stream_destroy(cudaStream_t s) {
   if (!dev.cuda) return sim_check(magpie_sim_stream_destroy(s), "magpie_sim_stream_destroy");
-  return cu_check(dev.cuStreamDestroy(s), "cuStreamDestroy");
+  return cu_check(cudrv.stream_destroy(s), "cuStreamDestroy");
 }
 
 int bench_stream_sync(cudaStream_t s) {
   if (!dev.cuda) return sim_check(magpie_sim_stream_synchronize(s), "magpie_sim_stream_synchronize");
-  return cu_check(dev.cuStreamSynchronize(s), "cuStreamSynchronize");
+  return cu_check(cudrv.stream_synchronize(s), "cuStreamSynchronize");
 }
 
 int bench_device_sync(void) {
   if (!dev.cuda) return sim_check(magpie_sim_device_synchronize(), "magpie_sim_device_synchronize");
-  return cu_check(dev.cuCtxSynchronize(), "cuCtxSynchronize");
+  return cu_check(cudrv.ctx_synchronize(), "cuCtxSynchronize");
 }
 
 bench_event bench_event_create(void) {
   if (!dev.cuda) {
     magpie_sim_event e = magpie_sim_event_create();
-    if (e == NULL) bench_dev_fail("magpie_sim_event_create", magpie_last_error());
+    if (e == NULL) bench_dev_fail("magpie_sim_event_create", magpie_sim_last_error());
     return (bench_event)e;
   }
-  void *e = NULL;
-  return cu_check(dev.cuEventCreate(&e, BENCH_CU_EVENT_DISABLE_TIMING), "cuEventCreate") ? NULL : e;
+  cudrv_event e = NULL;
+  return cu_check(cudrv.event_create(&e, CUDRV_EVENT_DISABLE_TIMING), "cuEventCreate") ? NULL : (bench_event)e;
 }
 
 int bench_event_destroy(bench_event e) {
   if (!dev.cuda) return sim_check(magpie_sim_event_destroy((magpie_sim_event)e), "magpie_sim_event_destroy");
-  return cu_check(dev.cuEventDestroy(e), "cuEventDestroy");
+  return cu_check(cudrv.event_destroy((cudrv_event)e), "cuEventDestroy");
 }
 
 int bench_event_record(bench_event e, cudaStream_t s) {
   if (!dev.cuda) return sim_check(magpie_sim_event_record((magpie_sim_event)e, s), "magpie_sim_event_record");
-  return cu_check(dev.cuEventRecord(e, s), "cuEventRecord");
+  return cu_check(cudrv.event_record((cudrv_event)e, s), "cuEventRecord");
 }
 
 int bench_event_sync(bench_event e) {
   if (!dev.cuda)
     return sim_check(magpie_sim_event_synchronize((magpie_sim_event)e), "magpie_sim_event_synchronize");
-  return cu_check(dev.cuEventSynchronize(e), "cuEventSynchronize");
+  return cu_check(cudrv.event_synchronize((cudrv_event)e), "cuEventSynchronize");
 }
 
 int bench_stream_wait_event(cudaStream_t s, bench_event e) {
   if (!dev.cuda)
     return sim_check(magpie_sim_stream_wait_event(s, (magpie_sim_event)e), "magpie_sim_stream_wait_event");
-  return cu_check(dev.cuStreamWaitEvent(s, e, 0), "cuStreamWaitEvent");
+  return cu_check(cudrv.stream_wait_event(s, (cudrv_event)e, 0), "cuStreamWaitEvent");
 }
 
 int bench_event_query(bench_event e) {
-  if (!dev.cuda || dev.cuEventQuery == NULL) return -1;
-  return dev.cuEventQuery(e);
+  if (!dev.cuda) return -1;
+  return cudrv.event_query((cudrv_event)e);
 }
 
 int bench_host_word(volatile uint64_t **host, uint64_t *devaddr) {
-  if (!dev.cuda || !dev.cuMemHostAlloc || !dev.cuMemHostGetDevicePointer || !dev.cuStreamWriteValue64 ||
-      !dev.cuMemFreeHost)
-    return -1;
+  if (!dev.cuda) return -1;
   void *p = NULL;
-  /* CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP */
-  if (cu_check(dev.cuMemHostAlloc(&p, 64, 0x3), "cuMemHostAlloc")) return -1;
-  if (cu_check(dev.cuMemHostGetDevicePointer(devaddr, p, 0), "cuMemHostGetDevicePointer")) {
-    cu_check(dev.cuMemFreeHost(p), "cuMemFreeHost");
+  cudrv_deviceptr d = 0;
+  if (cu_check(cudrv.mem_host_alloc(&p, 64, CUDRV_MEMHOSTALLOC_PORTABLE | CUDRV_MEMHOSTALLOC_DEVICEMAP),
+               "cuMemHostAlloc"))
+    return -1;
+  if (cu_check(cudrv.mem_host_get_device_pointer(&d, p, 0), "cuMemHostGetDevicePointer")) {
+    cu_check(cudrv.mem_free_host(p), "cuMemFreeHost");
     return -1;
   }
+  *devaddr = d;
   *host = p;
   **host = 0;
   return 0;
 }
 
 int bench_host_word_free(volatile uint64_t *host) {
-  return host == NULL ? 0 : cu_check(dev.cuMemFreeHost((void *)(uintptr_t)host), "cuMemFreeHost");
+  return host == NULL ? 0 : cu_check(cudrv.mem_free_host((void *)(uintptr_t)host), "cuMemFreeHost");
 }
 
 int bench_stream_write_value(cudaStream_t s, uint64_t devaddr, uint64_t value) {
-  return cu_check(dev.cuStreamWriteValue64(s, devaddr, value, 0), "cuStreamWriteValue64");
+  return cu_check(cudrv.stream_write_value64(s, devaddr, value, 0), "cuStreamWriteValue64");
 }
 
 int bench_have_kernel(void) { return dev.cuda ? dev.function != NULL : 1; }
@@ -324,8 +271,8 @@ static void sim_touch(void *a) {
 }
 
 int bench_stream_get_id(cudaStream_t s, unsigned long long *id) {
-  if (!dev.cuda || dev.cuStreamGetId == NULL) return -1;
-  return dev.cuStreamGetId(s, id);
+  if (!dev.cuda) return -1;
+  return cudrv.stream_get_id(s, id);
 }
 
 int bench_touch(cudaStream_t s, void *const *p, const size_t *bytes, int n, uint32_t tag) {
@@ -355,7 +302,7 @@ int bench_touch(cudaStream_t s, void *const *p, const size_t *bytes, int n, uint
     words[i] = i < n ? bytes[i] / 4 : 0;
   }
   void *args[] = {&ptr[0], &words[0], &ptr[1], &words[1], &ptr[2], &words[2], &ptr[3], &words[3], &tag};
-  return cu_check(dev.cuLaunchKernel(dev.function, 1, 1, 1, 128, 1, 1, 0, s, args, NULL), "cuLaunchKernel");
+  return cu_check(cudrv.launch_kernel(dev.function, 1, 1, 1, 128, 1, 1, 0, s, args, NULL), "cuLaunchKernel");
 }
 
 int bench_cudart_ok(void) { return dev.cuda && dev.cudart != NULL; }
@@ -392,10 +339,10 @@ int bench_pool_reset_high(void) {
 }
 
 int bench_mem_alloc(void **p, size_t size) {
-  uint64_t d = 0;
-  int rc = cu_check(dev.cuMemAlloc(&d, size), "cuMemAlloc");
+  cudrv_deviceptr d = 0;
+  int rc = cu_check(cudrv.mem_alloc(&d, size), "cuMemAlloc");
   *p = rc ? NULL : (void *)(uintptr_t)d;
   return rc;
 }
 
-int bench_mem_free(void *p) { return cu_check(dev.cuMemFree((uint64_t)(uintptr_t)p), "cuMemFree"); }
+int bench_mem_free(void *p) { return cu_check(cudrv.mem_free((cudrv_deviceptr)(uintptr_t)p), "cuMemFree"); }

@@ -1,9 +1,11 @@
 /* The device under the benchmark suite: streams, events, a small kernel,
  * and the CUDA entry points of the reference allocators.
  *
- * On a GPU it drives the CUDA driver and runtime loaded with dlopen (no
- * toolkit needed at build time); otherwise magpie's simulated device, where
- * only magpie and the no-op reference can run. Which one follows magpie's
+ * On a GPU it drives the CUDA driver, through magpie's one driver loader
+ * (src/device/cuda_driver.h), and the CUDA runtime (libcudart, loaded here:
+ * it is not the driver), both with dlopen (no toolkit needed at build
+ * time); otherwise magpie's simulated device, where only magpie and the
+ * no-op reference can run. Which one follows magpie's
  * own choice of backend (MAGPIE_BACKEND=sim forces the simulated device).
  *
  * Every call that can fail returns 0 on success; a failure is printed once

@@ -5,8 +5,9 @@
  *   stream_id_probe cpu [ROUNDS]    # pinned to each CPU in turn
  *
  * Each round prints, in ns per call or pair over 10^6 of them: the driver's
- * cuStreamGetId alone (from dlsym and from cuGetProcAddress, which magpie
- * uses), cuCtxGetCurrent, a magpie pair of 256 B on a created stream and on
+ * cuStreamGetId alone (the exported symbol, from dlsym on the driver
+ * loader's handle, and the loader's table entry from cuGetProcAddress, which
+ * magpie calls), cuCtxGetCurrent, a magpie pair of 256 B on a created stream and on
  * stream 0, and a no-op pair (a bump pointer) for the floor. On a shared
  * machine the CPUs differ by half and change over seconds: this shows which
  * state a workload 1 figure came from. Run two builds of the library on the
@@ -19,12 +20,12 @@
 #include <unistd.h>
 
 #include "bench/bench_util.h"
+#include "device/cuda_driver.h"
 #include "magpie.h"
 #include "tools/devshim.h"
 
-typedef int (*getid_fn)(cudaStream_t, unsigned long long *);
-typedef int (*getctx_fn)(void **);
-typedef int (*gpa_fn)(const char *, void **, int, unsigned long long, int *);
+typedef cudrv_pfn_stream_get_id getid_fn;
+typedef cudrv_pfn_ctx_get_current getctx_fn;
 
 enum { N = 1000000 };
 
@@ -44,7 +45,7 @@ static double time_getid(getid_fn f, cudaStream_t s) {
 }
 
 static double time_ctx(void) {
-  void *c = NULL;
+  cudrv_context c = NULL;
   double t0 = bench_now();
   for (int i = 0; i < N; i++) {
     getctx(&c);
@@ -100,14 +101,18 @@ int main(int argc, char **argv) {
     fprintf(stderr, "stream_id_probe: needs a GPU (magpie chose the simulated device)\n");
     return 1;
   }
-  void *dl = dlopen("libcuda.so.1", RTLD_NOW);
-  gpa_fn gpa = dl ? (gpa_fn)dlsym(dl, "cuGetProcAddress_v2") : NULL;
-  getid_dlsym = dl ? (getid_fn)dlsym(dl, "cuStreamGetId") : NULL;
-  getctx = dl ? (getctx_fn)dlsym(dl, "cuCtxGetCurrent") : NULL;
-  int found = 0;
-  if (gpa == NULL || getid_dlsym == NULL || getctx == NULL ||
-      gpa("cuStreamGetId", (void **)&getid_gpa, 12000, 0, &found) != 0 || getid_gpa == NULL) {
-    fprintf(stderr, "stream_id_probe: the driver lacks cuStreamGetId (CUDA 12.0+)\n");
+  /* The driver as magpie loaded it (devshim_init loaded it for all). */
+  const char *why = NULL;
+  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0) {
+    fprintf(stderr, "stream_id_probe: %s\n", why);
+    return 1;
+  }
+  getid_gpa = cudrv.stream_get_id;
+  getctx = cudrv.ctx_get_current;
+  void *sym = dlsym(cudrv.library, "cuStreamGetId");
+  memcpy(&getid_dlsym, &sym, sizeof sym);
+  if (getid_dlsym == NULL) {
+    fprintf(stderr, "stream_id_probe: libcuda.so.1 exports no cuStreamGetId (CUDA 12.0+)\n");
     return 1;
   }
   devshim_thread_init();

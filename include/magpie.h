@@ -114,6 +114,22 @@ MAGPIE_API int magpie_free(void *ptr);
 /* Bytes usable at ptr (the block's size); 0 if ptr is not a magpie block. */
 MAGPIE_API size_t magpie_usable_size(const void *ptr);
 
+/* Devices magpie can serve (device ordinals 0 .. MAGPIE_MAX_DEVICES - 1). */
+#define MAGPIE_MAX_DEVICES 64
+
+/* What magpie knows of the device address ptr, without side effects:
+ *   MAGPIE_OK: ptr is the start of a magpie block; *size is its usable
+ *     size and *device its device. For a small block this says the slot is
+ *     a block's (a freed small block still answers MAGPIE_OK until reused;
+ *     MAGPIE_CONF=check=1 tracks each block's state for the frees);
+ *     a large block answers MAGPIE_OK only while handed out.
+ *   MAGPIE_ERR_INVALID_POINTER: not the start of a block. *device is the
+ *     device whose magpie memory contains ptr (inside a block, or a freed
+ *     large block), or -1 if magpie holds no memory at ptr.
+ * Either out pointer may be NULL. Sets no error state, takes no lock for a
+ * small block (two loads) and the large cache's lock for a large one. */
+MAGPIE_API int magpie_block_info(const void *ptr, size_t *size, int *device);
+
 /* Statistics of one device (figures in bytes unless named *_count).
  *
  * Where the reserved bytes are. When no thread is inside magpie:

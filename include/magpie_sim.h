@@ -40,6 +40,15 @@
  * magpie's fallback path (whole-slab allocations) runs on it. The
  * environment is read once, at first use; a malformed value makes every
  * call fail with MAGPIE_ERR_CONFIG and a message naming the variable.
+ *
+ * The simulator is a library of its own, not part of libmagpie.so or
+ * libmagpie.a: link libmagpie_sim.so (-lmagpie_sim) or libmagpie_sim.a
+ * (Bazel: //sim) to call these functions. magpie uses the simulated device
+ * (MAGPIE_BACKEND=sim, or no usable GPU) when the simulator is linked into
+ * the program or loaded, or else loads libmagpie_sim.so itself: first from
+ * the folder of libmagpie.so (of the program, where magpie is linked
+ * statically), then from the dynamic loader's search path
+ * (LD_LIBRARY_PATH).
  */
 #ifndef MAGPIE_SIM_H
 #define MAGPIE_SIM_H
@@ -59,12 +68,16 @@ extern "C" {
 typedef struct magpie_sim_event_st *magpie_sim_event;
 
 /* All functions return 0 or a magpie_error code (MAGPIE_ERR_INVALID_STREAM
- * for a destroyed or unknown handle), and never abort. */
+ * for a destroyed or unknown handle), and never abort. A failure is also
+ * kept as the simulator's last error of the calling thread
+ * (magpie_sim_last_error below), which is separate from magpie's own
+ * (magpie_last_error), as a CUDA driver's error state is separate from an
+ * allocator's. */
 MAGPIE_API int magpie_sim_device_count(void);
 MAGPIE_API int magpie_sim_set_device(int device);
 MAGPIE_API int magpie_sim_get_device(void);
 
-/* NULL on failure (see magpie_last_error). */
+/* NULL on failure (see magpie_sim_last_error). */
 MAGPIE_API cudaStream_t magpie_sim_stream_create(void);
 /* Pending work still runs, as with cudaStreamDestroy. */
 MAGPIE_API int magpie_sim_stream_destroy(cudaStream_t s);
@@ -115,6 +128,16 @@ MAGPIE_API uint64_t magpie_sim_check_incomplete(void);
 /* Copies the first violation's message ("" if none) into buf; returns its
  * length. */
 MAGPIE_API size_t magpie_sim_check_message(char *buf, size_t len);
+
+/* The code of the last magpie_sim_* call that failed on this thread
+ * (MAGPIE_OK if none has), and its message ("function: reason"; "success"
+ * if none). A later success leaves them as they were. */
+MAGPIE_API int magpie_sim_last_error(void);
+MAGPIE_API const char *magpie_sim_last_error_message(void);
+
+/* For magpie's own use: the simulated device's table of operations, if
+ * abi_version is the layout magpie was built with, else NULL. */
+MAGPIE_API const void *magpie_sim_device_table(unsigned abi_version);
 
 #ifdef __cplusplus
 }

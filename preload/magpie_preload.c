@@ -44,11 +44,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <stdatomic.h>
+
 #include "magpie.h"
-#include "heap/heap.h"
-#include "front/init.h"
-#include "base/pagemap.h"
-#include "pool/slab.h"
 
 #define PRELOAD_API __attribute__((visibility("default")))
 
@@ -86,6 +84,7 @@ static struct {
   CUresult (*cu_primary_retain)(CUcontext *, int);
   CUresult (*cu_ctx_push)(CUcontext);
   CUresult (*cu_ctx_pop)(CUcontext *);
+  CUresult (*cu_ctx_synchronize)(void);
   CUresult (*cu_stream_create)(cudaStream_t *, unsigned);
   int usable; /* magpie initialised on the CUDA backend */
 } real;
@@ -94,7 +93,10 @@ static pthread_once_t preload_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t preload_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Private stream per device: created once under preload_lock, published
  * with release, read with acquire. */
-static _Atomic(cudaStream_t) preload_streams[HEAP_MAX_DEVICES];
+static _Atomic(cudaStream_t) preload_streams[MAGPIE_MAX_DEVICES];
+/* The primary context each private stream was made in (retained once);
+ * written under preload_lock before the stream is published. */
+static CUcontext preload_ctxs[MAGPIE_MAX_DEVICES];
 
 /* The loaded CUDA runtime, for programs that load it into a local scope
  * (Python extension modules are dlopen'ed RTLD_LOCAL), where RTLD_NEXT does
@@ -138,10 +140,11 @@ static void preload_init(void) {
     real.cu_primary_retain = dlsym(drv, "cuDevicePrimaryCtxRetain");
     real.cu_ctx_push = dlsym(drv, "cuCtxPushCurrent_v2");
     real.cu_ctx_pop = dlsym(drv, "cuCtxPopCurrent_v2");
+    real.cu_ctx_synchronize = dlsym(drv, "cuCtxSynchronize");
     real.cu_stream_create = dlsym(drv, "cuStreamCreate");
   }
   real.usable = drv != NULL && real.cu_ctx_get_device && real.cu_primary_retain && real.cu_ctx_push &&
-                real.cu_ctx_pop && real.cu_stream_create && magpie_active_backend() == MAGPIE_BACKEND_CUDA;
+                real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create && magpie_active_backend() == MAGPIE_BACKEND_CUDA;
 }
 
 static int preload_usable(void) {
@@ -152,16 +155,17 @@ static int preload_usable(void) {
 /* The device's private stream (created in its primary context, never given
  * work); NULL if it cannot be made. */
 static cudaStream_t preload_stream(int dev) {
-  if (dev < 0 || dev >= HEAP_MAX_DEVICES) return NULL;
-  cudaStream_t s = atomic_load_acquire(&preload_streams[dev]);
+  if (dev < 0 || dev >= MAGPIE_MAX_DEVICES) return NULL;
+  cudaStream_t s = atomic_load_explicit(&preload_streams[dev], memory_order_acquire);
   if (s != NULL) return s;
   pthread_mutex_lock(&preload_lock);
-  s = atomic_load_relaxed(&preload_streams[dev]);
+  s = atomic_load_explicit(&preload_streams[dev], memory_order_relaxed);
   CUcontext ctx = NULL, popped = NULL;
   if (s == NULL && real.cu_primary_retain(&ctx, dev) == 0 && real.cu_ctx_push(ctx) == 0) {
     if (real.cu_stream_create(&s, PRELOAD_STREAM_NON_BLOCKING) != 0) s = NULL;
     real.cu_ctx_pop(&popped);
-    if (s != NULL) atomic_store_release(&preload_streams[dev], s);
+    preload_ctxs[dev] = ctx;
+    if (s != NULL) atomic_store_explicit(&preload_streams[dev], s, memory_order_release);
   }
   pthread_mutex_unlock(&preload_lock);
   return s;
@@ -181,14 +185,22 @@ static int preload_code(int magpie_rc) {
   }
 }
 
-/* Is p the start of a magpie block? Sets its device. */
+/* Does p lie in magpie's memory (a block's start, or anywhere in a large
+ * segment)? Sets its device. Such a pointer is magpie's to free or to
+ * reject (a double free, an interior pointer); any other goes to CUDA. */
 static int preload_owned(const void *p, int *dev) {
   if (p == NULL || !preload_usable()) return 0;
-  slab *sl = pagemap_lookup((uintptr_t)p);
-  uint32_t i = 0;
-  if (sl == NULL || !slab_block_index(sl, (uintptr_t)p, &i)) return 0;
-  *dev = sl->heap->device;
-  return 1;
+  return magpie_block_info(p, NULL, dev) == MAGPIE_OK || *dev >= 0;
+}
+
+/* Wait for all work on dev (its primary context, made current for the
+ * call); after preload_stream(dev) succeeded. */
+static int preload_device_synchronize(int dev) {
+  CUcontext popped = NULL;
+  if (real.cu_ctx_push(preload_ctxs[dev]) != 0) return MAGPIE_ERR_BACKEND;
+  int rc = real.cu_ctx_synchronize() == 0 ? MAGPIE_OK : MAGPIE_ERR_BACKEND;
+  real.cu_ctx_pop(&popped);
+  return rc;
 }
 
 /* Memory usable by every stream of dev at once, or NULL. */
@@ -202,7 +214,7 @@ static void *preload_alloc_sync(size_t size, int dev) {
 static int preload_free_sync(void *p, int dev) {
   cudaStream_t s = preload_stream(dev);
   if (s == NULL) return PRELOAD_UNKNOWN;
-  int rc = global_ops()->device_synchronize(dev);
+  int rc = preload_device_synchronize(dev);
   if (rc != MAGPIE_OK) return preload_code(rc);
   return preload_code(magpie_free_async(p, s));
 }

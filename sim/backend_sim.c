@@ -1,7 +1,11 @@
 /* The backend table over the simulated device (sim_*.c). Every operation is
  * a thin wrapper: the simulator already returns magpie_error codes and puts
- * the reason in backend_error_detail(). */
+ * the reason in backend_error_detail(). The allocator reaches the table
+ * through magpie_sim_device_table (below), the simulator's one entry point
+ * for it, whether the simulator is linked into the program or loaded as
+ * libmagpie_sim.so. */
 #include "device/backend.h"
+#include "sim/sim_check.h"
 #include "sim/sim_internal.h"
 
 static int backend_sim_init(void) { return sim_init(); }
@@ -143,6 +147,14 @@ static const backend_ops backend_sim_ops = {
     .stream_id_fast = backend_sim_stream_id_fast,
     .stream_device = backend_sim_stream_device,
     .device_synchronize = backend_sim_device_synchronize,
+    /* This copy of the device interface's detail: the allocator may be
+     * another shared object with a copy of its own. */
+    .error_detail = backend_local_error_detail,
+    .observer = &sim_check_observer,
 };
 
 const backend_ops *backend_sim(void) { return &backend_sim_ops; }
+
+MAGPIE_API const void *magpie_sim_device_table(unsigned abi_version) {
+  return abi_version == BACKEND_ABI ? &backend_sim_ops : NULL;
+}

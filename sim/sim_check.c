@@ -43,8 +43,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/atomic.h"
-#include "base/error.h"
 #include "sim/sim_internal.h"
 
 #if defined(__has_feature)
@@ -71,7 +69,10 @@ void AnnotateIgnoreWritesBegin(const char *file, int line);
 void AnnotateIgnoreWritesEnd(const char *file, int line);
 #endif
 
-_Atomic int sim_check_on;
+backend_observer sim_check_observer = {
+    .on_handout = sim_check_handout,
+    .on_free = sim_check_free,
+};
 
 /* ---------------------------------------------------------------- clocks */
 
@@ -220,7 +221,9 @@ static void sim_check_lock_drop(void) {
 #endif
 }
 
-static int sim_check_active(void) { return atomic_load_explicit(&sim_check_on, memory_order_relaxed); }
+static int sim_check_active(void) {
+  return atomic_load_explicit(&sim_check_observer.enabled, memory_order_relaxed);
+}
 
 static void sim_check_oom(void) {
   atomic_fetch_add_explicit(&sim_check_oom_count, 1, memory_order_relaxed);
@@ -325,7 +328,7 @@ void sim_check_stream_retire(struct sim_stream *s) {
 
 /* ---------------------------------------------------------------- block records */
 
-MAGPIE_WRAPS static size_t sim_check_hash(uintptr_t k) {
+SIM_WRAPS static size_t sim_check_hash(uintptr_t k) {
   uint64_t x = (uint64_t)k * 0x9E3779B97F4A7C15ull;
   return (size_t)(x >> 17);
 }
@@ -563,7 +566,7 @@ void sim_check_free(void *ptr, cudaStream_t h) {
 MAGPIE_API int magpie_sim_check_enable(int on) {
   int rc = sim_init();
   if (rc != MAGPIE_OK) return sim_public_result("magpie_sim_check_enable", rc);
-  atomic_store_explicit(&sim_check_on, on != 0, memory_order_relaxed);
+  backend_observer_set(&sim_check_observer, on);
   return MAGPIE_OK;
 }
 

@@ -1,20 +1,21 @@
-/* The simulated device's stream-order checker, as the allocator's public
- * layer (alloc.c) sees it: two hooks, called only while sim_check_on is set
- * (MAGPIE_CONF=check_streams=1 with the simulated backend, or
- * magpie_sim_check_enable). The checker itself is sim_check.c. */
+/* The simulated device's stream-order checker, as the allocator sees it:
+ * an observer of hand-outs and frees (backend_observer, device/backend.h)
+ * that the simulated device's table offers. The allocator calls its two
+ * hooks only while it is on (MAGPIE_CONF=check_streams=1 on the simulated
+ * device, or magpie_sim_check_enable). The checker itself is sim_check.c. */
 #ifndef MAGPIE_SIM_CHECK_H
 #define MAGPIE_SIM_CHECK_H
 
-#include <stdatomic.h>
 #include <stddef.h>
 
+#include "device/backend.h"
 #include "magpie.h"
 
-/* Read-mostly switch. Written (relaxed) by magpie_init / the public enable
- * call, before the allocations it should cover; read (relaxed) by the
- * allocation and free paths: it only decides whether to call the hooks,
- * which synchronise on their own. */
-extern _Atomic int sim_check_on;
+/* The checker as an observer: its hooks and its switch (enabled: written
+ * by magpie_sim_check_enable and by magpie's set-up through
+ * backend_observer_set, read relaxed: it only decides whether the hooks
+ * are called, and they synchronise on their own). */
+extern backend_observer sim_check_observer;
 
 /* Block p (at least size bytes) was handed out for work on stream s:
  * report a violation if a use recorded by an earlier free of any of its

@@ -15,7 +15,11 @@
  *     thread happens to drop the last reference, because a last-reference
  *     acquire would order one stream's work before another thread's.
  * Failures set backend_set_error_detail() and return a magpie_error code;
- * the public wrappers turn the detail into the thread's last error.
+ * the public wrappers turn the detail into the simulator's last error of
+ * the thread (magpie_sim_last_error).
+ *
+ * Dependencies: the device interface (device/backend.h) and the public
+ * headers only; nothing of the allocator.
  */
 #ifndef MAGPIE_SIM_INTERNAL_H
 #define MAGPIE_SIM_INTERNAL_H
@@ -28,6 +32,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "device/backend.h"
 #include "magpie.h"
 #include "magpie_sim.h"
 
@@ -40,6 +45,18 @@
 /* Streams per device that can exist at once, counting destroyed streams
  * whose workers are still draining, default and per-thread streams. */
 #define SIM_MAX_STREAMS 4096
+
+/* For arithmetic meant to wrap (hashes): exempt from clang's
+ * -fsanitize=unsigned-integer-overflow. */
+#if defined(__clang__)
+#define SIM_WRAPS __attribute__((no_sanitize("unsigned-integer-overflow")))
+#else
+#define SIM_WRAPS
+#endif
+
+/* The simulated device's table (backend_sim.c); outside the simulator,
+ * through magpie_sim_device_table. */
+const backend_ops *backend_sim(void);
 
 /* Futex wait and wake on a 32-bit atomic. ThreadSanitizer does not see
  * these system calls, so they add no happens-before edge: the atomics around
@@ -62,7 +79,8 @@ static inline void sim_futex_wake_all(_Atomic uint32_t *word) {
 /* Puts a printf-style reason in backend_error_detail() and returns code. */
 int sim_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* For the public magpie_sim_* functions: if rc is an error, makes it the
- * thread's last error, with "fn: detail" as the message. Returns rc. */
+ * thread's last error of the simulator (magpie_sim_last_error), with
+ * "fn: detail" as the message. Returns rc. */
 int sim_public_result(const char *fn, int rc);
 
 /* Reads the environment once (thread-safe) and starts the reaper. Returns

@@ -28,10 +28,14 @@
 #include <string.h>
 
 #include "device/backend.h"
-#include "base/error.h"
 #include "sim/sim_internal.h"
 
 /* ---------------------------------------------------------------- errors */
+
+/* The simulator's last error of this thread (magpie_sim_last_error),
+ * separate from the allocator's, as a CUDA driver's error state is. */
+static _Thread_local int sim_tls_error;
+static _Thread_local char sim_tls_error_msg[512];
 
 int sim_fail(int code, const char *fmt, ...) {
   char buf[256];
@@ -44,9 +48,17 @@ int sim_fail(int code, const char *fmt, ...) {
 }
 
 int sim_public_result(const char *fn, int rc) {
-  if (rc != MAGPIE_OK && rc != MAGPIE_SIM_NOT_READY)
-    error_set(rc, "%s: %s", fn, backend_error_detail());
+  if (rc != MAGPIE_OK && rc != MAGPIE_SIM_NOT_READY) {
+    snprintf(sim_tls_error_msg, sizeof sim_tls_error_msg, "%s: %s", fn, backend_error_detail());
+    sim_tls_error = rc;
+  }
   return rc;
+}
+
+MAGPIE_API int magpie_sim_last_error(void) { return sim_tls_error; }
+
+MAGPIE_API const char *magpie_sim_last_error_message(void) {
+  return sim_tls_error == MAGPIE_OK ? "success" : sim_tls_error_msg;
 }
 
 /* ---------------------------------------------------------------- queues */

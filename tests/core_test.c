@@ -20,6 +20,7 @@
 #include "pool/magazine.h"
 #include "heap/heap.h"
 #include "front/init.h"
+#include "base/error.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
 #include "pool/slab.h"
@@ -248,6 +249,43 @@ static void test_large_blocks(void **state) {
   fake_stream_complete(b);
 }
 
+/* magpie_block_info: a small block's start, its interior, a large block
+ * handed out and freed, an address magpie does not hold; no error state. */
+static void test_block_info(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0);
+  char *p = magpie_malloc_async(1000, s);
+  char *big = magpie_malloc_async((size_t)3 << 20, s);
+  assert_non_null(p);
+  assert_non_null(big);
+  error_clear();
+  size_t size = 0;
+  int dev = -2;
+  assert_int_equal(magpie_block_info(p, &size, &dev), MAGPIE_OK);
+  assert_int_equal(size, 1024);
+  assert_int_equal(dev, 0);
+  assert_int_equal(magpie_block_info(p, NULL, NULL), MAGPIE_OK);
+  dev = -2;
+  assert_int_equal(magpie_block_info(p + 256, &size, &dev), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(dev, 0); /* inside magpie's memory */
+  assert_int_equal(magpie_block_info(big, &size, &dev), MAGPIE_OK);
+  assert_int_equal(size, (size_t)3 << 20);
+  assert_int_equal(magpie_block_info(big + 4096, &size, &dev), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(dev, 0);
+  int local = 0;
+  assert_int_equal(magpie_block_info(&local, &size, &dev), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(dev, -1);
+  assert_int_equal(magpie_block_info(NULL, NULL, &dev), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(dev, -1);
+  assert_int_equal(magpie_last_error(), MAGPIE_OK); /* a query sets no error */
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  dev = -2;
+  assert_int_equal(magpie_block_info(big, &size, &dev), MAGPIE_ERR_INVALID_POINTER); /* freed large */
+  assert_int_equal(dev, 0);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 /* Device 1 is small: fill it, free everything on one stream with its work
  * pending, then allocate on another stream: the refills must order it
  * after the epochs and succeed; past the device, fail with a full
@@ -424,6 +462,7 @@ int main(void) {
       cmocka_unit_test(test_handle_reuse_free_first),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_large_blocks),
+      cmocka_unit_test(test_block_info),
       cmocka_unit_test(test_memory_pressure),
       cmocka_unit_test(test_small_classes_share_a_granule),
       cmocka_unit_test(test_stats_invariants),

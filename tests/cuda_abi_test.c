@@ -1,20 +1,25 @@
 /* cuda_abi_test: src/device/cuda_driver.h against the real cuda.h.
  *
- * The backend calls the driver through declarations of its own; a wrong
- * size, offset or constant there would corrupt memory silently on the GPU
- * machine. Everything is checked at compile time (_Static_assert) and again
- * at run time so the test's output lists what was compared. The function
- * types are compared in cuda_abi_sig.c. Needs the toolkit's headers, no GPU.
+ * The library, the demo, the benchmarks and the GPU tests call the driver
+ * through the one loader's declarations; a wrong size, offset or constant
+ * there would corrupt memory silently on the GPU machine. Everything is
+ * checked at compile time (_Static_assert) and again at run time so the
+ * test's output lists what was compared. The function types of every entry
+ * of the loader's table are compared in cuda_abi_sig.c; test_variants checks
+ * against cudaTypedefs.h (the test's argument) that the variant the loader
+ * gets from cuGetProcAddress for each entry is the one whose type was
+ * compared. Needs the toolkit's headers, no GPU.
  *
- * Also checks that the CUDA backend fails cleanly where there is no driver
- * (CI): init answers MAGPIE_ERR_NO_DEVICE with a reason, and every other
- * operation answers an error instead of crashing.
+ * Also checks that the loader and the CUDA backend fail cleanly where there
+ * is no driver (CI): the load and init answer with a reason, and every other
+ * backend operation answers an error instead of crashing.
  */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -41,11 +46,16 @@ _Static_assert(sizeof(cudrv_granularity_flags) == sizeof(CUmemAllocationGranular
                "CUmemAllocationGranularity_flags");
 _Static_assert(sizeof(cudrv_proc_query_result) == sizeof(CUdriverProcAddressQueryResult),
                "CUdriverProcAddressQueryResult");
+_Static_assert(sizeof(cudrv_jit_option) == sizeof(CUjit_option), "CUjit_option");
+_Static_assert(sizeof(cudrv_mem_pool_attr) == sizeof(CUmemPool_attribute), "CUmemPool_attribute");
 
 /* Handles are CUDA's own types, and magpie.h's cudaStream_t is CUstream. */
 _Static_assert(SAME_TYPE(cudrv_context, CUcontext), "CUcontext");
 _Static_assert(SAME_TYPE(cudrv_stream, CUstream), "CUstream");
 _Static_assert(SAME_TYPE(cudrv_event, CUevent), "CUevent");
+_Static_assert(SAME_TYPE(cudrv_module, CUmodule), "CUmodule");
+_Static_assert(SAME_TYPE(cudrv_function, CUfunction), "CUfunction");
+_Static_assert(SAME_TYPE(cudrv_mem_pool, CUmemoryPool), "CUmemoryPool");
 _Static_assert(SAME_TYPE(cudaStream_t, CUstream), "magpie.h cudaStream_t");
 
 /* Struct layouts. */
@@ -108,6 +118,12 @@ _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
   X(CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)    \
   X(CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_MINIMUM)        \
   X(CUDRV_EVENT_DISABLE_TIMING, CU_EVENT_DISABLE_TIMING)                          \
+  X(CUDRV_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING)                            \
+  X(CUDRV_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_PORTABLE)                        \
+  X(CUDRV_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_DEVICEMAP)                      \
+  X(CUDRV_MEMPOOL_ATTR_RELEASE_THRESHOLD, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)      \
+  X(CUDRV_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER)                          \
+  X(CUDRV_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)    \
   X(CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, CU_GET_PROC_ADDRESS_LEGACY_STREAM)      \
   X(CUDRV_GET_PROC_ADDRESS_SUCCESS, CU_GET_PROC_ADDRESS_SUCCESS)                  \
   X(CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND) \
@@ -145,6 +161,8 @@ static void test_layouts(void **state) {
   EXPECT_SIZE(cudrv_device_attr, CUdevice_attribute)
   EXPECT_SIZE(cudrv_granularity_flags, CUmemAllocationGranularity_flags)
   EXPECT_SIZE(cudrv_proc_query_result, CUdriverProcAddressQueryResult)
+  EXPECT_SIZE(cudrv_jit_option, CUjit_option)
+  EXPECT_SIZE(cudrv_mem_pool_attr, CUmemPool_attribute)
   EXPECT_SIZE(cudrv_mem_location, CUmemLocation)
   EXPECT_FIELD(cudrv_mem_location, type, CUmemLocation, type)
   EXPECT_FIELD(cudrv_mem_location, id, CUmemLocation, id)
@@ -164,12 +182,132 @@ static void test_layouts(void **state) {
   EXPECT_FIELD(cudrv_mem_access_desc, flags, CUmemAccessDesc, flags)
 }
 
+#define ABI_COUNT(field, symbol, version) +1
+enum {
+  ABI_REQUIRED = 0 CUDRV_REQUIRED_FUNCS(ABI_COUNT),
+  ABI_TOOL = 0 CUDRV_TOOL_FUNCS(ABI_COUNT),
+  ABI_OPTIONAL = 0 CUDRV_OPTIONAL_FUNCS(ABI_COUNT),
+};
+
 static void test_signatures(void **state) {
   (void)state;
   /* The comparison itself happened when cuda_abi_sig.c compiled. */
   int n = cuda_abi_sig_checked();
-  printf("  %d driver entry point types equal cudaTypedefs.h's PFN_* types\n", n);
-  assert_true(n > 30);
+  printf("  %d driver entry point types equal cudaTypedefs.h's PFN_* types: the loader's "
+         "table (%d required, %d for the tools and tests, %d optional) and cuGetProcAddress\n",
+         n, ABI_REQUIRED, ABI_TOOL, ABI_OPTIONAL);
+  assert_int_equal(n, 1 + ABI_REQUIRED + ABI_TOOL + ABI_OPTIONAL);
+  assert_int_equal(sizeof(cudrv_api), (size_t)(n + 1) * sizeof(void *));
+}
+
+/* cudaTypedefs.h, read whole (the test's argument). */
+static const char *typedefs_path;
+
+static char *read_file(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL)
+    return NULL;
+  char *buf = NULL;
+  size_t len = 0, cap = 0, got;
+  do {
+    if (cap - len < 65536) {
+      cap = cap * 2 + 65536;
+      char *grown = realloc(buf, cap + 1);
+      if (grown == NULL) {
+        free(buf);
+        fclose(f);
+        return NULL;
+      }
+      buf = grown;
+    }
+    got = fread(buf + len, 1, cap - len, f);
+    len += got;
+  } while (got > 0);
+  fclose(f);
+  buf[len] = '\0';
+  return buf;
+}
+
+/* The newest variant of symbol that cudaTypedefs.h declares (PFN_<symbol>_v<N>,
+ * not the _ptds/_ptsz ones) with N <= limit; 0 if none. */
+static int newest_variant(const char *text, const char *symbol, int limit) {
+  char key[128];
+  snprintf(key, sizeof key, "PFN_%s_v", symbol);
+  int best = 0;
+  for (const char *p = strstr(text, key); p != NULL; p = strstr(p + 1, key)) {
+    const char *d = p + strlen(key);
+    char *end;
+    long v = strtol(d, &end, 10);
+    if (end == d || *end != ')')
+      continue;
+    if (v <= limit && v > best)
+      best = (int)v;
+  }
+  return best;
+}
+
+/* The loader asks cuGetProcAddress for each entry at
+ * CUDRV_REQUEST_FOR(version), which yields the newest variant not newer
+ * than that: it must be the listed one (whose type cuda_abi_sig.c checked),
+ * not a later one with another signature. */
+static void test_variants(void **state) {
+  (void)state;
+  assert_non_null(typedefs_path);
+  char *text = read_file(typedefs_path);
+  if (text == NULL)
+    fail_msg("cannot read %s", typedefs_path);
+  int checked = 0, wrong = 0;
+#define ABI_VARIANT(field, symbol, version)                                              \
+  {                                                                                      \
+    int got = newest_variant(text, #symbol, CUDRV_REQUEST_FOR(version));                 \
+    printf("  %-30s listed v%-6d requested at %-6d newest there v%-6d %s\n", #symbol,     \
+           version, CUDRV_REQUEST_FOR(version), got, got == version ? "ok" : "MISMATCH"); \
+    checked++;                                                                           \
+    wrong += got != version;                                                             \
+  }
+  CUDRV_ALL_FUNCS(ABI_VARIANT)
+  ABI_VARIANT(get_proc_address, cuGetProcAddress, 12000)
+#undef ABI_VARIANT
+  free(text);
+  printf("  %d entry points, %d with a newer variant than listed\n", checked, wrong);
+  assert_int_equal(wrong, 0);
+  assert_int_equal(checked, 1 + ABI_REQUIRED + ABI_TOOL + ABI_OPTIONAL);
+}
+
+/* The loader: where the driver is missing (CI) both kinds of load fail with
+ * the same reason, every time; where it is present, the table is complete
+ * but for optional entries. */
+static void test_loader(void **state) {
+  (void)state;
+  const char *why_lib = NULL, *why_all = NULL;
+  int lib = cudrv_load(CUDRV_LOAD_LIBRARY, &why_lib);
+  int all = cudrv_load(CUDRV_LOAD_ALL, &why_all);
+  if (lib == 0) {
+    assert_non_null(cudrv.library);
+    assert_non_null(cudrv.get_proc_address);
+#define ABI_PRESENT(field, symbol, version) assert_non_null(cudrv.field);
+    CUDRV_REQUIRED_FUNCS(ABI_PRESENT)
+    if (all == 0) {
+      CUDRV_TOOL_FUNCS(ABI_PRESENT)
+    } else {
+      printf("  driver present, but for the tools: %s\n", why_all);
+    }
+#undef ABI_PRESENT
+    printf("  driver present: cuStreamGetDevice %s\n",
+           cudrv.stream_get_device != NULL ? "found" : "absent (driver before 12.8)");
+    return;
+  }
+  printf("  load: %s\n", why_lib);
+  assert_int_equal(all, -1);
+  assert_non_null(why_lib);
+  assert_true(strlen(why_lib) > 0);
+  assert_string_equal(why_lib, why_all);
+  const char *again = NULL;
+  assert_int_equal(cudrv_load(CUDRV_LOAD_LIBRARY, &again), -1);
+  assert_string_equal(again, why_lib);
+  assert_int_equal(cudrv_load(CUDRV_LOAD_ALL, NULL), -1);
+  if (cudrv.library == NULL)
+    assert_non_null(strstr(why_lib, "libcuda.so.1"));
 }
 
 /* Where the driver is missing (CI), init must say so and nothing may crash.
@@ -191,6 +329,10 @@ static void test_backend_without_driver(void **state) {
   printf("  init: %d (%s): %s\n", rc, magpie_error_string(rc), detail);
   assert_int_equal(rc, MAGPIE_ERR_NO_DEVICE);
   assert_true(strlen(detail) > 0);
+  /* A failed load is reported with the loader's reason. */
+  const char *why = NULL;
+  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0)
+    assert_string_equal(detail, why);
   /* Idempotent: the same answer and reason again. */
   assert_int_equal(b->init(), MAGPIE_ERR_NO_DEVICE);
   assert_string_equal(backend_error_detail(), detail);
@@ -222,11 +364,14 @@ static void test_backend_without_driver(void **state) {
   assert_true(strlen(backend_error_detail()) > 0);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  typedefs_path = argc > 1 ? argv[1] : NULL;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_constants),
       cmocka_unit_test(test_layouts),
       cmocka_unit_test(test_signatures),
+      cmocka_unit_test(test_variants),
+      cmocka_unit_test(test_loader),
       cmocka_unit_test(test_backend_without_driver),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -1,4 +1,5 @@
-"""magpie_test: a cmocka test linked against the library and its internals."""
+"""magpie_test: a cmocka test linked against the library, the simulated
+device (//sim) and their internals."""
 
 load("//:defs.bzl", "MAGPIE_COPTS")
 
@@ -9,7 +10,7 @@ def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwarg
         copts = MAGPIE_COPTS,
         deps = [
             "//:internal",
-            "//:magpie",
+            "//:magpie_with_sim",
             "@system_libs//:cmocka",
         ] + deps,
         size = size,

@@ -148,5 +148,9 @@ static backend_ops fault_ops = {
 
 const backend_ops *fault_backend(const backend_ops *inner) {
   fault_inner = inner;
+  /* Not operations: the inner device's detail buffer and observer (the
+   * simulated device's stream-order checker) as they are. */
+  fault_ops.error_detail = inner->error_detail;
+  fault_ops.observer = inner->observer;
   return &fault_ops;
 }

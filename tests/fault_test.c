@@ -44,6 +44,7 @@
 #include "magpie.h"
 #include "magpie_sim.h"
 #include "front/init.h"
+#include "sim/sim_internal.h"
 
 extern char **environ;
 

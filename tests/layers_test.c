@@ -366,7 +366,7 @@ static void test_depot_reuse_through_stream_wait(void **state) {
     }
   }
   assert_int_equal(fakes, 1);
-  for (int i = 0; i < nkeep; i++) depot_put(h, keep[i]);
+  for (int i = 0; i < nkeep; i++) depot_put(&h->depots[keep[i]->cls], keep[i]);
   epoch_stream_release(ra);
 }
 

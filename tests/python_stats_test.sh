@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Python package (python/magpie) against libmagpie.so on the simulated
-# device: its ctypes magpie_stats must be at least as large as the C struct
-# (a field added in C but not in Python would make magpie_stats_get write
-# past the Python buffer), and magpie.stats() reports an allocation.
+# device, which libmagpie.so loads from libmagpie_sim.so beside it: its
+# ctypes magpie_stats must be at least as large as the C struct (a field
+# added in C but not in Python would make magpie_stats_get write past the
+# Python buffer), and magpie.stats() reports an allocation.
 set -euo pipefail
 lib=$1
 shift
@@ -28,6 +29,7 @@ guard = 256
 buf = (ctypes.c_ubyte * (size + guard))(*([0xA5] * (size + guard)))
 p = l.magpie_malloc_async(4096, None)
 assert p, l.magpie_last_error_message()
+assert l.magpie_active_backend() == 2, "not on the simulated device (MAGPIE_BACKEND_SIM)"
 assert l.magpie_stats_get(0, ctypes.cast(buf, ctypes.POINTER(_lib.Stats))) == 0
 spoiled = [i for i in range(size, size + guard) if buf[i] != 0xA5]
 assert not spoiled, f"magpie_stats_get wrote {len(spoiled)} bytes past the Python struct ({size} bytes): add the new fields to python/magpie/_lib.py"

@@ -151,8 +151,8 @@ static int run_config_child(const char *assignment, const char *variable) {
 static int config_child(const char *variable) {
   int ok = 1;
   ok &= magpie_sim_stream_create() == NULL;
-  ok &= magpie_last_error() == MAGPIE_ERR_CONFIG;
-  ok &= strstr(magpie_last_error_message(), variable) != NULL;
+  ok &= magpie_sim_last_error() == MAGPIE_ERR_CONFIG;
+  ok &= strstr(magpie_sim_last_error_message(), variable) != NULL;
   static int flag;
   ok &= magpie_sim_launch(NULL, set_flag, &flag) == MAGPIE_ERR_CONFIG;
   ok &= magpie_sim_device_count() == 0;

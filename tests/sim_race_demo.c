@@ -3,11 +3,14 @@
  *
  * Not part of the Bazel suite (it needs a ThreadSanitizer build). Run:
  *
- *   clang -fsanitize=thread -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -I. \
- *     sim/sim_stream.c sim/sim_event.c sim/sim_memory.c src/base/error.c \
+ *   clang -fsanitize=thread -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -Isrc -I. \
+ *     sim/backend_sim.c sim/sim_check.c sim/sim_event.c sim/sim_memory.c \
+ *     sim/sim_stream.c src/device/detail.c src/device/observer.c \
  *     tests/sim_race_demo.c -o /tmp/sim_race_demo -lpthread
  *   for m in nowait wait event rerecord host-nosync host-sync destroyed devsync; do
  *     /tmp/sim_race_demo $m; echo "$m: exit $?"; done
+ *
+ * (the simulator alone, on the device interface: no allocator.)
  *
  * ThreadSanitizer exits with 66 when it reported a race. Expected:
  *   nowait       race  (A and B write the buffer, nothing orders them)
@@ -88,7 +91,7 @@ int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "nowait";
   cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
   if (a == NULL || b == NULL) {
-    fprintf(stderr, "%s\n", magpie_last_error_message());
+    fprintf(stderr, "%s\n", magpie_sim_last_error_message());
     return 1;
   }
   magpie_sim_launch(a, write_a, NULL);

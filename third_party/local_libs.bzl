@@ -88,8 +88,10 @@ def _cuda_toolkit_impl(rctx):
     else:
         rctx.file("include/.none", "")
 
-    # The driver stub (GPU tests link it; the real libcuda.so.1 answers at
-    # run time) and nvcc (GPU test kernels): both optional.
+    # The driver stub (the nvcc-built drop-in program, tests/gpu/preload_prog.cu,
+    # links it; the real libcuda.so.1 answers at run time; magpie, its tools
+    # and the GPU tests load the driver with dlopen and link nothing of it)
+    # and nvcc (GPU test kernels): both optional.
     stub = home + "/lib64/stubs/libcuda.so"
     have_stub = have and rctx.path(stub).exists
     if have_stub:
@@ -99,7 +101,7 @@ def _cuda_toolkit_impl(rctx):
     rctx.file("defs.bzl", "\n".join([
         "HAVE_CUDA = %s" % have,
         "CUDA_HOME = %r" % home,
-        "# The GPU tests need the driver stub and nvcc besides the headers.",
+        "# The GPU tests need nvcc and the drop-in program the driver stub besides the headers.",
         "HAVE_CUDA_GPU_TESTS = %s" % (have_stub and have_nvcc),
         "NVCC = %r" % (nvcc if have_nvcc else ""),
         "",

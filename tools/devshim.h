@@ -1,8 +1,9 @@
 /* A minimal device layer for magpie's demo and benchmarks: streams, work
  * that writes a block, stream-to-stream ordering, and the CUDA pool
- * allocator for comparisons. On the GPU it drives the CUDA driver (loaded
- * with dlopen, no toolkit needed); otherwise the simulated device. Which one
- * follows magpie's own choice of backend. */
+ * allocator for comparisons. On the GPU it drives the CUDA driver through
+ * magpie's one driver loader (src/device/cuda_driver.h: loaded with dlopen,
+ * no toolkit needed); otherwise the simulated device. Which one follows
+ * magpie's own choice of backend. */
 #ifndef MAGPIE_TOOLS_DEVSHIM_H
 #define MAGPIE_TOOLS_DEVSHIM_H
 

@@ -12,7 +12,10 @@ _SEARCH = (
 
 def library_path():
     """The libmagpie.so that will be used: $MAGPIE_LIB, next to this package,
-    the repository's bazel-bin, or the system search path."""
+    the repository's bazel-bin, or the system search path. On the simulated
+    device (MAGPIE_BACKEND=sim, or no GPU) the library loads
+    libmagpie_sim.so from its own folder, else from the loader's search
+    path (LD_LIBRARY_PATH)."""
     for p in _SEARCH:
         if p and os.path.isfile(p):
             return os.path.abspath(p)

@@ -1,7 +1,8 @@
 /* The device layer: a table of operations, one implementation per device
- * kind (backend_cuda.c, backend_sim.c). These two files are the only ones
- * that know which device they drive; everything above calls through the
- * table.
+ * kind (backend_cuda.c; the simulated device's sim/backend_sim.c, a library
+ * of its own that depends on this header alone). These two files are the
+ * only ones that know which device they drive; everything above calls
+ * through the table.
  *
  * Conventions: every operation returns MAGPIE_OK or a magpie_error code
  * (MAGPIE_ERR_BACKEND for a driver failure, MAGPIE_ERR_OUT_OF_MEMORY when
@@ -16,6 +17,7 @@
 #ifndef MAGPIE_BACKEND_H
 #define MAGPIE_BACKEND_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -23,6 +25,30 @@
 
 /* event_query's answer for an event whose work has not completed. */
 #define BACKEND_NOT_READY (-1)
+
+/* A watcher of the allocator's hand-outs and frees that a device offers
+ * (the simulated device's stream-order checker). While it is on, the
+ * allocator calls on_handout after handing a block out and on_free before
+ * freeing one; both synchronise on their own. */
+typedef struct backend_observer {
+  /* Block p (at least size bytes) was handed out for work on stream. */
+  void (*on_handout)(void *p, size_t size, cudaStream_t stream);
+  /* Block p is about to be freed on stream (the stream of its last use),
+   * before the allocator may hand it out again. */
+  void (*on_free)(void *p, cudaStream_t stream);
+  /* On or off: changed only through backend_observer_set (by the device's
+   * own switch, and by magpie's set-up for check_streams=1). */
+  _Atomic int enabled;
+  /* The allocator's copy of enabled, the flag its fast paths read
+   * (relaxed: it only decides whether the calls are made); NULL until
+   * backend_observer_attach. */
+  _Atomic(_Atomic int *) mirror;
+} backend_observer;
+
+/* Switches o on or off, and the attached allocator's flag with it. */
+void backend_observer_set(backend_observer *o, int on);
+/* Makes *flag follow o's state from now on (set-up, once). */
+void backend_observer_attach(backend_observer *o, _Atomic int *flag);
 
 typedef struct backend_ops {
   const char *name; /* "cuda" or "sim" */
@@ -79,14 +105,37 @@ typedef struct backend_ops {
 
   /* Wait for all work on the device (never called on an allocation path). */
   int (*device_synchronize)(int device);
+
+  /* Optional (NULL: this module's own): the calling thread's error detail
+   * buffer (BACKEND_DETAIL_LEN bytes), for a table implemented in another
+   * shared object, which has its own copy of detail.c. Once the table is
+   * adopted, both sides read and write the detail there. */
+  char *(*error_detail)(void);
+  /* Optional (NULL: none): the device's watcher of hand-outs and frees. */
+  backend_observer *observer;
 } backend_ops;
 
-/* The two implementations. */
+/* The layout a table handed across shared objects must have
+ * (magpie_sim_device_table): a version raised by hand when the table's
+ * meaning changes, and its size. */
+#define BACKEND_ABI_VERSION 1u
+#define BACKEND_ABI ((BACKEND_ABI_VERSION << 16) | (unsigned)sizeof(backend_ops))
+
+/* The CUDA driver's table; the simulated device's is found at set-up
+ * (src/front/init.c). */
 const backend_ops *backend_cuda(void);
-const backend_ops *backend_sim(void);
+
+/* Size of the error detail buffer, terminating zero included. */
+#define BACKEND_DETAIL_LEN 256
 
 /* The reason for the last failed operation on this thread ("" if none). */
 const char *backend_error_detail(void);
+/* This module's own buffer of the calling thread, whatever table is adopted
+ * (what a table's error_detail returns). */
+char *backend_local_error_detail(void);
+/* Makes the detail live in source's buffer (NULL: this module's own), for
+ * reads and writes alike; at set-up, when a table is adopted. */
+void backend_use_error_detail(char *(*source)(void));
 /* Implementations set it (printf-style). */
 void backend_set_error_detail(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));

@@ -1,11 +1,13 @@
 /* The CUDA backend: the backend table (backend.h) over the CUDA driver API.
  *
- * The driver is loaded with dlopen("libcuda.so.1") in init(), so the library
+ * The driver is loaded by init() through the one loader (cuda_driver.h,
+ * cuda_loader.c: dlopen("libcuda.so.1") once per process), so the library
  * loads and runs on machines without it; init() then answers
- * MAGPIE_ERR_NO_DEVICE. Entry points come from cuGetProcAddress_v2 (a CUDA
- * 12.0 or newer driver) at the ABI versions declared in cuda_driver.h, with
- * the legacy meaning of stream handle 0 (as the runtime API without
- * --default-stream per-thread).
+ * MAGPIE_ERR_NO_DEVICE with the loader's reason. Entry points come from
+ * cuGetProcAddress_v2 (a CUDA 12.0 or newer driver) at the ABI versions
+ * declared in cuda_driver.h, with the legacy meaning of stream handle 0 (as
+ * the runtime API without --default-stream per-thread), and are called
+ * through the loader's table `cudrv`.
  *
  * Each device's primary context (the one the runtime API uses) is retained on
  * first use and never released, as the runtime does; it is pushed around the
@@ -13,11 +15,10 @@
  *
  * Lock order: cuda_lock is this file's only lock. It is held by init() and
  * by the first use of a device's context (cuda_device_ctx), never while
- * calling anything outside this file but the driver, so it sits below every
- * other magpie lock; the driver takes its own locks inside it and never
- * calls back.
+ * calling anything outside this file but the driver and its loader (which
+ * takes no magpie lock), so it sits below every other magpie lock; the
+ * driver takes its own locks inside it and never calls back.
  */
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -32,18 +33,11 @@
 
 enum { CUDA_STATE_UNINIT = 0, CUDA_STATE_READY = 1, CUDA_STATE_FAILED = 2 };
 
-/* The driver's entry points; NULL for an optional one the driver lacks.
- * Written once by init under cuda_lock before the release store of
- * cuda_state; read by every operation after its acquire load of cuda_state
- * (cuda_ready), so plain fields suffice. */
-_Static_assert(sizeof(void *) == sizeof(cudrv_pfn_init), "function pointers must fit a void *");
-
-static struct cuda_fns {
-#define CUDA_FN_FIELD(field, symbol, version) cudrv_pfn_##field field;
-  CUDRV_REQUIRED_FUNCS(CUDA_FN_FIELD)
-  CUDRV_OPTIONAL_FUNCS(CUDA_FN_FIELD)
-#undef CUDA_FN_FIELD
-} cuda_fn;
+/* The driver's entry points are the loader's table `cudrv` (NULL for an
+ * optional one the driver lacks). It is filled by cudrv_load, which init
+ * calls under cuda_lock before the release store of cuda_state; every
+ * operation reads it after its acquire load of cuda_state (cuda_ready), so
+ * plain fields suffice. */
 
 static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -69,7 +63,7 @@ static _Atomic(cudrv_context) cuda_ctx[CUDA_MAX_DEVICES];
 
 static const char *cuda_error_name(cudrv_result r) {
   const char *name = NULL;
-  if (cuda_fn.get_error_name == NULL || cuda_fn.get_error_name(r, &name) != CUDRV_SUCCESS ||
+  if (cudrv.get_error_name == NULL || cudrv.get_error_name(r, &name) != CUDRV_SUCCESS ||
       name == NULL)
     return "CUDA_ERROR_UNKNOWN_CODE";
   return name;
@@ -134,58 +128,17 @@ __attribute__((format(printf, 2, 3))) static int cuda_init_fail(int code, const 
   return code;
 }
 
-/* Resolves one entry point; 0 if the driver lacks it at that version. */
-static int cuda_resolve(cudrv_pfn_get_proc_address gpa, const char *symbol, int version,
-                        void **out) {
-  void *fn = NULL;
-  cudrv_proc_query_result found = CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-  cudrv_result r = gpa(symbol, &fn, CUDRV_REQUEST_FOR(version),
-                       CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, &found);
-  *out = (r == CUDRV_SUCCESS && found == CUDRV_GET_PROC_ADDRESS_SUCCESS) ? fn : NULL;
-  return *out != NULL;
-}
-
 static int cuda_init_locked(void) {
-  /* Never unloaded: once cuInit ran the driver may own threads. */
-  void *dl = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (dl == NULL) {
-    const char *why = dlerror();
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE,
-                          "CUDA driver not found: dlopen(libcuda.so.1): %s",
-                          why ? why : "unknown error");
-  }
-  /* Entry points arrive as void *; POSIX makes them convertible to function
-   * pointers, and memcpy says so without a cast ISO C would frown on. */
-  void *fn = dlsym(dl, CUDRV_GET_PROC_ADDRESS_SYMBOL);
-  cudrv_pfn_get_proc_address gpa;
-  memcpy(&gpa, &fn, sizeof gpa);
-  if (gpa == NULL)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE,
-                          "CUDA driver too old: no %s (a CUDA 12.0 or newer driver is needed)",
-                          CUDRV_GET_PROC_ADDRESS_SYMBOL);
+  const char *why = NULL;
+  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0)
+    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "%s", why);
 
-#define CUDA_RESOLVE_REQUIRED(field, symbol, version)                                 \
-  if (!cuda_resolve(gpa, #symbol, version, &fn))                                      \
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE,                                       \
-                          "CUDA driver lacks %s (CUDA %d.%d ABI): driver too old?",   \
-                          #symbol, CUDRV_REQUEST_FOR(version) / 1000,                 \
-                          CUDRV_REQUEST_FOR(version) % 1000 / 10);                    \
-  memcpy(&cuda_fn.field, &fn, sizeof fn);
-  CUDRV_REQUIRED_FUNCS(CUDA_RESOLVE_REQUIRED)
-#undef CUDA_RESOLVE_REQUIRED
-#define CUDA_RESOLVE_OPTIONAL(field, symbol, version) \
-  fn = NULL;                                          \
-  cuda_resolve(gpa, #symbol, version, &fn);           \
-  memcpy(&cuda_fn.field, &fn, sizeof fn);
-  CUDRV_OPTIONAL_FUNCS(CUDA_RESOLVE_OPTIONAL)
-#undef CUDA_RESOLVE_OPTIONAL
-
-  cudrv_result r = cuda_fn.init(0);
+  cudrv_result r = cudrv.init(0);
   if (r != CUDRV_SUCCESS)
     return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuInit failed: %s (%d)", cuda_error_name(r),
                           (int)r);
   int version = 0;
-  r = cuda_fn.driver_get_version(&version);
+  r = cudrv.driver_get_version(&version);
   if (r != CUDRV_SUCCESS)
     return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDriverGetVersion failed: %s (%d)",
                           cuda_error_name(r), (int)r);
@@ -194,7 +147,7 @@ static int cuda_init_locked(void) {
                           "CUDA driver %d.%d is too old: 12.0 or newer is needed",
                           version / 1000, version % 1000 / 10);
   int n = 0;
-  r = cuda_fn.device_get_count(&n);
+  r = cudrv.device_get_count(&n);
   if (r != CUDRV_SUCCESS)
     return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGetCount failed: %s (%d)",
                           cuda_error_name(r), (int)r);
@@ -203,7 +156,7 @@ static int cuda_init_locked(void) {
   if (n > CUDA_MAX_DEVICES)
     n = CUDA_MAX_DEVICES; /* the rest stay unused */
   for (int i = 0; i < n; i++) {
-    r = cuda_fn.device_get(&cuda_devices[i], i);
+    r = cudrv.device_get(&cuda_devices[i], i);
     if (r != CUDRV_SUCCESS)
       return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGet(%d) failed: %s (%d)", i,
                             cuda_error_name(r), (int)r);
@@ -249,7 +202,7 @@ static int cuda_device_ctx(int device, cudrv_context *out) {
   int rc = MAGPIE_OK;
   ctx = atomic_load_explicit(&cuda_ctx[device], memory_order_relaxed);
   if (ctx == NULL) {
-    cudrv_result r = cuda_fn.primary_ctx_retain(&ctx, cuda_devices[device]);
+    cudrv_result r = cudrv.primary_ctx_retain(&ctx, cuda_devices[device]);
     if (r == CUDRV_SUCCESS)
       atomic_store_explicit(&cuda_ctx[device], ctx, memory_order_release);
     else
@@ -266,7 +219,7 @@ static int cuda_push(int device, const char *op) {
   int rc = cuda_device_ctx(device, &ctx);
   if (rc != MAGPIE_OK)
     return rc;
-  cudrv_result r = cuda_fn.ctx_push_current(ctx);
+  cudrv_result r = cudrv.ctx_push_current(ctx);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(device %d) for %s", device, op);
   return MAGPIE_OK;
@@ -275,7 +228,7 @@ static int cuda_push(int device, const char *op) {
 /* Undoes cuda_push; passes rc through unless the pop itself fails. */
 static int cuda_pop(int rc, const char *op) {
   cudrv_context ctx;
-  cudrv_result r = cuda_fn.ctx_pop_current(&ctx);
+  cudrv_result r = cudrv.ctx_pop_current(&ctx);
   if (r != CUDRV_SUCCESS && rc == MAGPIE_OK)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPopCurrent after %s", op);
   return rc;
@@ -290,12 +243,12 @@ static int cuda_bind_default_ctx(cudrv_stream stream) {
   if ((uintptr_t)stream > (uintptr_t)CUDRV_STREAM_PER_THREAD)
     return 0;
   cudrv_context cur = NULL;
-  if (cuda_fn.ctx_get_current(&cur) != CUDRV_SUCCESS || cur != NULL)
+  if (cudrv.ctx_get_current(&cur) != CUDRV_SUCCESS || cur != NULL)
     return 0;
   cudrv_context ctx;
   if (cuda_device_ctx(0, &ctx) != MAGPIE_OK)
     return 0;
-  return cuda_fn.ctx_set_current(ctx) == CUDRV_SUCCESS;
+  return cudrv.ctx_set_current(ctx) == CUDRV_SUCCESS;
 }
 
 static int cuda_ordinal(cudrv_device dev, int *device) {
@@ -326,7 +279,7 @@ static int cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
     rc = cuda_push(device, "cuMemGetInfo");
   if (rc != MAGPIE_OK)
     return rc;
-  cudrv_result r = cuda_fn.mem_get_info(free_bytes, total_bytes);
+  cudrv_result r = cudrv.mem_get_info(free_bytes, total_bytes);
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemGetInfo(device %d)", device);
   return cuda_pop(rc, "cuMemGetInfo");
@@ -339,7 +292,7 @@ static int cuda_vmm_supported(int device, int *supported) {
   if (rc != MAGPIE_OK)
     return rc;
   int v = 0;
-  cudrv_result r = cuda_fn.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED,
+  cudrv_result r = cudrv.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED,
                                                 cuda_devices[device]);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r,
@@ -363,7 +316,7 @@ static int cuda_granule(int device, size_t *bytes) {
   cudrv_mem_alloc_prop prop;
   cuda_alloc_prop(device, &prop);
   cudrv_result r =
-      cuda_fn.mem_get_granularity(bytes, &prop, CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM);
+      cudrv.mem_get_granularity(bytes, &prop, CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemGetAllocationGranularity(device %d)",
                      device);
@@ -411,7 +364,7 @@ static int cuda_reserve(int device, size_t size, uintptr_t *base) {
     return rc;
   cudrv_deviceptr p = 0;
   /* Aligned to the granularity so that every granule of it can be mapped. */
-  cudrv_result r = cuda_fn.mem_address_reserve(&p, size, g, 0, 0);
+  cudrv_result r = cudrv.mem_address_reserve(&p, size, g, 0, 0);
   if (r == CUDRV_SUCCESS)
     *base = (uintptr_t)p;
   else
@@ -427,7 +380,7 @@ static int cuda_unreserve(int device, uintptr_t base, size_t size) {
     rc = cuda_push(device, "cuMemAddressFree");
   if (rc != MAGPIE_OK)
     return rc;
-  cudrv_result r = cuda_fn.mem_address_free((cudrv_deviceptr)base, size);
+  cudrv_result r = cudrv.mem_address_free((cudrv_deviceptr)base, size);
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemAddressFree(0x%llx, %zu bytes)",
                    (unsigned long long)base, size);
@@ -445,25 +398,25 @@ static int cuda_map_granule(int device, uintptr_t addr, size_t g) {
   access.flags = CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE;
 
   cudrv_mem_handle h = 0;
-  cudrv_result r = cuda_fn.mem_create(&h, g, &prop, 0);
+  cudrv_result r = cudrv.mem_create(&h, g, &prop, 0);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(cuda_code(r), r, "cuMemCreate(%zu bytes)", g);
   cudrv_deviceptr p = (cudrv_deviceptr)addr;
   int rc = MAGPIE_OK;
-  r = cuda_fn.mem_map(p, g, 0, h, 0);
+  r = cudrv.mem_map(p, g, 0, h, 0);
   if (r != CUDRV_SUCCESS) {
     rc = cuda_fail(cuda_code(r), r, "cuMemMap(0x%llx, %zu bytes)", p, g);
-    cuda_fn.mem_release(h); /* nothing more to undo if this fails too */
+    cudrv.mem_release(h); /* nothing more to undo if this fails too */
     return rc;
   }
-  r = cuda_fn.mem_set_access(p, g, &access, 1);
+  r = cudrv.mem_set_access(p, g, &access, 1);
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes)", p, g);
-  cudrv_result rr = cuda_fn.mem_release(h);
+  cudrv_result rr = cudrv.mem_release(h);
   if (rr != CUDRV_SUCCESS && rc == MAGPIE_OK)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, rr, "cuMemRelease(0x%llx)", h);
   if (rc != MAGPIE_OK)
-    cuda_fn.mem_unmap(p, g); /* frees the memory once the handle is released */
+    cudrv.mem_unmap(p, g); /* frees the memory once the handle is released */
   return rc;
 }
 
@@ -484,7 +437,7 @@ static int cuda_map(int device, uintptr_t addr, size_t size) {
     done += g;
   if (rc != MAGPIE_OK)
     for (size_t off = 0; off < done; off += g)
-      cuda_fn.mem_unmap((cudrv_deviceptr)(addr + off), g);
+      cudrv.mem_unmap((cudrv_deviceptr)(addr + off), g);
   return cuda_pop(rc, "map");
 }
 
@@ -499,7 +452,7 @@ static int cuda_unmap(int device, uintptr_t addr, size_t size) {
     return rc;
   /* Granule by granule, as mapped; go on past a failure to free the rest. */
   for (size_t off = 0; off < size; off += g) {
-    cudrv_result r = cuda_fn.mem_unmap((cudrv_deviceptr)(addr + off), g);
+    cudrv_result r = cudrv.mem_unmap((cudrv_deviceptr)(addr + off), g);
     if (r != CUDRV_SUCCESS && rc == MAGPIE_OK)
       rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemUnmap(0x%llx, %zu bytes)",
                      (unsigned long long)(addr + off), g);
@@ -516,7 +469,7 @@ static int cuda_mem_alloc(int device, size_t size, uintptr_t *out) {
   if (rc != MAGPIE_OK)
     return rc;
   cudrv_deviceptr p = 0;
-  cudrv_result r = cuda_fn.mem_alloc(&p, size);
+  cudrv_result r = cudrv.mem_alloc(&p, size);
   if (r == CUDRV_SUCCESS)
     *out = (uintptr_t)p;
   else
@@ -532,7 +485,7 @@ static int cuda_mem_free(int device, uintptr_t ptr, size_t size) {
     rc = cuda_push(device, "cuMemFree");
   if (rc != MAGPIE_OK)
     return rc;
-  cudrv_result r = cuda_fn.mem_free((cudrv_deviceptr)ptr);
+  cudrv_result r = cudrv.mem_free((cudrv_deviceptr)ptr);
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemFree(0x%llx, %zu bytes)",
                    (unsigned long long)ptr, size);
@@ -551,7 +504,7 @@ static int cuda_event_create(int device, void **event) {
     return rc;
   cudrv_event e = NULL;
   /* No timing: cheaper to record, and magpie only orders work. */
-  cudrv_result r = cuda_fn.event_create(&e, CUDRV_EVENT_DISABLE_TIMING);
+  cudrv_result r = cudrv.event_create(&e, CUDRV_EVENT_DISABLE_TIMING);
   if (r == CUDRV_SUCCESS)
     *event = e;
   else
@@ -562,7 +515,7 @@ static int cuda_event_create(int device, void **event) {
 static int cuda_event_destroy(void *event) {
   if (!cuda_ready())
     return cuda_not_ready();
-  cudrv_result r = cuda_fn.event_destroy((cudrv_event)event);
+  cudrv_result r = cudrv.event_destroy((cudrv_event)event);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventDestroy(%p)", event);
   return MAGPIE_OK;
@@ -571,9 +524,9 @@ static int cuda_event_destroy(void *event) {
 static int cuda_event_record(void *event, cudaStream_t stream) {
   if (!cuda_ready())
     return cuda_not_ready();
-  cudrv_result r = cuda_fn.event_record((cudrv_event)event, stream);
+  cudrv_result r = cudrv.event_record((cudrv_event)event, stream);
   if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-    r = cuda_fn.event_record((cudrv_event)event, stream);
+    r = cudrv.event_record((cudrv_event)event, stream);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(cuda_stream_code(r), r, "cuEventRecord(event %p, stream %p)", event,
                      (void *)stream);
@@ -583,7 +536,7 @@ static int cuda_event_record(void *event, cudaStream_t stream) {
 static int cuda_event_query(void *event) {
   if (!cuda_ready())
     return cuda_not_ready();
-  cudrv_result r = cuda_fn.event_query((cudrv_event)event);
+  cudrv_result r = cudrv.event_query((cudrv_event)event);
   if (r == CUDRV_SUCCESS)
     return MAGPIE_OK;
   if (r == CUDRV_ERROR_NOT_READY)
@@ -594,7 +547,7 @@ static int cuda_event_query(void *event) {
 static int cuda_event_synchronize(void *event) {
   if (!cuda_ready())
     return cuda_not_ready();
-  cudrv_result r = cuda_fn.event_synchronize((cudrv_event)event);
+  cudrv_result r = cudrv.event_synchronize((cudrv_event)event);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventSynchronize(%p)", event);
   return MAGPIE_OK;
@@ -603,9 +556,9 @@ static int cuda_event_synchronize(void *event) {
 static int cuda_stream_wait_event(cudaStream_t stream, void *event) {
   if (!cuda_ready())
     return cuda_not_ready();
-  cudrv_result r = cuda_fn.stream_wait_event(stream, (cudrv_event)event, 0);
+  cudrv_result r = cudrv.stream_wait_event(stream, (cudrv_event)event, 0);
   if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-    r = cuda_fn.stream_wait_event(stream, (cudrv_event)event, 0);
+    r = cudrv.stream_wait_event(stream, (cudrv_event)event, 0);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(cuda_stream_code(r), r, "cuStreamWaitEvent(stream %p, event %p)",
                      (void *)stream, event);
@@ -617,7 +570,7 @@ static int cuda_stream_wait_event(cudaStream_t stream, void *event) {
 static int cuda_stream_id_slow(cudaStream_t stream, uint64_t *id, cudrv_result r) {
   unsigned long long v = 0;
   if (cuda_bind_default_ctx(stream) &&
-      (r = cuda_fn.stream_get_id(stream, &v)) == CUDRV_SUCCESS) {
+      (r = cudrv.stream_get_id(stream, &v)) == CUDRV_SUCCESS) {
     *id = v;
     return MAGPIE_OK;
   }
@@ -646,7 +599,7 @@ static __thread cuda_special_ids cuda_special_cache[CUDA_SPECIAL_CACHE];
 
 static int cuda_stream_id_special(cudaStream_t stream, uint64_t *id) {
   cudrv_context ctx = NULL;
-  if (cuda_fn.ctx_get_current(&ctx) == CUDRV_SUCCESS && ctx != NULL) {
+  if (cudrv.ctx_get_current(&ctx) == CUDRV_SUCCESS && ctx != NULL) {
     int per_thread = (uintptr_t)stream == (uintptr_t)CUDRV_STREAM_PER_THREAD;
     for (int i = 0; i < CUDA_SPECIAL_CACHE; i++) {
       cuda_special_ids *c = &cuda_special_cache[i];
@@ -659,7 +612,7 @@ static int cuda_stream_id_special(cudaStream_t stream, uint64_t *id) {
     }
   }
   unsigned long long v = 0;
-  cudrv_result r = cuda_fn.stream_get_id(stream, &v);
+  cudrv_result r = cudrv.stream_get_id(stream, &v);
   if (r != CUDRV_SUCCESS) return cuda_stream_id_slow(stream, id, r);
   if (ctx != NULL) {
     cuda_special_ids *slot = &cuda_special_cache[0];
@@ -683,7 +636,7 @@ static int cuda_stream_id(cudaStream_t stream, uint64_t *id) {
     return cuda_not_ready();
   if ((uintptr_t)stream <= (uintptr_t)CUDRV_STREAM_PER_THREAD) return cuda_stream_id_special(stream, id);
   unsigned long long v;
-  cudrv_result r = cuda_fn.stream_get_id(stream, &v);
+  cudrv_result r = cudrv.stream_get_id(stream, &v);
   if (r != CUDRV_SUCCESS)
     return cuda_stream_id_slow(stream, id, r);
   *id = v;
@@ -693,23 +646,23 @@ static int cuda_stream_id(cudaStream_t stream, uint64_t *id) {
 /* The fast path's form: a jump into the driver, no frame of its own. The
  * tcache exists only after init succeeded, so no readiness check. */
 static int cuda_stream_id_fast(cudaStream_t stream, unsigned long long *id) {
-  return cuda_fn.stream_get_id(stream, id);
+  return cudrv.stream_get_id(stream, id);
 }
 
 /* Drivers before 12.8 lack cuStreamGetDevice: ask the stream's context. */
 static int cuda_stream_device_by_ctx(cudaStream_t stream, cudrv_device *dev) {
   cudrv_context ctx = NULL;
-  cudrv_result r = cuda_fn.stream_get_ctx(stream, &ctx);
+  cudrv_result r = cudrv.stream_get_ctx(stream, &ctx);
   if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-    r = cuda_fn.stream_get_ctx(stream, &ctx);
+    r = cudrv.stream_get_ctx(stream, &ctx);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(cuda_stream_code(r), r, "cuStreamGetCtx(stream %p)", (void *)stream);
-  r = cuda_fn.ctx_push_current(ctx);
+  r = cudrv.ctx_push_current(ctx);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(context of stream %p)",
                      (void *)stream);
   int rc = MAGPIE_OK;
-  r = cuda_fn.ctx_get_device(dev);
+  r = cudrv.ctx_get_device(dev);
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxGetDevice(context of stream %p)",
                    (void *)stream);
@@ -720,10 +673,10 @@ static int cuda_stream_device(cudaStream_t stream, int *device) {
   if (!cuda_ready())
     return cuda_not_ready();
   cudrv_device dev = 0;
-  if (cuda_fn.stream_get_device != NULL) {
-    cudrv_result r = cuda_fn.stream_get_device(stream, &dev);
+  if (cudrv.stream_get_device != NULL) {
+    cudrv_result r = cudrv.stream_get_device(stream, &dev);
     if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-      r = cuda_fn.stream_get_device(stream, &dev);
+      r = cudrv.stream_get_device(stream, &dev);
     if (r != CUDRV_SUCCESS)
       return cuda_fail(cuda_stream_code(r), r, "cuStreamGetDevice(stream %p)",
                        (void *)stream);
@@ -743,7 +696,7 @@ static int cuda_device_synchronize(int device) {
     rc = cuda_push(device, "cuCtxSynchronize");
   if (rc != MAGPIE_OK)
     return rc;
-  cudrv_result r = cuda_fn.ctx_synchronize();
+  cudrv_result r = cudrv.ctx_synchronize();
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxSynchronize(device %d)", device);
   return cuda_pop(rc, "cuCtxSynchronize");

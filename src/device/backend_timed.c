@@ -167,6 +167,8 @@ const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms
   timed_threshold_ns = (uint64_t)threshold_ms * 1000000ull;
   timed_ops.name = inner->name;
   timed_ops.event_prefill = inner->event_prefill;
+  timed_ops.error_detail = inner->error_detail; /* not operations: as they are */
+  timed_ops.observer = inner->observer;
   return &timed_ops;
 }
 

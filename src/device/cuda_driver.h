@@ -1,12 +1,18 @@
-/* The part of the CUDA driver API that backend_cuda.c uses, declared here so
- * that the library builds without the CUDA toolkit and links without libcuda
- * (the driver is loaded with dlopen at run time).
+/* The CUDA driver API as magpie loads it: declarations and the one loader
+ * (cuda_loader.c) that the library, the demo (tools/devshim.c), the
+ * benchmarks (bench/bench_dev.c), the preload library and the GPU tests
+ * (tests/gpu/gpu_util.c) all call the driver through. Nothing links
+ * libcuda: cudrv_load() opens libcuda.so.1 with dlopen, once per process,
+ * and fills the table `cudrv` through cuGetProcAddress_v2, so everything
+ * builds without the CUDA toolkit and runs where there is no driver.
  *
  * Every type, constant and layout mirrors cuda.h (CUDA 12.0 ABI and later)
  * under a cudrv_/CUDRV_ prefix, so this header can be included next to the
  * real one. tests/cuda_abi_test.c checks each size, offset and value against
- * cuda.h, and tests/cuda_abi_sig.c checks every function type against the
- * PFN_* typedefs of cudaTypedefs.h for the version the backend requests.
+ * cuda.h, that the variant of every entry point the loader asks for is the
+ * one listed beside it (against cudaTypedefs.h), and tests/cuda_abi_sig.c
+ * checks every function type of the table against the PFN_* typedefs of
+ * cudaTypedefs.h for that variant.
  *
  * Handle types use CUDA's own struct tags (CUstream_st, ...): they are
  * incomplete types, so a cudrv_stream, a CUstream and magpie.h's
@@ -22,6 +28,9 @@
 typedef struct CUctx_st *cudrv_context;
 typedef struct CUstream_st *cudrv_stream;
 typedef struct CUevent_st *cudrv_event;
+typedef struct CUmod_st *cudrv_module;
+typedef struct CUfunc_st *cudrv_function;
+typedef struct CUmemPoolHandle_st *cudrv_mem_pool;
 
 /* CUDRV_EXTERNAL_TYPES: the signature check defines these as the real CUDA
  * types first, so that function types compare exactly. */
@@ -34,6 +43,8 @@ typedef uint64_t cudrv_uint64;          /* cuuint64_t */
 typedef int cudrv_device_attr;          /* CUdevice_attribute */
 typedef int cudrv_granularity_flags;    /* CUmemAllocationGranularity_flags */
 typedef int cudrv_proc_query_result;    /* CUdriverProcAddressQueryResult */
+typedef int cudrv_jit_option;           /* CUjit_option */
+typedef int cudrv_mem_pool_attr;        /* CUmemPool_attribute */
 
 typedef struct cudrv_mem_location {     /* CUmemLocation */
   int type;                             /* CUmemLocationType */
@@ -83,6 +94,12 @@ enum {
   CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,  /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
   CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM = 0,    /* CU_MEM_ALLOC_GRANULARITY_MINIMUM */
   CUDRV_EVENT_DISABLE_TIMING = 2,             /* CU_EVENT_DISABLE_TIMING */
+  CUDRV_STREAM_NON_BLOCKING = 1,              /* CU_STREAM_NON_BLOCKING */
+  CUDRV_MEMHOSTALLOC_PORTABLE = 1,            /* CU_MEMHOSTALLOC_PORTABLE */
+  CUDRV_MEMHOSTALLOC_DEVICEMAP = 2,           /* CU_MEMHOSTALLOC_DEVICEMAP */
+  CUDRV_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,   /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */
+  CUDRV_JIT_ERROR_LOG_BUFFER = 5,             /* CU_JIT_ERROR_LOG_BUFFER */
+  CUDRV_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6,  /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */
   CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM = 1,   /* CU_GET_PROC_ADDRESS_LEGACY_STREAM */
   CUDRV_GET_PROC_ADDRESS_SUCCESS = 0,         /* CU_GET_PROC_ADDRESS_SUCCESS */
   CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1,
@@ -110,9 +127,20 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
 #define CUDRV_REQUEST_FOR(pfn_version) \
   ((pfn_version) > CUDRV_REQUEST_VERSION ? (pfn_version) : CUDRV_REQUEST_VERSION)
 
-/* X(field, symbol, pfn_version): the entry points the backend needs. The
- * function type of each is cudrv_pfn_<field>, and must equal cuda.h's
- * PFN_<symbol>_v<pfn_version>. */
+/* The table's entry points, X(field, symbol, pfn_version) in three lists.
+ * The function type of each is cudrv_pfn_<field>, and must equal cuda.h's
+ * PFN_<symbol>_v<pfn_version>; the loader requests each at
+ * CUDRV_REQUEST_FOR(pfn_version), with the legacy meaning of stream handle
+ * 0 (as the runtime API without --default-stream per-thread, and as the
+ * plain exported symbols).
+ *
+ * CUDRV_REQUIRED_FUNCS: what the library needs; no load succeeds without
+ *   any of them.
+ * CUDRV_TOOL_FUNCS: what the demo, the benchmarks, the preload library and
+ *   the GPU tests use besides (every CUDA 12.0 driver has them). A load for
+ *   CUDRV_LOAD_ALL fails without any of them; the library's own load
+ *   (CUDRV_LOAD_LIBRARY) does not, and a missing one is then NULL.
+ * CUDRV_OPTIONAL_FUNCS: NULL where the driver lacks them; test before use. */
 #define CUDRV_REQUIRED_FUNCS(X)                                         \
   X(init, cuInit, 2000)                                                 \
   X(driver_get_version, cuDriverGetVersion, 2020)                       \
@@ -147,9 +175,33 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
   X(stream_get_id, cuStreamGetId, 12000)                                \
   X(stream_get_ctx, cuStreamGetCtx, 9020)
 
-/* Entry points used when the driver has them (cuStreamGetDevice: 12.8+). */
+#define CUDRV_TOOL_FUNCS(X)                                             \
+  X(device_get_name, cuDeviceGetName, 2000)                             \
+  X(stream_create, cuStreamCreate, 2000)                                \
+  X(stream_destroy, cuStreamDestroy, 4000)                              \
+  X(stream_synchronize, cuStreamSynchronize, 2000)                      \
+  X(memset_d32, cuMemsetD32, 3020)                                      \
+  X(memset_d32_async, cuMemsetD32Async, 3020)                           \
+  X(memcpy_dtoh, cuMemcpyDtoH, 3020)                                    \
+  X(mem_alloc_async, cuMemAllocAsync, 11020)                            \
+  X(mem_free_async, cuMemFreeAsync, 11020)                              \
+  X(device_get_default_mem_pool, cuDeviceGetDefaultMemPool, 11020)      \
+  X(mem_pool_set_attribute, cuMemPoolSetAttribute, 11020)               \
+  X(mem_host_alloc, cuMemHostAlloc, 2020)                               \
+  X(mem_host_get_device_pointer, cuMemHostGetDevicePointer, 3020)       \
+  X(mem_free_host, cuMemFreeHost, 2000)                                 \
+  X(stream_write_value64, cuStreamWriteValue64, 11070)                  \
+  X(module_load_data, cuModuleLoadData, 2000)                           \
+  X(module_load_data_ex, cuModuleLoadDataEx, 2010)                      \
+  X(module_get_function, cuModuleGetFunction, 2000)                     \
+  X(launch_kernel, cuLaunchKernel, 4000)
+
+/* cuStreamGetDevice: drivers 12.8 and later. */
 #define CUDRV_OPTIONAL_FUNCS(X) \
   X(stream_get_device, cuStreamGetDevice, 12080)
+
+/* All three lists. */
+#define CUDRV_ALL_FUNCS(X) CUDRV_REQUIRED_FUNCS(X) CUDRV_TOOL_FUNCS(X) CUDRV_OPTIONAL_FUNCS(X)
 
 typedef cudrv_result (*cudrv_pfn_init)(unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_driver_get_version)(int *version);
@@ -195,5 +247,78 @@ typedef cudrv_result (*cudrv_pfn_stream_wait_event)(cudrv_stream stream, cudrv_e
 typedef cudrv_result (*cudrv_pfn_stream_get_id)(cudrv_stream stream, unsigned long long *id);
 typedef cudrv_result (*cudrv_pfn_stream_get_ctx)(cudrv_stream stream, cudrv_context *ctx);
 typedef cudrv_result (*cudrv_pfn_stream_get_device)(cudrv_stream stream, cudrv_device *device);
+
+typedef cudrv_result (*cudrv_pfn_device_get_name)(char *name, int len, cudrv_device device);
+typedef cudrv_result (*cudrv_pfn_stream_create)(cudrv_stream *stream, unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_stream_destroy)(cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_stream_synchronize)(cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_memset_d32)(cudrv_deviceptr ptr, unsigned int value, size_t n);
+typedef cudrv_result (*cudrv_pfn_memset_d32_async)(cudrv_deviceptr ptr, unsigned int value,
+                                                   size_t n, cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_memcpy_dtoh)(void *dst, cudrv_deviceptr src, size_t bytes);
+typedef cudrv_result (*cudrv_pfn_mem_alloc_async)(cudrv_deviceptr *ptr, size_t size,
+                                                  cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_mem_free_async)(cudrv_deviceptr ptr, cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_device_get_default_mem_pool)(cudrv_mem_pool *pool,
+                                                              cudrv_device device);
+typedef cudrv_result (*cudrv_pfn_mem_pool_set_attribute)(cudrv_mem_pool pool,
+                                                         cudrv_mem_pool_attr attr, void *value);
+typedef cudrv_result (*cudrv_pfn_mem_host_alloc)(void **ptr, size_t size, unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_mem_host_get_device_pointer)(cudrv_deviceptr *dptr, void *ptr,
+                                                              unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_mem_free_host)(void *ptr);
+typedef cudrv_result (*cudrv_pfn_stream_write_value64)(cudrv_stream stream, cudrv_deviceptr addr,
+                                                       cudrv_uint64 value, unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_module_load_data)(cudrv_module *module, const void *image);
+typedef cudrv_result (*cudrv_pfn_module_load_data_ex)(cudrv_module *module, const void *image,
+                                                      unsigned int num_options,
+                                                      cudrv_jit_option *options,
+                                                      void **option_values);
+typedef cudrv_result (*cudrv_pfn_module_get_function)(cudrv_function *function,
+                                                      cudrv_module module, const char *name);
+typedef cudrv_result (*cudrv_pfn_launch_kernel)(cudrv_function f, unsigned int grid_x,
+                                                unsigned int grid_y, unsigned int grid_z,
+                                                unsigned int block_x, unsigned int block_y,
+                                                unsigned int block_z, unsigned int shared_bytes,
+                                                cudrv_stream stream, void **params,
+                                                void **extra);
+
+/* --- the loader (cuda_loader.c) ----------------------------------------- */
+
+/* The driver's entry points. */
+typedef struct cudrv_api {
+  /* libcuda.so.1's dlopen handle, never closed (NULL: not found). Only for
+   * looking up an exported symbol by name, which an interposer (the preload
+   * library: the next definition of what it replaces) or a probe timing the
+   * exported entry point needs; everything else goes through the fields. */
+  void *library;
+  cudrv_pfn_get_proc_address get_proc_address;
+#define CUDRV_API_FIELD(field, symbol, version) cudrv_pfn_##field field;
+  CUDRV_ALL_FUNCS(CUDRV_API_FIELD)
+#undef CUDRV_API_FIELD
+} cudrv_api;
+
+/* The table, filled once by the first cudrv_load (under pthread_once) and
+ * never written again. Read it only after a cudrv_load that succeeded for
+ * what is used (pthread_once orders the fill before that call's return).
+ * Hidden like the rest of magpie's internals (cuda_loader.c is built with
+ * -fvisibility=hidden): one table per module (libmagpie.so, a program
+ * linking libmagpie.a or magpie's Bazel targets), shared by everything in
+ * it that calls the driver. */
+extern cudrv_api cudrv;
+
+/* What a load must find. */
+enum {
+  CUDRV_LOAD_LIBRARY = 0, /* the driver, cuGetProcAddress_v2 and CUDRV_REQUIRED_FUNCS */
+  CUDRV_LOAD_ALL = 1,     /* that and CUDRV_TOOL_FUNCS */
+};
+
+/* Loads the driver and resolves every entry point, the first time; later
+ * calls, from any thread, return the first one's outcome for `what`. 0 on
+ * success; -1 with *why (if why is not NULL) set to a sentence saying what
+ * is missing (libcuda.so.1 and dlerror's reason, cuGetProcAddress_v2, or the
+ * first entry point absent with its ABI version), valid for the process's
+ * life. Does not call cuInit: that is the caller's. */
+int cudrv_load(int what, const char **why);
 
 #endif /* MAGPIE_CUDA_DRIVER_H */

@@ -1,28 +1,28 @@
 /* The public allocation API: thin wrappers over the thread-cache fast
- * paths (tcache.h), which fall through to the slow paths in tcache.c. The
- * simulated device's stream-order checker watches hand-outs and frees here,
- * behind one read-mostly flag (sim_check.h). */
+ * paths (tcache.h), which fall through to the slow paths in tcache.c. A
+ * device's observer (the simulated device's stream-order checker) watches
+ * hand-outs and frees here, behind one read-mostly flag (observe.h). */
 #include "base/error.h"
-#include "front/init.h"
+#include "front/global.h"
+#include "front/observe.h"
 #include "pool/large.h"
-#include "sim/sim_check.h"
 #include "front/tcache.h"
 
-/* Everything but a fast-path hit: the slow path, and the checker's view of
- * every hand-out while it is on. The checker's calls stay out of line so
- * that the fast paths need no frame of their own. */
+/* Everything but a fast-path hit: the slow path, and the observer's view
+ * of every hand-out while it is on. The observer's calls stay out of line
+ * so that the fast paths need no frame of their own. */
 static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
   void *p = tcache_alloc_slow(size, stream, id);
-  if (unlikely(atomic_load_relaxed(&sim_check_on)) && p != NULL) {
+  if (unlikely(atomic_load_relaxed(&observe_on)) && p != NULL) {
     size_t usable = magpie_usable_size(p);
-    sim_check_handout(p, usable > size ? usable : size, stream);
+    observe_handout(p, usable > size ? usable : size, stream);
   }
   return p;
 }
 
 static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
   uint64_t id = 0;
-  if (likely(!atomic_load_relaxed(&sim_check_on))) {
+  if (likely(!atomic_load_relaxed(&observe_on))) {
     void *p = tcache_alloc_fast(size, stream, &id);
     if (likely(p != NULL)) return p;
   }
@@ -30,12 +30,12 @@ static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
 }
 
 static MAGPIE_NOINLINE int free_watched(void *ptr, cudaStream_t stream) {
-  sim_check_free(ptr, stream);
+  observe_free(ptr, stream);
   return tcache_free(ptr, stream);
 }
 
 static MAGPIE_INLINE int free_checked(void *ptr, cudaStream_t stream) {
-  if (unlikely(atomic_load_relaxed(&sim_check_on))) return free_watched(ptr, stream);
+  if (unlikely(atomic_load_relaxed(&observe_on))) return free_watched(ptr, stream);
   return tcache_free(ptr, stream);
 }
 

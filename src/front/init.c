@@ -1,12 +1,21 @@
 /* One-time set-up: configuration, backend choice, module tables.
  * Lock order: init_lock is taken first and alone (the backend's init runs
- * under it; no other magpie lock is held then). */
+ * under it; no other magpie lock is held then).
+ *
+ * The simulated device is a library of its own (sim/): its table comes from
+ * magpie_sim_device_table, linked into the program (a weak reference) or
+ * else found in libmagpie_sim.so, loaded on demand from the folder of this
+ * library (of the program, where magpie is linked statically), then from
+ * the dynamic loader's search path. */
 #include "front/init.h"
 
+#include <dlfcn.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "device/backend_timed.h"
 #include "pool/epoch.h"
@@ -14,7 +23,7 @@
 #include "heap/heap.h"
 #include "pool/magazine.h"
 #include "pool/region.h"
-#include "sim/sim_check.h"
+#include "front/observe.h"
 #include "front/tcache.h"
 #include "base/sizeclass.h"
 #include "front/stats.h"
@@ -41,13 +50,75 @@ MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   cfg->reuse_wait = 1;
 }
 
-static int init_pick_backend(int kind, const backend_ops **out) {
-  if (kind == MAGPIE_BACKEND_SIM) {
-    *out = backend_sim();
-    int rc = (*out)->init();
-    if (rc != MAGPIE_OK) return error_set(rc, "cannot start the simulated device: %s", backend_error_detail());
-    return MAGPIE_OK;
+/* The simulator's entry point (include/magpie_sim.h): defined where the
+ * program links the simulator, or a shared object loaded with global
+ * symbols exports it (a program linked with -lmagpie_sim); NULL otherwise. */
+MAGPIE_API const void *magpie_sim_device_table(unsigned abi_version) __attribute__((weak));
+
+typedef const void *(*init_sim_entry)(unsigned abi_version);
+
+/* dlopen of libmagpie_sim.so in the folder of path (a file), if it is
+ * there; a failure's reason goes to why. */
+static void *init_sim_open_beside(const char *path, char *why, size_t len) {
+  const char *slash = strrchr(path, '/');
+  if (slash == NULL) return NULL;
+  char file[PATH_MAX];
+  if ((size_t)snprintf(file, sizeof file, "%.*s/libmagpie_sim.so", (int)(slash - path), path) >= sizeof file)
+    return NULL;
+  if (access(file, F_OK) != 0) return NULL;
+  void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+  if (h == NULL) snprintf(why, len, "%s", dlerror());
+  return h;
+}
+
+/* The simulated device's table, or NULL with the reason in why. */
+static const backend_ops *init_sim_table(char *why, size_t len) {
+  init_sim_entry entry = magpie_sim_device_table;
+  why[0] = '\0';
+  if (entry == NULL) {
+    void *h = NULL;
+    Dl_info info;
+    if (dladdr((void *)init_sim_table, &info) != 0 && info.dli_fname != NULL) {
+      h = init_sim_open_beside(info.dli_fname, why, len);
+      char real[PATH_MAX];
+      if (h == NULL && realpath(info.dli_fname, real) != NULL) h = init_sim_open_beside(real, why, len);
+    }
+    if (h == NULL) h = dlopen("libmagpie_sim.so", RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL) {
+      if (why[0] == '\0') snprintf(why, len, "%s", dlerror());
+      return NULL;
+    }
+    entry = (init_sim_entry)dlsym(h, "magpie_sim_device_table");
+    if (entry == NULL) {
+      snprintf(why, len, "%s", dlerror());
+      return NULL;
+    }
   }
+  const backend_ops *ops = entry(BACKEND_ABI);
+  if (ops == NULL) snprintf(why, len, "the simulator found was built from another version of magpie");
+  return ops;
+}
+
+/* Picks and starts the simulated device; `instead` says why it is used
+ * ("" when it was asked for). */
+static int init_pick_sim(const char *instead, const backend_ops **out) {
+  char why[256];
+  const backend_ops *sim = init_sim_table(why, sizeof why);
+  if (sim == NULL)
+    return error_set(MAGPIE_ERR_NO_DEVICE,
+                     "%sthe simulated device is not available: link the simulator into the program "
+                     "(-lmagpie_sim, libmagpie_sim.a, Bazel //sim) or put libmagpie_sim.so beside "
+                     "libmagpie.so or on LD_LIBRARY_PATH (%s)",
+                     instead, why);
+  backend_use_error_detail(sim->error_detail);
+  int rc = sim->init();
+  if (rc != MAGPIE_OK) return error_set(rc, "cannot start the simulated device: %s", backend_error_detail());
+  *out = sim;
+  return MAGPIE_OK;
+}
+
+static int init_pick_backend(int kind, const backend_ops **out) {
+  if (kind == MAGPIE_BACKEND_SIM) return init_pick_sim("", out);
   const backend_ops *cuda = backend_cuda();
   int rc = cuda->init();
   int n = 0;
@@ -58,7 +129,9 @@ static int init_pick_backend(int kind, const backend_ops **out) {
   if (kind == MAGPIE_BACKEND_CUDA)
     return error_set(MAGPIE_ERR_NO_DEVICE, "MAGPIE_BACKEND=cuda but no CUDA device is usable: %s",
                      backend_error_detail());
-  return init_pick_backend(MAGPIE_BACKEND_SIM, out);
+  char instead[160];
+  snprintf(instead, sizeof instead, "no CUDA device is usable (%s), and ", backend_error_detail());
+  return init_pick_sim(instead, out);
 }
 
 static void init_verbose_atexit(void) {
@@ -92,6 +165,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
     rc = options_from_env(&c);
   }
   if (rc == MAGPIE_OK) {
+    backend_use_error_detail(ops != NULL ? ops->error_detail : NULL);
     if (ops != NULL) rc = ops->init() == MAGPIE_OK ? MAGPIE_OK
                            : error_set(MAGPIE_ERR_NO_DEVICE, "backend failed: %s", backend_error_detail());
     else rc = init_pick_backend(c.backend, &ops);
@@ -111,11 +185,13 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   sizeclass_init(c.magazine_bytes, region_unit(gran)); /* the unit every heap's region maps in */
   magazine_module_init();
   tcache_module_init();
+  tcache_set_describe(stats_describe);
   epoch_module_init();
   heap_module_init(ops, &c);
   if (c.verbose) atexit(init_verbose_atexit);
-  /* The stream-order checker exists only on the simulated device. */
-  if (c.check_streams && strcmp(ops->name, "sim") == 0) atomic_store_relaxed(&sim_check_on, 1);
+  /* A device's observer (the simulated device's stream-order checker),
+   * switched on by check_streams=1. */
+  observe_install(ops, c.check_streams);
   atomic_store_release(&global_state_v, GLOBAL_READY);
   pthread_mutex_unlock(&init_lock);
   return MAGPIE_OK;

@@ -3,7 +3,7 @@
  * table's lock is a leaf (pool/record.h). */
 #include "base/error.h"
 #include "base/pagemap.h"
-#include "front/init.h"
+#include "front/global.h"
 #include "heap/heap.h"
 #include "pool/record.h"
 

@@ -28,7 +28,7 @@
 
 #include "base/error.h"
 #include "heap/heap.h"
-#include "front/init.h"
+#include "front/global.h"
 #include "pool/large.h"
 #include "base/meta.h"
 #include "front/stats.h"

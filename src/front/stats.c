@@ -7,7 +7,7 @@
 #include "base/error.h"
 #include "heap/heap.h"
 #include "pool/large.h"
-#include "front/init.h"
+#include "front/global.h"
 #include "pool/record.h"
 #include "base/sizeclass.h"
 #include "front/tcache.h"

@@ -13,10 +13,9 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "front/init.h"
+#include "front/global.h"
 #include "base/meta.h"
 #include "pool/record.h"
-#include "front/stats.h"
 
 __thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
 
@@ -274,13 +273,17 @@ static tslot *tcache_slot_for_free(tcache *tc, cudaStream_t s, uint64_t id, heap
   return tcache_slot_new(tc, s, id, h);
 }
 
+static tcache_describe_fn tcache_describe;
+
+void tcache_set_describe(tcache_describe_fn fn) { tcache_describe = fn; }
+
 static void tcache_oom_error(heap *h, size_t size, int rc) {
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) {
     error_set(rc, "allocating %zu bytes on device %d failed: %s", size, h->device, backend_error_detail());
     return;
   }
-  char detail[512];
-  stats_describe(h, detail, sizeof detail);
+  char detail[512] = "";
+  if (tcache_describe != NULL) tcache_describe(h, detail, sizeof detail);
   error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of memory on device %d allocating %zu bytes: %s", h->device, size,
             detail);
 }

@@ -170,6 +170,8 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
   unsigned c = sizeclass_of(size);
   magazine *m = ts->cl[c].loaded;
   if (unlikely(m->count == 0)) return NULL;
+  MAGAZINE_ASSERT_VALID(m);
+  MAGPIE_ASSERT(m->cls == c);
   atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
   atomic_owner_inc_u64(&ts->cl[c].hits);
   void *p = m->slots[--m->count];
@@ -192,6 +194,8 @@ static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaS
     return 0;
   magazine *m = ts->cl[c].loaded;
   if (unlikely(m->count >= m->cap)) return 0;
+  MAGAZINE_ASSERT_VALID(m);
+  MAGPIE_ASSERT(m->cls == c);
   m->slots[m->count++] = ptr;
   atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
   return 1;
@@ -226,6 +230,12 @@ void tcache_flush_self(heap *h);
  * (the caller's own included), each cache inspected while its owner is
  * outside magpie. Returns how many busy caches could not be inspected. */
 int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);
+
+/* The out-of-memory message's account of where the device's bytes are
+ * (stats.c registers it at set-up: statistics read the thread caches, so
+ * the caches cannot name them). */
+typedef void (*tcache_describe_fn)(heap *h, char *buf, size_t n);
+void tcache_set_describe(tcache_describe_fn fn);
 
 /* Set up give-back from idle threads (membarrier registration). */
 void tcache_module_init(void);

@@ -401,6 +401,8 @@ static void heap_wake_maintenance(void) {
 }
 
 void heap_limbo_put(heap *h, magazine *m) {
+  MAGAZINE_ASSERT_VALID(m);
+  MAGPIE_ASSERT(m->count > 0);
   m->ticket = (epoch_ticket){0};
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
   stack_push(&h->limbo, &magazine_registry, &m->link);

@@ -27,7 +27,7 @@
 #include "pool/slab.h"
 #include "pool/span.h"
 
-#define HEAP_MAX_DEVICES 64
+#define HEAP_MAX_DEVICES MAGPIE_MAX_DEVICES
 
 /* Out-of-memory ladder steps, cheapest first (magpie_stats.ladder_steps). */
 enum heap_step {

@@ -5,6 +5,7 @@
 
 #include <sched.h>
 
+#include "base/assert.h"
 #include "pool/epoch.h"
 #include "base/sizeclass.h"
 
@@ -49,6 +50,8 @@ void depot_totals_get(depot *depots, unsigned n, depot_totals *out) {
 size_t depot_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
 
 void depot_put(depot *d, magazine *m) {
+  MAGAZINE_ASSERT_VALID(m);
+  MAGPIE_ASSERT(m->count > 0); /* the depot holds no empties (magazine_put_empty does) */
   atomic_add_relaxed(&d->exchanges, 1);
   atomic_add_relaxed(m->ticket.rec ? &d->pending_bytes : &d->ready_bytes, (int64_t)depot_magazine_bytes(m));
   stack_push(m->ticket.rec ? &d->pending : &d->full, &magazine_registry, &m->link);
@@ -97,6 +100,8 @@ static void depot_memo_note_pending(depot_memo *mo, const epoch_ticket *t) {
  * own stream (READY_SAME), after its epoch (READY_DONE), or through a
  * stream wait the taker enqueued (PENDING). */
 static magazine *depot_hand_over(depot *d, magazine *m, enum epoch_state st) {
+  MAGAZINE_ASSERT_VALID(m);
+  MAGPIE_ASSERT(m->ticket.rec != NULL); /* pending holds sealed magazines only */
   atomic_add_relaxed(st == EPOCH_READY_SAME   ? &d->same_stream
                      : st == EPOCH_READY_DONE ? &d->migrations
                                               : &d->stream_waits,
@@ -150,6 +155,8 @@ magazine *depot_take(depot *d, uint64_t stream_id) {
   for (int spin = 0;; spin++) {
     magazine *m = (magazine *)stack_pop(&d->full, &magazine_registry);
     if (m != NULL) {
+      MAGAZINE_ASSERT_VALID(m);
+      MAGPIE_ASSERT(m->ticket.rec == NULL); /* full holds unsealed magazines only */
       atomic_add_relaxed(&d->exchanges, 1);
       atomic_sub_relaxed(&d->ready_bytes, (int64_t)depot_magazine_bytes(m));
       return m;

@@ -2,6 +2,7 @@
  * Lock order: see epoch.h (table lock and seal lock are never nested). */
 #include "pool/epoch.h"
 
+#include "base/assert.h"
 #include <string.h>
 
 #include "base/meta.h"
@@ -116,6 +117,7 @@ static event_node *epoch_event_get(epoch_table *t) {
 
 /* Drop one reference; the last one returns the node to the pool. */
 static void epoch_event_unref(epoch_table *t, event_node *e) {
+  MAGPIE_ASSERT(atomic_load_relaxed(&e->refs) > 0); /* INVARIANT (epoch.h): pooled iff refs == 0 */
   if (atomic_sub_acq_rel(&e->refs, 1) == 1) stack_push(&t->free_events, &event_registry, &e->link);
 }
 
@@ -123,6 +125,7 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
   epoch_table *t = r->table;
   event_node *e = epoch_event_get(t);
   if (e == NULL) return MAGPIE_ERR_BACKEND;
+  MAGPIE_ASSERT(atomic_load_relaxed(&e->refs) == 0); /* from the pool: nobody holds it */
   event_node *old = NULL;
   pthread_mutex_lock(&r->seal_lock);
   int rc = t->ops->event_record(e->ev, handle);
@@ -164,6 +167,9 @@ enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
 #ifdef MAGPIE_TEST_BREAK_EPOCH_CHECK
   return EPOCH_READY_DONE; /* deliberately broken build: tests/BUILD expects its tests to fail */
 #endif
+  /* INVARIANT (epoch.h): done <= sealed, tickets carry a seq in 1..sealed. */
+  MAGPIE_ASSERT(t->seq >= 1 && t->seq <= atomic_load_relaxed(&r->sealed));
+  MAGPIE_ASSERT(atomic_load_relaxed(&r->done) <= atomic_load_relaxed(&r->sealed));
   if (r->id == stream_id) return EPOCH_READY_SAME;
   if (atomic_load_acquire(&r->done) >= t->seq) return EPOCH_READY_DONE;
   /* The stream's newest seal first: blocks are wanted long after most

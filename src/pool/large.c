@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/assert.h"
 #include "pool/epoch.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
@@ -154,6 +155,18 @@ static int large_mergeable(lblock *a, lblock *b, lticket **deferred) {
   return 1;
 }
 
+/* INVARIANT (large.h): the blocks of sg tile it in address order, without
+ * gap or overlap, and the links agree both ways. Debug builds only. */
+static __attribute__((unused)) int large_seg_tiles(const lseg *sg) {
+  uintptr_t at = sg->base;
+  const lblock *prev = NULL;
+  for (const lblock *b = sg->first; b; prev = b, b = b->next) {
+    if (b->seg != sg || b->prev != prev || b->base != at || b->size == 0) return 0;
+    at += b->size;
+  }
+  return at == sg->base + sg->size;
+}
+
 /* Fold free block b into its lower neighbour a (mergeable). */
 static void large_absorb(large_cache *c, lblock *a, lblock *b) {
   a->size += b->size;
@@ -173,6 +186,7 @@ static lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
   }
   lblock *n = b->next;
   if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, deferred)) large_absorb(c, b, n);
+  MAGPIE_ASSERT(large_seg_tiles(b->seg));
   return b;
 }
 
@@ -339,6 +353,7 @@ static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
     else b->seg->first = u;
     b->prev = u;
   }
+  MAGPIE_ASSERT(large_seg_tiles(u->seg));
   return u;
 }
 
@@ -390,6 +405,8 @@ static int large_map_under(large_cache *c, lblock *u) {
 
 /* Hand out carved block u (lock held). */
 static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
+  /* INVARIANT (large.h): every granule under a handed-out block is mapped. */
+  MAGPIE_ASSERT(u->state == LBLOCK_USED && lseg_mapped_in(u->seg, c->region->gran, u->base, u->size) == u->size);
   if (!large_hash_insert(c, u)) {
     backend_set_error_detail("out of host memory for the large-block table");
     return MAGPIE_ERR_OUT_OF_MEMORY;

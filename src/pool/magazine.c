@@ -1,6 +1,7 @@
 /* Magazine objects and the stacks of empty ones. */
 #include "pool/magazine.h"
 
+#include "base/assert.h"
 #include "base/sizeclass.h"
 #include "base/stack.h"
 
@@ -40,6 +41,7 @@ magazine *magazine_get_empty(unsigned cls) {
 
 void magazine_put_empty(magazine *m) {
   if (!magazine_is_real(m)) return;
+  MAGPIE_ASSERT(m->ticket.rec == NULL); /* an empty carries no seal */
   m->count = 0;
   stack *own = &magazine_empties[m->cls].s;
   stack_push(stack_count(own) < MAGAZINE_EMPTIES_KEPT ? own : &magazine_spill.s, &magazine_registry, &m->link);

@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "base/assert.h"
 #include "base/registry.h"
 #include "base/sizeclass.h"
 
@@ -49,6 +50,10 @@ typedef struct magazine {
  * the fast paths' own bounds checks send the first alloc and free to the
  * slow path without a separate NULL test. Never written. */
 extern magazine magazine_sentinel;
+
+/* INVARIANT (above): count within cap, cap within the slots, class in range. */
+#define MAGAZINE_ASSERT_VALID(m)                                                                        \
+  MAGPIE_ASSERT((m)->count <= (m)->cap && (m)->cap <= MAGAZINE_MAX && (m)->cls < SIZECLASS_COUNT)
 
 static inline int magazine_is_real(const magazine *m) { return m != &magazine_sentinel; }
 

@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <string.h>
 
+#include "base/assert.h"
 #include "base/error.h"
 #include "pool/magazine.h"
 #include "base/meta.h"
@@ -169,6 +170,8 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
 }
 
 static int record_entry_ready(const record_entry *e) {
+  /* INVARIANT (above): a parked entry has its tickets, no refs. */
+  MAGPIE_ASSERT(e->parked == 1 && e->ntickets >= 1 && e->nrefs == 0);
   for (unsigned i = 0; i < e->ntickets; i++)
     if (epoch_ready(&e->tickets[i], EPOCH_NO_STREAM) == EPOCH_PENDING) return 0;
   return 1;

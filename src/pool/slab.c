@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <string.h>
 
+#include "base/assert.h"
 #include "pool/depot.h"
 #include "base/pagemap.h"
 #include "base/meta.h"
@@ -125,6 +126,14 @@ int slab_carve(slab_set *ss, unsigned cls, magazine **out) {
   s->nblocks = ci->blocks;
   s->heap = ss->owner;
 
+  /* INVARIANT (slab.h): page-aligned base; the multiply-shift index is
+   * exact over the slab (checked at its last block). */
+  MAGPIE_ASSERT((s->base & (((uintptr_t)1 << PAGEMAP_PAGE_SHIFT) - 1)) == 0);
+  MAGPIE_DEBUG_ONLY({
+    uint32_t li = 0;
+    MAGPIE_ASSERT(slab_block_index(s, s->base + (size_t)(s->nblocks - 1) * s->bsize, &li) &&
+                  li == s->nblocks - 1);
+  })
   /* Publish before any block leaves: frees must find the slab. */
   if (pagemap_set(s->base, s->size, s) != MAGPIE_OK) {
     slab_give_back(ss, s);
@@ -196,6 +205,8 @@ size_t slab_release_free(slab_set *ss, size_t want) {
   }
   pthread_mutex_lock(&ss->slab_lock);
   for (slab *s = ss->list; s && bytes < want; s = s->lnext) {
+    /* No block is counted free twice: at most every block is in a magazine. */
+    MAGPIE_ASSERT(s->reclaim_free <= s->nblocks - s->stranded / s->bsize);
     if (s->reclaim_free != s->nblocks - s->stranded / s->bsize) continue;
     s->dead = 1;
     bytes += s->raw_size;

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 
+#include "base/assert.h"
 #include "base/meta.h"
 
 void span_set_init(span_set *ss, region *r) {
@@ -22,6 +23,7 @@ static int span_take_free(span_set *ss, uintptr_t *base, span **out) {
   pthread_mutex_lock(&ss->span_lock);
   for (span *sp = ss->list; sp; sp = sp->next) {
     if (sp->used == span_full(sp)) continue;
+    MAGPIE_ASSERT(sp->used != 0); /* INVARIANT (span.h): on the list iff used != 0 */
     unsigned i = (unsigned)__builtin_ctzll(~sp->used);
     sp->used |= (uint64_t)1 << i;
     pthread_mutex_unlock(&ss->span_lock);
@@ -75,6 +77,7 @@ void span_chunk_put(span_set *ss, span *sp, uintptr_t base) {
   unsigned i = (unsigned)((base - sp->base) >> SPAN_CHUNK_SHIFT);
   region_overhead_add(ss->region, (int64_t)SPAN_CHUNK);
   pthread_mutex_lock(&ss->span_lock);
+  MAGPIE_ASSERT(i < sp->nchunks && (sp->used >> i & 1)); /* a chunk in use goes back once */
   sp->used &= ~((uint64_t)1 << i);
   int empty = sp->used == 0;
   if (empty) {

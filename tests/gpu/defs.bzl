@@ -13,10 +13,19 @@ load("//tests:defs.bzl", "magpie_test")
 GPU_TAGS = ["gpu", "manual"]
 
 def cuda_abi_test(name, srcs):
-    """A test of declarations against cuda.h: needs the headers, no GPU."""
+    """A test of declarations against cuda.h: needs the headers, no GPU.
+
+    Its argument is cudaTypedefs.h, read at run time (which variant of each
+    entry point the driver loader gets)."""
     if not HAVE_CUDA:
         return
-    magpie_test(name = name, srcs = srcs, deps = ["@cuda//:headers"])
+    magpie_test(
+        name = name,
+        srcs = srcs,
+        deps = ["@cuda//:headers"],
+        data = ["@cuda//:include/cudaTypedefs.h"],
+        args = ["$(rootpath @cuda//:include/cudaTypedefs.h)"],
+    )
 
 def ptx_header(name, src, out, symbol):
     """Compiles src to compute_90 PTX and embeds it as `static const char symbol[]`.
@@ -42,30 +51,32 @@ def ptx_header(name, src, out, symbol):
     )
 
 def gpu_library(name, **kwargs):
-    """Code shared by GPU tests."""
+    """Code shared by GPU tests: the driver through magpie's one loader
+    (//src/device:cuda_driver), cuda.h for its types and constants."""
     if not HAVE_CUDA_GPU_TESTS:
         return
     native.cc_library(
         name = name,
         copts = MAGPIE_COPTS,
-        deps = ["//:magpie", "@cuda//:headers", "@cuda//:driver_stub", "@system_libs//:cmocka"],
+        deps = ["//:magpie", "//src/device:cuda_driver", "@cuda//:headers", "@system_libs//:cmocka"],
         tags = GPU_TAGS,
         testonly = True,
         **kwargs
     )
 
 def gpu_test(name, srcs, deps = []):
-    """A cmocka test run on a GPU: linked against the driver stub."""
+    """A cmocka test run on a GPU. It calls the driver through magpie's one
+    loader (libcuda.so.1 opened at run time; nothing links the stub)."""
     if not HAVE_CUDA_GPU_TESTS:
         return
     magpie_test(
         name = name,
         srcs = srcs,
-        deps = deps + ["@cuda//:headers", "@cuda//:driver_stub"],
+        deps = deps + ["//src/device:cuda_driver", "@cuda//:headers"],
         size = "medium",
         tags = GPU_TAGS,
-        # Linked statically but for cmocka and the driver (magpie_test's
-        # default), so the binary travels.
+        # Linked statically but for cmocka (magpie_test's default), so the
+        # binary travels.
         linkopts = ["-lpthread"],
     )
 

@@ -98,9 +98,9 @@ static void hold_still_running(void) {
 static void hold_release(CUstream s_or_null) {
   atomic_store(host_flag, 1);
   if (s_or_null != NULL)
-    GPU_CHECK(cuStreamSynchronize(s_or_null));
+    GPU_CHECK(cudrv.stream_synchronize(s_or_null));
   else
-    GPU_CHECK(cuCtxSynchronize());
+    GPU_CHECK(cudrv.ctx_synchronize());
   assert_int_equal(atomic_load(host_status), 1);
 }
 
@@ -180,13 +180,13 @@ static void *churn_thread(void *arg) {
   churn_job *j = arg;
   CUstream c;
   if (gpu_env_bind(&env) != CUDA_SUCCESS ||
-      cuStreamCreate(&c, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+      cudrv.stream_create(&c, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
     j->setup_failed = 1;
     return NULL;
   }
   j->bad = churn(c, j->forbidden, j->n, j->rounds, &j->failures);
-  cuStreamSynchronize(c);
-  cuStreamDestroy(c);
+  cudrv.stream_synchronize(c);
+  cudrv.stream_destroy(c);
   return NULL;
 }
 
@@ -237,8 +237,8 @@ static void held_free_and_churn(CUstream a, CUstream b, void *p, ptr_set *forbid
 static void test_cross_stream(void **state) {
   (void)state;
   CUstream a, b;
-  GPU_CHECK(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
-  GPU_CHECK(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&b, CU_STREAM_NON_BLOCKING));
   void *p = magpie_malloc_async(BLOCK, a);
   assert_non_null(p);
   hold_start(a, p, BLOCK, 0xA11A);
@@ -258,9 +258,9 @@ static void test_cross_stream(void **state) {
     assert_int_equal(magpie_free_async(got[i], b), MAGPIE_OK);
   printf("  after A completed, B got the held block: %s (%ld allocations)\n",
          seen ? "yes" : "no", tries);
-  GPU_CHECK(cuStreamSynchronize(b));
-  GPU_CHECK(cuStreamDestroy(a));
-  GPU_CHECK(cuStreamDestroy(b));
+  GPU_CHECK(cudrv.stream_synchronize(b));
+  GPU_CHECK(cudrv.stream_destroy(a));
+  GPU_CHECK(cudrv.stream_destroy(b));
   free(forbidden.v);
 }
 
@@ -277,7 +277,7 @@ static void test_destroyed_stream(void **state) {
     skip();
   }
   CUstream a, b;
-  GPU_CHECK(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING));
   void *p = magpie_malloc_async(BLOCK, a);
   assert_non_null(p);
   hold_start(a, p, BLOCK, 0xDEAD);
@@ -293,8 +293,8 @@ static void test_destroyed_stream(void **state) {
   set_seal(&forbidden);
   /* Destroyed with the kernel running; the next stream usually gets the
    * same handle value, and must still count as another stream. */
-  GPU_CHECK(cuStreamDestroy(a));
-  GPU_CHECK(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_destroy(a));
+  GPU_CHECK(cudrv.stream_create(&b, CU_STREAM_NON_BLOCKING));
   printf("  new stream reuses the destroyed one's handle: %s\n", a == b ? "yes" : "no");
   long failures = 0;
   long bad = churn(b, &forbidden, CHURN_N, 3, &failures);
@@ -303,7 +303,7 @@ static void test_destroyed_stream(void **state) {
   assert_int_equal(failures, 0);
   assert_int_equal(bad, 0);
   hold_release(NULL);
-  GPU_CHECK(cuStreamDestroy(b));
+  GPU_CHECK(cudrv.stream_destroy(b));
   free(forbidden.v);
 }
 
@@ -323,7 +323,7 @@ static void test_stamps(void **state) {
 static int release_teardown(void **state) {
   (void)state;
   atomic_store(host_flag, 1);
-  return cuCtxSynchronize() == CUDA_SUCCESS ? 0 : -1;
+  return cudrv.ctx_synchronize() == CUDA_SUCCESS ? 0 : -1;
 }
 
 int main(void) {

@@ -57,16 +57,16 @@ static int group_setup(void **state) {
 /* A device word counter for the check kernels. */
 static CUdeviceptr counter_new(void) {
   CUdeviceptr c = 0;
-  GPU_CHECK(cuMemAlloc(&c, sizeof(unsigned int)));
-  GPU_CHECK(cuMemsetD32(c, 0, 1));
+  GPU_CHECK(cudrv.mem_alloc(&c, sizeof(unsigned int)));
+  GPU_CHECK(cudrv.memset_d32(c, 0, 1));
   return c;
 }
 
 static unsigned int counter_read(CUdeviceptr c) {
   unsigned int v = 0;
-  GPU_CHECK(cuCtxSynchronize());
-  GPU_CHECK(cuMemcpyDtoH(&v, c, sizeof v));
-  GPU_CHECK(cuMemsetD32(c, 0, 1));
+  GPU_CHECK(cudrv.ctx_synchronize());
+  GPU_CHECK(cudrv.memcpy_dtoh(&v, c, sizeof v));
+  GPU_CHECK(cudrv.memset_d32(c, 0, 1));
   return v;
 }
 
@@ -80,7 +80,7 @@ static void pattern_roundtrip(CUdeviceptr p, size_t bytes, unsigned int seed) {
   assert_int_equal(counter_read(bad), 0);
   GPU_CHECK(gpu_check_u32(&env, NULL, p, words, seed + 1, bad));
   assert_int_equal(counter_read(bad), (unsigned int)words);
-  GPU_CHECK(cuMemFree(bad));
+  GPU_CHECK(cudrv.mem_free(bad));
 }
 
 static void test_init_and_info(void **state) {
@@ -132,7 +132,7 @@ static void test_vmm_map_kernel(void **state) {
   CUdeviceptr bad = counter_new();
   GPU_CHECK(gpu_check_u32(&env, NULL, base, g / 4, 11, bad));
   assert_int_equal(counter_read(bad), 0);
-  GPU_CHECK(cuMemFree(bad));
+  GPU_CHECK(cudrv.mem_free(bad));
 
   /* A map that fails on its second granule (already mapped) undoes the first. */
   int rc = be->map(0, base + 3 * g, 2 * g);
@@ -173,8 +173,8 @@ static void test_mem_alloc_fallback(void **state) {
 static void test_events(void **state) {
   (void)state;
   CUstream a, b;
-  GPU_CHECK(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
-  GPU_CHECK(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&b, CU_STREAM_NON_BLOCKING));
   void *e1 = NULL, *e2 = NULL;
   assert_int_equal(be->event_create(0, &e1), MAGPIE_OK);
   assert_int_equal(be->event_create(0, &e2), MAGPIE_OK);
@@ -198,8 +198,8 @@ static void test_events(void **state) {
 
   assert_int_equal(be->event_destroy(e1), MAGPIE_OK);
   assert_int_equal(be->event_destroy(e2), MAGPIE_OK);
-  GPU_CHECK(cuStreamDestroy(a));
-  GPU_CHECK(cuStreamDestroy(b));
+  GPU_CHECK(cudrv.stream_destroy(a));
+  GPU_CHECK(cudrv.stream_destroy(b));
   assert_int_equal(be->device_synchronize(0), MAGPIE_OK);
 }
 
@@ -222,7 +222,7 @@ static void *ids_thread(void *arg) {
   j->rc_ptds = be->stream_id(CU_STREAM_PER_THREAD, &j->id_ptds);
   j->rc_dev = be->stream_device(NULL, &j->dev);
   CUcontext cur = NULL;
-  j->ctx_after = cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == env.ctx;
+  j->ctx_after = cudrv.ctx_get_current(&cur) == CUDA_SUCCESS && cur == env.ctx;
   return NULL;
 }
 
@@ -243,7 +243,7 @@ static void test_stream_ids(void **state) {
   CUstream s[N];
   uint64_t id[N], again;
   for (int i = 0; i < N; i++) {
-    GPU_CHECK(cuStreamCreate(&s[i], CU_STREAM_NON_BLOCKING));
+    GPU_CHECK(cudrv.stream_create(&s[i], CU_STREAM_NON_BLOCKING));
     assert_int_equal(be->stream_id(s[i], &id[i]), MAGPIE_OK);
     assert_int_equal(be->stream_id(s[i], &again), MAGPIE_OK);
     assert_true(again == id[i]);
@@ -292,12 +292,12 @@ static void test_stream_ids(void **state) {
   int reused = 0;
   for (int i = 0; i < CYCLES; i++) {
     CUstream t;
-    GPU_CHECK(cuStreamCreate(&t, CU_STREAM_NON_BLOCKING));
+    GPU_CHECK(cudrv.stream_create(&t, CU_STREAM_NON_BLOCKING));
     assert_int_equal(be->stream_id(t, &ids[i]), MAGPIE_OK);
     handles[i] = (uintptr_t)t;
     for (int k = 0; k < i && !reused; k++)
       reused += handles[k] == handles[i];
-    GPU_CHECK(cuStreamDestroy(t));
+    GPU_CHECK(cudrv.stream_destroy(t));
   }
   for (int i = 0; i < N; i++)
     ids[CYCLES + i] = id[i];
@@ -311,7 +311,7 @@ static void test_stream_ids(void **state) {
     int dev = -1;
     assert_int_equal(be->stream_device(s[i], &dev), MAGPIE_OK);
     assert_int_equal(dev, 0);
-    GPU_CHECK(cuStreamDestroy(s[i]));
+    GPU_CHECK(cudrv.stream_destroy(s[i]));
   }
   int dev = -1;
   assert_int_equal(be->stream_device(CU_STREAM_LEGACY, &dev), MAGPIE_OK);

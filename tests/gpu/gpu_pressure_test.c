@@ -62,12 +62,12 @@ static int group_setup(void **state) {
   const char *v = getenv("MAGPIE_GPU_PRESSURE_FREE_GIB");
   size_t leave = (size_t)(v ? atol(v) : 6) * GiB;
   size_t free_b = 0, total = 0;
-  cuMemGetInfo(&free_b, &total);
+  cudrv.mem_get_info(&free_b, &total);
   while (free_b > leave + GiB && nhog < 256) {
     size_t chunk = free_b - leave > 8 * GiB ? 8 * GiB : free_b - leave;
-    if (cuMemAlloc(&hog[nhog], chunk) != CUDA_SUCCESS) break;
+    if (cudrv.mem_alloc(&hog[nhog], chunk) != CUDA_SUCCESS) break;
     nhog++;
-    cuMemGetInfo(&free_b, &total);
+    cudrv.mem_get_info(&free_b, &total);
   }
   printf("device 0: %s; hog leaves %zu MiB of %zu MiB free\n", env.name, free_b / MiB, total / MiB);
   /* compute-sanitizer allocates device memory for every launch it tracks:
@@ -89,7 +89,7 @@ static int group_setup(void **state) {
 
 static int group_teardown(void **state) {
   (void)state;
-  for (int i = 0; i < nhog; i++) cuMemFree(hog[i]);
+  for (int i = 0; i < nhog; i++) cudrv.mem_free(hog[i]);
   return 0;
 }
 
@@ -114,8 +114,8 @@ static void *worker_main(void *arg) {
   struct worker *w = arg;
   gpu_env_bind(&env);
   CUstream a, b;
-  cuStreamCreate(&a, CU_STREAM_NON_BLOCKING);
-  cuStreamCreate(&b, CU_STREAM_NON_BLOCKING);
+  cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING);
+  cudrv.stream_create(&b, CU_STREAM_NON_BLOCKING);
   void **blocks = calloc(MAX_BLOCKS, sizeof *blocks);
   uint64_t seed = 0x9E3779B97F4A7C15ull * (uint64_t)(w->id + 1);
   int n = 0;
@@ -141,10 +141,10 @@ static void *worker_main(void *arg) {
   free(blocks);
   pthread_barrier_wait(&freed);
   if (w->stay_idle) pthread_barrier_wait(&released);
-  cuStreamSynchronize(a);
-  cuStreamSynchronize(b);
-  cuStreamDestroy(a);
-  cuStreamDestroy(b);
+  cudrv.stream_synchronize(a);
+  cudrv.stream_synchronize(b);
+  cudrv.stream_destroy(a);
+  cudrv.stream_destroy(b);
   return NULL;
 }
 
@@ -174,7 +174,7 @@ static void test_fill_then_one_big_block(void **state) {
   print_stats("all freed, 200 ms kernels pending, 4 threads idle");
   size_t big = st.reserved_bytes / 100 * 85;
   CUstream s;
-  GPU_CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&s, CU_STREAM_NON_BLOCKING));
   uint64_t t0 = gpu_now_ns();
   void *p = magpie_malloc_async(big, (cudaStream_t)s);
   uint64_t t1 = gpu_now_ns();
@@ -182,15 +182,15 @@ static void test_fill_then_one_big_block(void **state) {
   printf("  one block of %zu MiB (85%% of what magpie held) in %.1f ms\n", big / MiB, (t1 - t0) / 1e6);
   print_stats("after the big block");
   GPU_CHECK(gpu_fill_u32(&env, s, (CUdeviceptr)(uintptr_t)p, big / 4, 77));
-  GPU_CHECK(cuMemsetD32Async(dev_bad, 0, 1, s));
+  GPU_CHECK(cudrv.memset_d32_async(dev_bad, 0, 1, s));
   GPU_CHECK(gpu_check_u32(&env, s, (CUdeviceptr)(uintptr_t)p, big / 4, 77, dev_bad));
-  GPU_CHECK(cuStreamSynchronize(s));
+  GPU_CHECK(cudrv.stream_synchronize(s));
   unsigned bad = 0;
-  GPU_CHECK(cuMemcpyDtoH(&bad, dev_bad, sizeof bad));
+  GPU_CHECK(cudrv.memcpy_dtoh(&bad, dev_bad, sizeof bad));
   assert_int_equal(bad, 0);
   assert_int_equal(magpie_free_async(p, (cudaStream_t)s), MAGPIE_OK);
-  GPU_CHECK(cuStreamSynchronize(s));
-  GPU_CHECK(cuStreamDestroy(s));
+  GPU_CHECK(cudrv.stream_synchronize(s));
+  GPU_CHECK(cudrv.stream_destroy(s));
   pthread_barrier_wait(&released);
   for (int i = 0; i < THREADS; i++)
     if (w[i].stay_idle) pthread_join(t[i], NULL);
@@ -206,8 +206,8 @@ static void test_fill_then_one_big_block(void **state) {
 static void test_stream_wait_reuse(void **state) {
   (void)state;
   CUstream a, b;
-  GPU_CHECK(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
-  GPU_CHECK(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&b, CU_STREAM_NON_BLOCKING));
   /* Fill the device with large blocks on b. */
   void *held[4096];
   int n = 0;
@@ -216,7 +216,7 @@ static void test_stream_wait_reuse(void **state) {
   assert_true(n >= 4);
   /* One of them moves to a: a kernel on a writes it until released. */
   void *p = held[--n];
-  GPU_CHECK(cuStreamSynchronize(b));
+  GPU_CHECK(cudrv.stream_synchronize(b));
   atomic_store(host_flag, 0);
   atomic_store(host_status, 0);
   GPU_CHECK(gpu_hold(&env, a, dev_flag, (CUdeviceptr)(uintptr_t)p, bs / 8, 0xA0A0, 20ull * 1000000000ull,
@@ -235,18 +235,18 @@ static void test_stream_wait_reuse(void **state) {
   GPU_CHECK(gpu_fill_u32(&env, b, (CUdeviceptr)(uintptr_t)q, bs / 4, 5));
   assert_int_equal(atomic_load(host_status), 3); /* still holding */
   atomic_store(host_flag, 1);
-  GPU_CHECK(cuMemsetD32Async(dev_bad, 0, 1, b));
+  GPU_CHECK(cudrv.memset_d32_async(dev_bad, 0, 1, b));
   GPU_CHECK(gpu_check_u32(&env, b, (CUdeviceptr)(uintptr_t)q, bs / 4, 5, dev_bad));
-  GPU_CHECK(cuStreamSynchronize(b));
+  GPU_CHECK(cudrv.stream_synchronize(b));
   unsigned bad = 0;
-  GPU_CHECK(cuMemcpyDtoH(&bad, dev_bad, sizeof bad));
+  GPU_CHECK(cudrv.memcpy_dtoh(&bad, dev_bad, sizeof bad));
   assert_int_equal(bad, 0); /* b ran after a's kernel: nothing of a's tag left */
   assert_int_equal(magpie_free_async(q, (cudaStream_t)b), MAGPIE_OK);
   for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(held[i], (cudaStream_t)b), MAGPIE_OK);
-  GPU_CHECK(cuStreamSynchronize(a));
-  GPU_CHECK(cuStreamSynchronize(b));
-  GPU_CHECK(cuStreamDestroy(a));
-  GPU_CHECK(cuStreamDestroy(b));
+  GPU_CHECK(cudrv.stream_synchronize(a));
+  GPU_CHECK(cudrv.stream_synchronize(b));
+  GPU_CHECK(cudrv.stream_destroy(a));
+  GPU_CHECK(cudrv.stream_destroy(b));
   assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
 }
 

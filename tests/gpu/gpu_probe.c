@@ -34,7 +34,7 @@ static const char *ctx_name(CUcontext c) {
 
 static unsigned long long raw_id(CUstream s, CUresult *r) {
   unsigned long long id = 0;
-  *r = cuStreamGetId(s, &id);
+  *r = cudrv.stream_get_id(s, &id);
   return id;
 }
 
@@ -42,7 +42,7 @@ static unsigned long long raw_id(CUstream s, CUresult *r) {
 static void *bare_thread(void *arg) {
   (void)arg;
   CUcontext cur = NULL;
-  CUresult r = cuCtxGetCurrent(&cur);
+  CUresult r = cudrv.ctx_get_current(&cur);
   say("thread with no current context: cuCtxGetCurrent -> %s, context: %s", gpu_err(r),
       ctx_name(cur));
   struct {
@@ -58,7 +58,7 @@ static void *bare_thread(void *arg) {
   }
   uint64_t bid = 0;
   int rc = pbe->stream_id(NULL, &bid);
-  cuCtxGetCurrent(&cur);
+  cudrv.ctx_get_current(&cur);
   say("thread with no current context: backend stream_id(0) -> %d, id %llu; current context "
       "afterwards: %s",
       rc, (unsigned long long)bid, ctx_name(cur));
@@ -72,8 +72,8 @@ static double ns_per_call(uint64_t t0, long n) { return (double)(gpu_now_ns() - 
 static void timings(void) {
   CUstream s;
   CUevent ev;
-  if (cuStreamCreate(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
-      cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
+  if (cudrv.stream_create(&s, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
+      cudrv.event_create(&ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) {
     say("timings: could not create a stream and an event");
     return;
   }
@@ -94,7 +94,7 @@ static void timings(void) {
   double be_null = ns_per_call(t0, N);
   t0 = gpu_now_ns();
   for (long i = 0; i < N; i++) {
-    cuStreamGetId(s, &raw);
+    cudrv.stream_get_id(s, &raw);
     sink += raw;
   }
   double direct = ns_per_call(t0, N);
@@ -102,7 +102,7 @@ static void timings(void) {
   for (long i = 0; i < M; i++)
     pbe->event_record(ev, s);
   double record = ns_per_call(t0, M);
-  cuStreamSynchronize(s);
+  cudrv.stream_synchronize(s);
   t0 = gpu_now_ns();
   for (long i = 0; i < M; i++)
     sink += (uint64_t)pbe->event_query(ev);
@@ -110,8 +110,8 @@ static void timings(void) {
   say("host ns per call: backend stream_id(stream) %.1f, stream_id(0) %.1f, cuStreamGetId "
       "direct %.1f, event_record (idle stream) %.1f, event_query (completed) %.1f [%llu]",
       be_stream, be_null, direct, record, query, (unsigned long long)(sink & 1));
-  cuEventDestroy(ev);
-  cuStreamDestroy(s);
+  cudrv.event_destroy(ev);
+  cudrv.stream_destroy(s);
 }
 
 int gpu_probe_main(const gpu_env *e) {
@@ -121,11 +121,10 @@ int gpu_probe_main(const gpu_env *e) {
     say("backend init failed: %s", backend_error_detail());
     return 1;
   }
-  void *fn = NULL;
-  CUdriverProcAddressQueryResult q = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-  CUresult r = cuGetProcAddress("cuStreamGetDevice", &fn, 12080, CU_GET_PROC_ADDRESS_DEFAULT, &q);
+  /* The loader asked the driver for it (an optional entry of its table). */
   say("driver %d, device %s; cuStreamGetDevice available: %s", e->driver_version, e->name,
-      r == CUDA_SUCCESS && q == CU_GET_PROC_ADDRESS_SUCCESS ? "yes" : "no");
+      cudrv.stream_get_device != NULL ? "yes" : "no");
+  CUresult r;
 
   /* A. Special handles in a thread with no current context. */
   pthread_t t;
@@ -141,14 +140,14 @@ int gpu_probe_main(const gpu_env *e) {
 
   /* C. Handle reuse after destroying an idle stream. */
   CUstream s1, extra[64];
-  if (cuStreamCreate(&s1, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+  if (cudrv.stream_create(&s1, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
     return 1;
   unsigned long long id1 = raw_id(s1, &r);
-  r = cuStreamDestroy(s1);
+  r = cudrv.stream_destroy(s1);
   say("idle stream %p (id %llu) destroyed -> %s", (void *)s1, id1, gpu_err(r));
   int k, reused = 0;
   for (k = 0; k < 64 && !reused; k++) {
-    if (cuStreamCreate(&extra[k], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+    if (cudrv.stream_create(&extra[k], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
       break;
     reused = extra[k] == s1;
   }
@@ -161,47 +160,47 @@ int gpu_probe_main(const gpu_env *e) {
     say("handle value %p not reused by %d new streams", (void *)s1, k);
   }
   for (int i = 0; i < k; i++)
-    cuStreamDestroy(extra[i]);
+    cudrv.stream_destroy(extra[i]);
 
   /* D. Destroying a stream with work pending; a stream reusing its handle. */
   CUstream s2, s3;
   CUevent ev2, ev3;
-  if (cuStreamCreate(&s2, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
-      cuEventCreate(&ev2, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS ||
-      cuEventCreate(&ev3, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS)
+  if (cudrv.stream_create(&s2, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
+      cudrv.event_create(&ev2, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS ||
+      cudrv.event_create(&ev3, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS)
     return 1;
   unsigned long long id2 = raw_id(s2, &r);
   gpu_delay(e, s2, 300u * 1000 * 1000);
-  cuEventRecord(ev2, s2);
-  r = cuStreamDestroy(s2);
-  CUresult q2 = cuEventQuery(ev2);
+  cudrv.event_record(ev2, s2);
+  r = cudrv.stream_destroy(s2);
+  CUresult q2 = cudrv.event_query(ev2);
   say("stream %p (id %llu) destroyed with 300 ms of work pending -> %s; its event then "
       "queries %s",
       (void *)s2, id2, gpu_err(r), gpu_err(q2));
-  if (cuStreamCreate(&s3, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+  if (cudrv.stream_create(&s3, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
     return 1;
   unsigned long long id3 = raw_id(s3, &r);
-  cuEventRecord(ev3, s3);
-  CUresult q3 = cuEventQuery(ev3);
+  cudrv.event_record(ev3, s3);
+  CUresult q3 = cudrv.event_query(ev3);
   say("next new stream %p (%s handle), id %llu; an event recorded on it at once queries %s "
       "while the destroyed stream's work is %s",
       (void *)s3, s3 == s2 ? "SAME" : "different", id3, gpu_err(q3),
-      cuEventQuery(ev2) == CUDA_ERROR_NOT_READY ? "still pending" : "done");
-  r = cuEventSynchronize(ev2);
+      cudrv.event_query(ev2) == CUDA_ERROR_NOT_READY ? "still pending" : "done");
+  r = cudrv.event_synchronize(ev2);
   say("the destroyed stream's event: cuEventSynchronize -> %s, then query %s", gpu_err(r),
-      gpu_err(cuEventQuery(ev2)));
-  cuStreamDestroy(s3);
+      gpu_err(cudrv.event_query(ev2)));
+  cudrv.stream_destroy(s3);
 
   /* E. Costs. */
   timings();
 
   /* F. Undefined behaviour last: querying destroyed streams. */
   CUstream s4, s5;
-  if (cuStreamCreate(&s4, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
-      cuStreamCreate(&s5, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
+  if (cudrv.stream_create(&s4, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS ||
+      cudrv.stream_create(&s5, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
     return 1;
   unsigned long long id4 = raw_id(s4, &r), id5 = raw_id(s5, &r);
-  cuStreamDestroy(s4);
+  cudrv.stream_destroy(s4);
   say("querying destroyed idle stream %p (id %llu), not reused, with cuStreamGetId...",
       (void *)s4, id4);
   unsigned long long got = raw_id(s4, &r);
@@ -211,17 +210,17 @@ int gpu_probe_main(const gpu_env *e) {
   int rc = pbe->stream_id(s4, &bid);
   say("  backend stream_id on it -> %d (%s)", rc, rc == MAGPIE_OK ? "ok" : backend_error_detail());
   gpu_delay(e, s5, 300u * 1000 * 1000);
-  cuStreamDestroy(s5);
+  cudrv.stream_destroy(s5);
   say("querying stream %p (id %llu) destroyed with work pending, with cuStreamGetId...",
       (void *)s5, id5);
   got = raw_id(s5, &r);
   say("  -> %s, id %llu (%s)", gpu_err(r), got,
       r != CUDA_SUCCESS ? "error" : got == id5 ? "SAME id" : "other id");
-  CUresult rs = cuCtxSynchronize();
+  CUresult rs = cudrv.ctx_synchronize();
   got = raw_id(s5, &r);
   say("  after cuCtxSynchronize (%s): -> %s, id %llu", gpu_err(rs), gpu_err(r), got);
-  cuEventDestroy(ev2);
-  cuEventDestroy(ev3);
+  cudrv.event_destroy(ev2);
+  cudrv.event_destroy(ev3);
   say("done");
   return 0;
 }

@@ -55,7 +55,7 @@ static void hold_start(CUstream s, void *block, size_t bytes) {
 
 static void hold_release(CUstream s) {
   atomic_store(host_flag, 1);
-  GPU_CHECK(cuStreamSynchronize(s));
+  GPU_CHECK(cudrv.stream_synchronize(s));
   assert_int_equal(atomic_load(host_status), 1);
 }
 
@@ -76,12 +76,12 @@ static long churn(CUstream s, size_t size, int n, void *p) {
 
 static void run_case(size_t size, int n, int record) {
   CUstream a, b, c;
-  GPU_CHECK(cuStreamCreate(&a, CU_STREAM_NON_BLOCKING));
-  GPU_CHECK(cuStreamCreate(&b, CU_STREAM_NON_BLOCKING));
-  GPU_CHECK(cuStreamCreate(&c, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&b, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&c, CU_STREAM_NON_BLOCKING));
   void *p = magpie_malloc_async(size, (cudaStream_t)a);
   assert_non_null(p);
-  GPU_CHECK(cuStreamSynchronize(a));
+  GPU_CHECK(cudrv.stream_synchronize(a));
   hold_start(b, p, size); /* B uses p; A's work is done */
   if (record) assert_int_equal(magpie_record_stream(p, (cudaStream_t)b), MAGPIE_OK);
   assert_int_equal(magpie_free_async(p, (cudaStream_t)a), MAGPIE_OK);
@@ -111,10 +111,10 @@ static void run_case(size_t size, int n, int record) {
   } else {
     assert_true(on_a > 0); /* the control: a plain free on A is reused by A at once */
   }
-  GPU_CHECK(cuCtxSynchronize());
-  GPU_CHECK(cuStreamDestroy(a));
-  GPU_CHECK(cuStreamDestroy(b));
-  GPU_CHECK(cuStreamDestroy(c));
+  GPU_CHECK(cudrv.ctx_synchronize());
+  GPU_CHECK(cudrv.stream_destroy(a));
+  GPU_CHECK(cudrv.stream_destroy(b));
+  GPU_CHECK(cudrv.stream_destroy(c));
 }
 
 static void test_control_without_record(void **state) {

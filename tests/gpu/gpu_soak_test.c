@@ -102,16 +102,16 @@ static size_t soak_size(worker *w, unsigned i) {
 static int ring_alloc(ring_buf *r) {
   size_t bytes = 3 * MAXN * sizeof(uint64_t);
   void *h;
-  S_TRY(cuMemHostAlloc(&h, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
+  S_TRY(cudrv.mem_host_alloc(&h, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
   CUdeviceptr d;
-  S_TRY(cuMemHostGetDevicePointer(&d, h, 0));
+  S_TRY(cudrv.mem_host_get_device_pointer(&d, h, 0));
   r->ptrs = h;
   r->tags = r->ptrs + MAXN;
   r->words = r->tags + MAXN;
   r->dptrs = d;
   r->dtags = d + MAXN * sizeof(uint64_t);
   r->dwords = d + 2 * MAXN * sizeof(uint64_t);
-  S_TRY(cuEventCreate(&r->done, CU_EVENT_DISABLE_TIMING));
+  S_TRY(cudrv.event_create(&r->done, CU_EVENT_DISABLE_TIMING));
   r->used = 0;
   return 0;
 }
@@ -120,11 +120,11 @@ static int batch(worker *w, uint64_t k) {
   int si = (int)(k % STREAMS);
   CUstream s = w->s[si];
   ring_buf *r = &w->ring[k % RING];
-  if (r->used) S_TRY(cuEventSynchronize(r->done)); /* its kernels read these arrays */
+  if (r->used) S_TRY(cudrv.event_synchronize(r->done)); /* its kernels read these arrays */
   r->used = 1;
   /* 1. Inherited blocks: ordered after the previous batch's stream. */
   unsigned ninh = w->ninh;
-  if (ninh) S_TRY(cuStreamWaitEvent(s, w->handoff, 0));
+  if (ninh) S_TRY(cudrv.stream_wait_event(s, w->handoff, 0));
   /* 2. New blocks. */
   unsigned n = 0;
   uint64_t ops = 0;
@@ -150,7 +150,7 @@ static int batch(worker *w, uint64_t k) {
   /* 3. Stamp the new blocks, check new and inherited. */
   S_TRY(gpu_batch_stamp(&env, s, r->dptrs, r->dtags, r->dwords, n));
   S_TRY(gpu_batch_check(&env, s, r->dptrs, r->dtags, r->dwords, n + ninh, w->dbad));
-  S_TRY(cuEventRecord(r->done, s));
+  S_TRY(cudrv.event_record(r->done, s));
   /* 4. Free on s (the stream of the last use); hand some to the next batch. */
   unsigned nh = 0;
   for (unsigned i = 0; i < n + ninh; i++) {
@@ -169,14 +169,14 @@ static int batch(worker *w, uint64_t k) {
   }
   w->ninh = nh;
   if (nh) {
-    S_TRY(cuEventRecord(w->handoff, s));
+    S_TRY(cudrv.event_record(w->handoff, s));
     atomic_fetch_add_explicit(&handoffs_done, nh, memory_order_relaxed);
   }
   /* Stream churn: destroy the stream with its work pending; the new one
    * usually gets the same handle value. */
   if (k % CHURN_EVERY == CHURN_EVERY - 1) {
-    S_TRY(cuStreamDestroy(w->s[si]));
-    S_TRY(cuStreamCreate(&w->s[si], CU_STREAM_NON_BLOCKING));
+    S_TRY(cudrv.stream_destroy(w->s[si]));
+    S_TRY(cudrv.stream_create(&w->s[si], CU_STREAM_NON_BLOCKING));
     atomic_fetch_add_explicit(&streams_churned, 1, memory_order_relaxed);
   }
   atomic_fetch_add_explicit(&total_ops, ops, memory_order_relaxed);
@@ -186,15 +186,15 @@ static int batch(worker *w, uint64_t k) {
 
 static int worker_run(worker *w) {
   S_TRY(gpu_env_bind(&env));
-  for (int i = 0; i < STREAMS; i++) S_TRY(cuStreamCreate(&w->s[i], CU_STREAM_NON_BLOCKING));
+  for (int i = 0; i < STREAMS; i++) S_TRY(cudrv.stream_create(&w->s[i], CU_STREAM_NON_BLOCKING));
   for (int i = 0; i < RING; i++)
     if (ring_alloc(&w->ring[i]) != 0) return -1;
   void *h;
-  S_TRY(cuMemHostAlloc(&h, 64, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
+  S_TRY(cudrv.mem_host_alloc(&h, 64, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
   w->bad = h;
   *w->bad = 0;
-  S_TRY(cuMemHostGetDevicePointer(&w->dbad, h, 0));
-  S_TRY(cuEventCreate(&w->handoff, CU_EVENT_DISABLE_TIMING));
+  S_TRY(cudrv.mem_host_get_device_pointer(&w->dbad, h, 0));
+  S_TRY(cudrv.event_create(&w->handoff, CU_EVENT_DISABLE_TIMING));
   w->rng = 0x9E3779B97F4A7C15ull * (uint64_t)(w->id + 1);
   uint64_t k = 0;
   while (atomic_load_explicit(&total_ops, memory_order_relaxed) < target_ops && atomic_load(&errors) == 0) {
@@ -203,7 +203,7 @@ static int worker_run(worker *w) {
   /* The last hand-off: its blocks are freed on a stream ordered after it. */
   if (w->ninh) {
     CUstream s = w->s[k % STREAMS];
-    S_TRY(cuStreamWaitEvent(s, w->handoff, 0));
+    S_TRY(cudrv.stream_wait_event(s, w->handoff, 0));
     for (unsigned i = 0; i < w->ninh; i++)
       if (magpie_free_async((void *)(uintptr_t)w->inh_p[i], s) != MAGPIE_OK) {
         note_error("final free: %s", magpie_last_error_message());
@@ -211,14 +211,14 @@ static int worker_run(worker *w) {
       }
     w->ninh = 0;
   }
-  for (int i = 0; i < STREAMS; i++) S_TRY(cuStreamSynchronize(w->s[i]));
+  for (int i = 0; i < STREAMS; i++) S_TRY(cudrv.stream_synchronize(w->s[i]));
   if (*(volatile unsigned *)w->bad != 0) note_error("thread %d: %u wrong words", w->id, *w->bad);
-  for (int i = 0; i < STREAMS; i++) S_TRY(cuStreamDestroy(w->s[i]));
+  for (int i = 0; i < STREAMS; i++) S_TRY(cudrv.stream_destroy(w->s[i]));
   for (int i = 0; i < RING; i++) {
-    S_TRY(cuEventDestroy(w->ring[i].done));
-    S_TRY(cuMemFreeHost(w->ring[i].ptrs));
+    S_TRY(cudrv.event_destroy(w->ring[i].done));
+    S_TRY(cudrv.mem_free_host(w->ring[i].ptrs));
   }
-  S_TRY(cuEventDestroy(w->handoff));
+  S_TRY(cudrv.event_destroy(w->handoff));
   return 0;
 }
 
@@ -233,7 +233,7 @@ static void *worker_main(void *arg) {
 static void test_soak(void **state) {
   (void)state;
   size_t free0, total0, free1, total1;
-  GPU_CHECK(cuMemGetInfo(&free0, &total0));
+  GPU_CHECK(cudrv.mem_get_info(&free0, &total0));
   uint64_t t0 = gpu_now_ns();
   pthread_t t[THREADS];
   for (int i = 0; i < THREADS; i++) {
@@ -247,8 +247,8 @@ static void test_soak(void **state) {
     if (workers[i].bad) bad += *workers[i].bad;
   magpie_stats st;
   assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
-  GPU_CHECK(cuCtxSynchronize());
-  GPU_CHECK(cuMemGetInfo(&free1, &total1));
+  GPU_CHECK(cudrv.ctx_synchronize());
+  GPU_CHECK(cudrv.mem_get_info(&free1, &total1));
   long long grew = (long long)free0 - (long long)free1;
   print_message("soak: %llu allocator operations in %.1f s (%.1f M/s), %d threads, %d streams, %llu batches, "
                 "%llu hand-offs, %llu streams re-created, %llu large blocks\n",

@@ -101,8 +101,8 @@ static CUdeviceptr dptr(void *p) { return (CUdeviceptr)(uintptr_t)p; }
 /* Sends the block in sl to another thread; 0 if the mailbox is full. */
 static int mailbox_post(worker *w, slot *sl) {
   CUevent ev;
-  W_TRY(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
-  W_TRY(cuEventRecord(ev, w->s[sl->stream]));
+  W_TRY(cudrv.event_create(&ev, CU_EVENT_DISABLE_TIMING));
+  W_TRY(cudrv.event_record(ev, w->s[sl->stream]));
   int sent = 0;
   pthread_mutex_lock(&mailbox.lock);
   if (mailbox.count < MAILBOX) {
@@ -111,7 +111,7 @@ static int mailbox_post(worker *w, slot *sl) {
   }
   pthread_mutex_unlock(&mailbox.lock);
   if (!sent)
-    W_TRY(cuEventDestroy(ev));
+    W_TRY(cudrv.event_destroy(ev));
   return sent;
 }
 
@@ -150,10 +150,10 @@ static int retire(worker *w, slot *sl) {
   if (r == 0) {
     int j = 1 - sl->stream;
     CUevent ev;
-    W_TRY(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
-    W_TRY(cuEventRecord(ev, w->s[sl->stream]));
-    W_TRY(cuStreamWaitEvent(w->s[j], ev, 0));
-    W_TRY(cuEventDestroy(ev));
+    W_TRY(cudrv.event_create(&ev, CU_EVENT_DISABLE_TIMING));
+    W_TRY(cudrv.event_record(ev, w->s[sl->stream]));
+    W_TRY(cudrv.stream_wait_event(w->s[j], ev, 0));
+    W_TRY(cudrv.event_destroy(ev));
     uint64_t t2 = new_tag(w);
     W_TRY(gpu_check_stamp(w->env, w->s[j], dptr(sl->p), sl->bytes / 8, sl->tag, t2, 1, w->bad));
     sl->tag = t2;
@@ -176,8 +176,8 @@ static int fill(worker *w, slot *sl) {
   parcel pc;
   if (rnd(w) % 8 == 0 && mailbox_take(w->id, &pc)) {
     int k = (int)(rnd(w) % STREAMS);
-    W_TRY(cuStreamWaitEvent(w->s[k], pc.ready, 0));
-    W_TRY(cuEventDestroy(pc.ready));
+    W_TRY(cudrv.stream_wait_event(w->s[k], pc.ready, 0));
+    W_TRY(cudrv.event_destroy(pc.ready));
     uint64_t t2 = new_tag(w);
     W_TRY(gpu_check_stamp(w->env, w->s[k], dptr(pc.p), pc.bytes / 8, pc.tag, t2, 1, w->bad));
     *sl = (slot){pc.p, pc.bytes, t2, k};
@@ -202,8 +202,8 @@ static int recycle(worker *w) {
   for (int i = 0; i < SLOTS; i++)
     if (w->slots[i].p != NULL && w->slots[i].stream == 0 && finish(w, &w->slots[i]) != 0)
       return -1;
-  W_TRY(cuStreamDestroy(w->s[0]));
-  W_TRY(cuStreamCreate(&w->s[0], CU_STREAM_NON_BLOCKING));
+  W_TRY(cudrv.stream_destroy(w->s[0]));
+  W_TRY(cudrv.stream_create(&w->s[0], CU_STREAM_NON_BLOCKING));
   w->recycles++;
   return 0;
 }
@@ -211,7 +211,7 @@ static int recycle(worker *w) {
 static int work(worker *w) {
   W_TRY(gpu_env_bind(w->env));
   for (int k = 0; k < STREAMS; k++)
-    W_TRY(cuStreamCreate(&w->s[k], CU_STREAM_NON_BLOCKING));
+    W_TRY(cudrv.stream_create(&w->s[k], CU_STREAM_NON_BLOCKING));
   for (int it = 0; it < ITERS; it++) {
     slot *sl = &w->slots[rnd(w) % SLOTS];
     if (sl->p != NULL && retire(w, sl) != 0)
@@ -225,8 +225,8 @@ static int work(worker *w) {
     if (w->slots[i].p != NULL && finish(w, &w->slots[i]) != 0)
       return -1;
   for (int k = 0; k < STREAMS; k++) {
-    W_TRY(cuStreamSynchronize(w->s[k]));
-    W_TRY(cuStreamDestroy(w->s[k]));
+    W_TRY(cudrv.stream_synchronize(w->s[k]));
+    W_TRY(cudrv.stream_destroy(w->s[k]));
   }
   return 0;
 }
@@ -239,19 +239,19 @@ static void *worker_main(void *arg) {
 /* Blocks still in the mailbox: finish them on a stream of this thread. */
 static int drain(const gpu_env *e, CUdeviceptr bad) {
   CUstream s;
-  W_TRY(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+  W_TRY(cudrv.stream_create(&s, CU_STREAM_NON_BLOCKING));
   parcel pc;
   int n = 0;
   while (mailbox_take(-1, &pc)) {
-    W_TRY(cuStreamWaitEvent(s, pc.ready, 0));
-    W_TRY(cuEventDestroy(pc.ready));
+    W_TRY(cudrv.stream_wait_event(s, pc.ready, 0));
+    W_TRY(cudrv.event_destroy(pc.ready));
     W_TRY(gpu_check_stamp(e, s, dptr(pc.p), pc.bytes / 8, pc.tag, 0, 0, bad));
     if (magpie_free_async(pc.p, s) != MAGPIE_OK)
       note_error("magpie_free_async(%p): %s", pc.p, magpie_last_error_message());
     n++;
   }
-  W_TRY(cuStreamSynchronize(s));
-  W_TRY(cuStreamDestroy(s));
+  W_TRY(cudrv.stream_synchronize(s));
+  W_TRY(cudrv.stream_destroy(s));
   return n;
 }
 
@@ -260,9 +260,9 @@ int gpu_stamp_test_run(const gpu_env *e, char *why, size_t why_len) {
   static worker ws[THREADS];
   pthread_t t[THREADS];
   CUdeviceptr bad;
-  CUresult r = cuMemAlloc(&bad, THREADS * sizeof(unsigned int));
+  CUresult r = cudrv.mem_alloc(&bad, THREADS * sizeof(unsigned int));
   if (r == CUDA_SUCCESS)
-    r = cuMemsetD32(bad, 0, THREADS);
+    r = cudrv.memset_d32(bad, 0, THREADS);
   if (r != CUDA_SUCCESS) {
     snprintf(why, why_len, "counters: %s", gpu_err(r));
     return -1;
@@ -282,12 +282,12 @@ int gpu_stamp_test_run(const gpu_env *e, char *why, size_t why_len) {
     pthread_join(t[i], NULL);
   int drained = drain(e, bad);
   unsigned int counts[THREADS] = {0};
-  r = cuCtxSynchronize();
+  r = cudrv.ctx_synchronize();
   if (r == CUDA_SUCCESS)
-    r = cuMemcpyDtoH(counts, bad, sizeof counts);
+    r = cudrv.memcpy_dtoh(counts, bad, sizeof counts);
   if (r != CUDA_SUCCESS)
     note_error("reading the counters: %s", gpu_err(r));
-  cuMemFree(bad);
+  cudrv.mem_free(bad);
 
   long allocs = 0, handoffs = 0, sent = 0, taken = 0, recycles = 0;
   unsigned long mismatches = 0;

@@ -14,7 +14,7 @@ const char *gpu_err(CUresult r) {
   static _Thread_local unsigned int next;
   char *buf = bufs[next++ % 4];
   const char *name = NULL;
-  if (cuGetErrorName(r, &name) != CUDA_SUCCESS || name == NULL)
+  if (cudrv.get_error_name == NULL || cudrv.get_error_name(r, &name) != CUDA_SUCCESS || name == NULL)
     name = "unknown CUDA error";
   snprintf(buf, sizeof bufs[0], "%s (%d)", name, (int)r);
   return buf;
@@ -37,33 +37,38 @@ uint64_t gpu_now_ns(void) {
 
 int gpu_env_init(gpu_env *env) {
   memset(env, 0, sizeof *env);
-  GPU_UTIL_TRY(cuInit(0));
-  GPU_UTIL_TRY(cuDriverGetVersion(&env->driver_version));
-  GPU_UTIL_TRY(cuDeviceGet(&env->device, 0));
-  GPU_UTIL_TRY(cuDeviceGetName(env->name, (int)sizeof env->name, env->device));
-  GPU_UTIL_TRY(cuDevicePrimaryCtxRetain(&env->ctx, env->device));
-  GPU_UTIL_TRY(cuCtxSetCurrent(env->ctx));
+  const char *why = NULL;
+  if (cudrv_load(CUDRV_LOAD_ALL, &why) != 0) {
+    fprintf(stderr, "gpu_env_init: %s\n", why);
+    return -1;
+  }
+  GPU_UTIL_TRY(cudrv.init(0));
+  GPU_UTIL_TRY(cudrv.driver_get_version(&env->driver_version));
+  GPU_UTIL_TRY(cudrv.device_get(&env->device, 0));
+  GPU_UTIL_TRY(cudrv.device_get_name(env->name, (int)sizeof env->name, env->device));
+  GPU_UTIL_TRY(cudrv.primary_ctx_retain(&env->ctx, env->device));
+  GPU_UTIL_TRY(cudrv.ctx_set_current(env->ctx));
   /* Keep the JIT's log: a PTX the driver rejects should say why. */
   char log[4096] = "";
-  CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+  cudrv_jit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
   void *vals[] = {log, (void *)(uintptr_t)sizeof log};
-  CUresult r = cuModuleLoadDataEx(&env->module, gpu_kernels_ptx, 2, opts, vals);
+  CUresult r = cudrv.module_load_data_ex(&env->module, gpu_kernels_ptx, 2, opts, vals);
   if (r != CUDA_SUCCESS) {
     fprintf(stderr, "gpu_env_init: cuModuleLoadDataEx: %s\n%s\n", gpu_err(r), log);
     return -1;
   }
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->fill_u32, env->module, "gpu_fill_u32"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->check_u32, env->module, "gpu_check_u32"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->hold, env->module, "gpu_hold"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->stamp, env->module, "gpu_stamp"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->check_stamp, env->module, "gpu_check_stamp"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->delay, env->module, "gpu_delay"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->batch_stamp, env->module, "gpu_batch_stamp"));
-  GPU_UTIL_TRY(cuModuleGetFunction(&env->batch_check, env->module, "gpu_batch_check"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->fill_u32, env->module, "gpu_fill_u32"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->check_u32, env->module, "gpu_check_u32"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->hold, env->module, "gpu_hold"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->stamp, env->module, "gpu_stamp"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->check_stamp, env->module, "gpu_check_stamp"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->delay, env->module, "gpu_delay"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->batch_stamp, env->module, "gpu_batch_stamp"));
+  GPU_UTIL_TRY(cudrv.module_get_function(&env->batch_check, env->module, "gpu_batch_check"));
   return 0;
 }
 
-CUresult gpu_env_bind(const gpu_env *env) { return cuCtxSetCurrent(env->ctx); }
+CUresult gpu_env_bind(const gpu_env *env) { return cudrv.ctx_set_current(env->ctx); }
 
 /* Enough blocks to cover words with 256 threads each, at most 1024 (the
  * kernels stride over the rest). */
@@ -76,55 +81,55 @@ CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t word
                       unsigned int seed) {
   unsigned long long n = words;
   void *args[] = {&p, &n, &seed};
-  return cuLaunchKernel(env->fill_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->fill_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
                        unsigned int seed, CUdeviceptr bad) {
   unsigned long long n = words;
   void *args[] = {&p, &n, &seed, &bad};
-  return cuLaunchKernel(env->check_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->check_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block,
                   size_t words, uint64_t tag, uint64_t timeout_ns, CUdeviceptr status) {
   unsigned long long n = words, t = tag, to = timeout_ns;
   void *args[] = {&flag, &block, &n, &t, &to, &status};
-  return cuLaunchKernel(env->hold, 1, 1, 1, 256, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->hold, 1, 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, uint64_t tag) {
   unsigned long long n = words, t = tag;
   void *args[] = {&p, &n, &t};
-  return cuLaunchKernel(env->stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
                          uint64_t expect, uint64_t tag, int restamp, CUdeviceptr bad) {
   unsigned long long n = words, e = expect, t = tag;
   void *args[] = {&p, &n, &e, &t, &restamp, &bad};
-  return cuLaunchKernel(env->check_stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args,
+  return cudrv.launch_kernel(env->check_stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args,
                         NULL);
 }
 
 CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns) {
   unsigned long long t = ns;
   void *args[] = {&t};
-  return cuLaunchKernel(env->delay, 1, 1, 1, 1, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->delay, 1, 1, 1, 1, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_batch_stamp(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
                          unsigned n) {
   if (n == 0) return CUDA_SUCCESS;
   void *args[] = {&ptrs, &tags, &words, &n};
-  return cuLaunchKernel(env->batch_stamp, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->batch_stamp, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_batch_check(const gpu_env *env, CUstream s, CUdeviceptr ptrs, CUdeviceptr tags, CUdeviceptr words,
                          unsigned n, CUdeviceptr bad) {
   if (n == 0) return CUDA_SUCCESS;
   void *args[] = {&ptrs, &tags, &words, &n, &bad};
-  return cuLaunchKernel(env->batch_check, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
+  return cudrv.launch_kernel(env->batch_check, n, 1, 1, 64, 1, 1, 0, s, args, NULL);
 }
 
 int gpu_magpie_setup(gpu_env *env, gpu_host_words *w) {
@@ -144,8 +149,8 @@ int gpu_magpie_start(gpu_env *env, gpu_host_words *w, size_t limit) {
     return -1;
   }
   void *h = NULL;
-  CUresult r = cuMemHostAlloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
-  if (r == CUDA_SUCCESS) r = cuMemHostGetDevicePointer(&w->dev_flag, h, 0);
+  CUresult r = cudrv.mem_host_alloc(&h, 4096, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE);
+  if (r == CUDA_SUCCESS) r = cudrv.mem_host_get_device_pointer(&w->dev_flag, h, 0);
   if (r != CUDA_SUCCESS) {
     fprintf(stderr, "cuMemHostAlloc(DEVICEMAP): %s\n", gpu_err(r));
     return -1;

@@ -1,9 +1,11 @@
 /* Helpers shared by the GPU tests: the device's primary context, the test
  * kernels (tests/gpu/kernels.cu, embedded as PTX) and their launches.
  *
- * The tests call the driver API directly (linked against the toolkit's
- * libcuda stub; the real driver answers at run time) and magpie through its
- * public or backend interface. */
+ * The tests call the driver through magpie's one driver loader
+ * (src/device/cuda_driver.h: the table `cudrv`, the same entry points the
+ * library calls, loaded by gpu_env_init; nothing links libcuda or its
+ * stub), with cuda.h's types and constants, and magpie through its public
+ * or backend interface. */
 #ifndef MAGPIE_TESTS_GPU_UTIL_H
 #define MAGPIE_TESTS_GPU_UTIL_H
 
@@ -11,6 +13,8 @@
 #include <stdint.h>
 
 #include <cuda.h>
+
+#include "device/cuda_driver.h"
 
 typedef struct gpu_env {
   CUdevice device;
@@ -21,8 +25,9 @@ typedef struct gpu_env {
   int driver_version;
 } gpu_env;
 
-/* Initialises the driver, makes device 0's primary context current on the
- * calling thread and loads the kernels. 0 on success; else prints why. */
+/* Loads the driver (cudrv_load, every entry the tests use), initialises it,
+ * makes device 0's primary context current on the calling thread and loads
+ * the kernels. 0 on success; else prints why. */
 int gpu_env_init(gpu_env *env);
 /* Makes env's context current on the calling thread (each new thread). */
 CUresult gpu_env_bind(const gpu_env *env);
