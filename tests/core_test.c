@@ -93,7 +93,7 @@ static void test_cross_stream_waits_for_epoch(void **state) {
    * holds, so the depot's fresh magazines run out and its pending ones are
    * scanned. */
   int reused = 0;
-  int more = (int)sizeclass_table[sizeclass_of(3000)].blocks * 2 + N_BLOCKS;
+  int more = (int)globals.sizeclass_table[sizeclass_of(3000)].blocks * 2 + N_BLOCKS;
   for (int i = 0; i < more; i++) {
     void *p = magpie_malloc_async(3000, b);
     assert_non_null(p);
@@ -126,7 +126,7 @@ static int wait_device_synced(uint64_t before) {
  * device has drained (the reaper's synchronisation). */
 static void test_handle_reuse(void **state) {
   (void)state;
-  int blocks = (int)sizeclass_table[sizeclass_of(5000)].blocks;
+  int blocks = (int)globals.sizeclass_table[sizeclass_of(5000)].blocks;
   cudaStream_t a = fake_stream_create(0);
   static void *pa[N_BLOCKS];
   for (int i = 0; i < N_BLOCKS; i++) assert_non_null(pa[i] = magpie_malloc_async(5000, a));
@@ -335,7 +335,7 @@ static void test_small_classes_share_a_granule(void **state) {
   void *p[N];
   slab *sl[N];
   for (int i = 0; i < N; i++) {
-    assert_int_equal(sizeclass_table[sizeclass_of(sizes[i])].slab_size, SPAN_CHUNK);
+    assert_int_equal(globals.sizeclass_table[sizeclass_of(sizes[i])].slab_size, SPAN_CHUNK);
     assert_non_null(p[i] = magpie_malloc_async(sizes[i], s));
   }
   fake_get_counters(&c1);
@@ -350,7 +350,7 @@ static void test_small_classes_share_a_granule(void **state) {
     for (int j = 0; j < i; j++) assert_true(sl[j]->base != sl[i]->base);
   }
   /* Larger classes keep slabs of whole granules. */
-  assert_true(sizeclass_table[sizeclass_of(65536)].slab_size >= ((size_t)2 << 20));
+  assert_true(globals.sizeclass_table[sizeclass_of(65536)].slab_size >= ((size_t)2 << 20));
   for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   fake_stream_complete(s);
   assert_int_equal(magpie_trim(2, 0), MAGPIE_OK);

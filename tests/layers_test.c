@@ -35,20 +35,20 @@ static void test_sizeclass(void **state) {
   for (size_t size = 1; size <= SIZECLASS_MAX_SIZE; size += (size < 65536 ? 1 : 97)) {
     unsigned c = sizeclass_of(size);
     assert_true(c < SIZECLASS_COUNT);
-    size_t cs = sizeclass_table[c].size;
+    size_t cs = globals.sizeclass_table[c].size;
     assert_true(cs >= size);
     assert_int_equal(cs % 256, 0);
-    if (c > 0) assert_true(sizeclass_table[c - 1].size < size);
+    if (c > 0) assert_true(globals.sizeclass_table[c - 1].size < size);
     if (size > 1024) assert_true((cs - size) * 4 <= cs); /* <= 25 % waste */
   }
   assert_int_equal(sizeclass_of(SIZECLASS_MAX_SIZE), SIZECLASS_COUNT - 1);
-  for (unsigned c = 1; c < SIZECLASS_COUNT; c++) assert_true(sizeclass_table[c].size > sizeclass_table[c - 1].size);
+  for (unsigned c = 1; c < SIZECLASS_COUNT; c++) assert_true(globals.sizeclass_table[c].size > globals.sizeclass_table[c - 1].size);
 }
 
 static void test_sizeclass_magic_division(void **state) {
   (void)state;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    const sizeclass_info *ci = &sizeclass_table[c];
+    const sizeclass_info *ci = &globals.sizeclass_table[c];
     assert_true(ci->blocks >= 1 && ci->slab_size < ((size_t)1 << 24));
     assert_true(ci->mag_cap >= 2 && ci->mag_cap <= 64);
     for (uint64_t off = 0; off < ci->slab_size; off += (ci->slab_size / 4099) | 1) {
@@ -244,7 +244,7 @@ static void test_magazine_and_depot(void **state) {
   magazine *m = magazine_get_empty(cls);
   assert_non_null(m);
   assert_int_equal(m->count, 0);
-  assert_int_equal(m->cap, sizeclass_table[cls].mag_cap);
+  assert_int_equal(m->cap, globals.sizeclass_table[cls].mag_cap);
   assert_int_equal(m->cls, cls);
   magazine_put_empty(m);
   magazine *again = magazine_get_empty(cls);
@@ -383,7 +383,7 @@ static tslot *own_slot(cudaStream_t s) {
 static void test_magazine_capacity_adapts(void **state) {
   (void)state;
   unsigned cls = sizeclass_of(60000); /* 64 KiB class */
-  const sizeclass_info *ci = &sizeclass_table[cls];
+  const sizeclass_info *ci = &globals.sizeclass_table[cls];
   assert_int_equal(ci->mag_cap, 5);  /* cbrt(2^23 / 64 KiB) */
   assert_true(ci->mag_max > ci->mag_cap);
   cudaStream_t s = fake_stream_create(0);
@@ -425,7 +425,7 @@ static void test_magazine_capacity_bursts(void **state) {
   /* A class no other test here uses: its magazines all start at mag_cap
    * (a magazine keeps the capacity it was made with). */
   unsigned cls = sizeclass_of(45000); /* 48 KiB */
-  const sizeclass_info *ci = &sizeclass_table[cls];
+  const sizeclass_info *ci = &globals.sizeclass_table[cls];
   assert_int_equal(ci->mag_cap, 5);
   cudaStream_t s = fake_stream_create(0);
   enum { BURST = 4 * 5 }; /* four magazines of 5, under a run of 32 */

@@ -16,21 +16,14 @@
 #include <stdint.h>
 
 #include "base/atomic.h"
+#include "base/globals.h"
+#include "base/types.h"
 
-#define PAGEMAP_PAGE_SHIFT 18
-#define PAGEMAP_ADDR_BITS 48
-#define PAGEMAP_LEAF_BITS 14
-#define PAGEMAP_TOP_BITS (PAGEMAP_ADDR_BITS - PAGEMAP_PAGE_SHIFT - PAGEMAP_LEAF_BITS)
-
-struct slab;
-typedef _Atomic(struct slab *) pagemap_entry;
-
-extern _Atomic(pagemap_entry *) pagemap_top[1u << PAGEMAP_TOP_BITS];
 
 static inline struct slab *pagemap_lookup(uintptr_t addr) {
   uintptr_t page = addr >> PAGEMAP_PAGE_SHIFT;
   if (unlikely(page >> (PAGEMAP_TOP_BITS + PAGEMAP_LEAF_BITS))) return NULL;
-  pagemap_entry *leaf = atomic_load_acquire(&pagemap_top[page >> PAGEMAP_LEAF_BITS]);
+  pagemap_entry *leaf = atomic_load_acquire(&globals.pagemap_top[page >> PAGEMAP_LEAF_BITS]);
   if (unlikely(leaf == NULL)) return NULL;
   return atomic_load_acquire(&leaf[page & ((1u << PAGEMAP_LEAF_BITS) - 1)]);
 }

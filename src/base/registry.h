@@ -15,32 +15,8 @@
 #include <stdint.h>
 
 #include "base/atomic.h"
+#include "base/types.h"
 
-#define REGISTRY_CHUNK_SHIFT 10
-#define REGISTRY_CHUNK_OBJS (1u << REGISTRY_CHUNK_SHIFT)
-#define REGISTRY_MAX_CHUNKS 4096
-
-/* Every registry object starts with this link. */
-typedef struct registry_link {
-  /* Index of the next node while on a stack. Written by the pusher (relaxed,
-   * published by its release CAS on the head), read by poppers (relaxed,
-   * after their acquire load of the head). Atomic because a popper may read
-   * it while another thread re-pushes the node; the head's tag rejects that
-   * read. */
-  _Atomic uint32_t next;
-  uint32_t idx; /* own index; immutable after creation */
-} registry_link;
-
-typedef struct registry {
-  size_t obj_size;
-  /* Chunk pointers. Written once (release) under grow_lock before any index
-   * in the chunk is handed out; read with acquire by registry_get. */
-  _Atomic(char *) chunks[REGISTRY_MAX_CHUNKS];
-  /* Next never-used index; fetch_add by creators (relaxed: the chunk's
-   * release/acquire publishes the memory). */
-  _Atomic uint32_t next_idx;
-  pthread_mutex_t grow_lock;
-} registry;
 
 void registry_init(registry *r, size_t obj_size);
 

@@ -2,7 +2,8 @@
  * multiply-shift constant that turns a block offset into an index. */
 #include "base/sizeclass.h"
 
-sizeclass_info sizeclass_table[SIZECLASS_COUNT];
+#include "base/globals.h"
+
 
 int sizeclass_chunked(size_t size, size_t granularity) {
   size_t n = granularity / SIZECLASS_CHUNK;
@@ -48,7 +49,7 @@ static uint32_t sizeclass_icbrt(size_t v) {
  * magazine, however large) its capacity grows up to mag_max (tcache.c). */
 void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    sizeclass_info *ci = &sizeclass_table[c];
+    sizeclass_info *ci = &globals.sizeclass_table[c];
     ci->size = sizeclass_size_calc(c);
     ci->chunked = (uint32_t)sizeclass_chunked(ci->size, granularity);
     ci->slab_size = ci->chunked ? SIZECLASS_CHUNK : sizeclass_pick_slab(ci->size, granularity);

@@ -13,24 +13,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define SIZECLASS_SHIFT 8 /* 256-byte units */
-#define SIZECLASS_MIN_SIZE ((size_t)1 << SIZECLASS_SHIFT)
-#define SIZECLASS_MAX_SIZE ((size_t)1 << 20)
-#define SIZECLASS_COUNT 44
+#include "base/types.h"
 
-/* Most blocks one magazine holds (pool/magazine.h sizes its slots by it). */
-#define SIZECLASS_MAG_MAX 64
-
-/* Chunks: small classes' slabs are chunks of this many bytes cut from a
- * shared granule (pool/span.h), when a chunk holds at least
- * SIZECLASS_CHUNK_MIN_BLOCKS of their blocks (blocks up to 32 KiB). On the
- * H200, workload 2 at sixteen threads held 1.34-1.41 times its threads'
- * peaks with 16 here (blocks up to 16 KiB, 465-478 M ops/s), 1.27 with 8
- * (387-409 M ops/s; the run to run spread of that figure is about as
- * wide). */
-#define SIZECLASS_CHUNK_SHIFT 18
-#define SIZECLASS_CHUNK ((size_t)1 << SIZECLASS_CHUNK_SHIFT)
-#define SIZECLASS_CHUNK_MIN_BLOCKS 8
+/* The constants and the row type, sizeclass_info, are in base/types.h. */
 
 /* Class index of a request of 1..SIZECLASS_MAX_SIZE bytes. */
 static inline unsigned sizeclass_of(size_t size) {
@@ -41,7 +26,7 @@ static inline unsigned sizeclass_of(size_t size) {
   return ((b - 2) << 2) + (unsigned)(v >> (b - 2));
 }
 
-/* Bytes of class c, by the same formula (tables below cache it). */
+/* Bytes of class c, by the same formula (globals.sizeclass_table caches it). */
 static inline size_t sizeclass_size_calc(unsigned c) {
   if (c < 8) return (size_t)(c + 1) << SIZECLASS_SHIFT;
   unsigned b = (c >> 2) + 1; /* c = 4(b-2) + m, m in [4,7] */
@@ -49,18 +34,8 @@ static inline size_t sizeclass_size_calc(unsigned c) {
   return ((size_t)(m + 5) << (b - 2)) << SIZECLASS_SHIFT;
 }
 
-/* Per-class tables, filled once by sizeclass_init(). */
-typedef struct sizeclass_info {
-  size_t size;       /* block bytes */
-  size_t slab_size;  /* bytes of one slab: a granularity multiple, or one chunk (span.h) */
-  uint32_t blocks;   /* blocks per slab */
-  uint32_t mag_cap;  /* blocks per magazine to start with (slabs carve these) */
-  uint32_t mag_max;  /* most blocks per magazine (magazine_bytes / size) */
-  uint32_t chunked;  /* 1: a slab is one span chunk (span.h); 0: whole granules */
-  uint64_t magic;    /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
-} sizeclass_info;
-
-extern sizeclass_info sizeclass_table[SIZECLASS_COUNT];
+/* The table itself is globals.sizeclass_table (base/globals.h), filled once
+ * by sizeclass_init. */
 
 /* Do slabs of blocks of `size` come from chunks, for this granularity? */
 int sizeclass_chunked(size_t size, size_t granularity);

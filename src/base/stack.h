@@ -19,13 +19,8 @@
 #include <stdint.h>
 
 #include "base/registry.h"
+#include "base/types.h"
 
-typedef struct stack {
-  /* (tag << 32) | top index; 0 index = empty. CAS acq_rel by push and pop. */
-  _Atomic uint64_t head;
-  /* Approximate length for statistics and heuristics (relaxed). */
-  _Atomic int64_t count;
-} stack;
 
 void stack_init(stack *s);
 /* Push one node. */

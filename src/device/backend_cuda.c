@@ -27,6 +27,8 @@
 #include <string.h>
 
 #include "device/backend.h"
+
+#include "base/globals.h"
 #include "device/cuda_driver.h"
 
 #define CUDA_MAX_DEVICES 64
@@ -38,26 +40,6 @@ enum { CUDA_STATE_UNINIT = 0, CUDA_STATE_READY = 1, CUDA_STATE_FAILED = 2 };
  * calls under cuda_lock before the release store of cuda_state; every
  * operation reads it after its acquire load of cuda_state (cuda_ready), so
  * plain fields suffice. */
-
-static pthread_mutex_t cuda_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* cuda_state: written by init under cuda_lock (release store, after the
- * fields below are set); read by every operation (acquire load in
- * cuda_ready, pairing with that store). */
-static _Atomic int cuda_state = CUDA_STATE_UNINIT;
-
-/* Set once by init before cuda_state is published; read-only afterwards. */
-static int cuda_ndevices;
-static cudrv_device cuda_devices[CUDA_MAX_DEVICES];
-static int cuda_vmm_off;      /* MAGPIE_CUDA_VMM=0: report no VMM support */
-/* init's outcome, replayed by later calls; under cuda_lock. */
-static int cuda_init_code;
-static char cuda_init_detail[256];
-
-/* Each device's retained primary context, NULL until first used. Written
- * once by cuda_device_ctx under cuda_lock (release store after the retain);
- * read by any thread needing the context (acquire load, pairing with it). */
-static _Atomic(cudrv_context) cuda_ctx[CUDA_MAX_DEVICES];
 
 /* --- errors ------------------------------------------------------------ */
 
@@ -100,7 +82,7 @@ static int cuda_stream_code(cudrv_result r) {
 }
 
 static int cuda_ready(void) {
-  return atomic_load_explicit(&cuda_state, memory_order_acquire) == CUDA_STATE_READY;
+  return atomic_load_explicit(&globals.cuda_state, memory_order_acquire) == CUDA_STATE_READY;
 }
 
 static int cuda_not_ready(void) {
@@ -109,9 +91,9 @@ static int cuda_not_ready(void) {
 }
 
 static int cuda_check_device(int device) {
-  if (device < 0 || device >= cuda_ndevices) {
+  if (device < 0 || device >= globals.cuda_ndevices) {
     backend_set_error_detail("CUDA device %d does not exist (%d device%s)", device,
-                             cuda_ndevices, cuda_ndevices == 1 ? "" : "s");
+                             globals.cuda_ndevices, globals.cuda_ndevices == 1 ? "" : "s");
     return MAGPIE_ERR_INVALID_ARGUMENT;
   }
   return MAGPIE_OK;
@@ -123,7 +105,7 @@ __attribute__((format(printf, 2, 3))) static int cuda_init_fail(int code, const 
                                                                 ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(cuda_init_detail, sizeof cuda_init_detail, fmt, ap);
+  vsnprintf(globals.cuda_init_detail, sizeof globals.cuda_init_detail, fmt, ap);
   va_end(ap);
   return code;
 }
@@ -156,59 +138,59 @@ static int cuda_init_locked(void) {
   if (n > CUDA_MAX_DEVICES)
     n = CUDA_MAX_DEVICES; /* the rest stay unused */
   for (int i = 0; i < n; i++) {
-    r = cudrv.device_get(&cuda_devices[i], i);
+    r = cudrv.device_get(&globals.cuda_devices[i], i);
     if (r != CUDRV_SUCCESS)
       return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGet(%d) failed: %s (%d)", i,
                             cuda_error_name(r), (int)r);
   }
-  cuda_ndevices = n;
+  globals.cuda_ndevices = n;
   const char *vmm = getenv("MAGPIE_CUDA_VMM");
-  cuda_vmm_off = vmm != NULL && strcmp(vmm, "0") == 0;
+  globals.cuda_vmm_off = vmm != NULL && strcmp(vmm, "0") == 0;
   return MAGPIE_OK;
 }
 
 static int cuda_init(void) {
   if (cuda_ready())
     return MAGPIE_OK;
-  if (pthread_mutex_lock(&cuda_lock) != 0) {
+  if (pthread_mutex_lock(&globals.cuda_lock) != 0) {
     backend_set_error_detail("CUDA backend init: pthread_mutex_lock failed");
     return MAGPIE_ERR_BACKEND;
   }
-  if (atomic_load_explicit(&cuda_state, memory_order_relaxed) == CUDA_STATE_UNINIT) {
-    cuda_init_code = cuda_init_locked();
-    atomic_store_explicit(&cuda_state,
-                          cuda_init_code == MAGPIE_OK ? CUDA_STATE_READY : CUDA_STATE_FAILED,
+  if (atomic_load_explicit(&globals.cuda_state, memory_order_relaxed) == CUDA_STATE_UNINIT) {
+    globals.cuda_init_code = cuda_init_locked();
+    atomic_store_explicit(&globals.cuda_state,
+                          globals.cuda_init_code == MAGPIE_OK ? CUDA_STATE_READY : CUDA_STATE_FAILED,
                           memory_order_release);
   }
-  int code = cuda_init_code;
+  int code = globals.cuda_init_code;
   if (code != MAGPIE_OK)
-    backend_set_error_detail("%s", cuda_init_detail);
-  pthread_mutex_unlock(&cuda_lock);
+    backend_set_error_detail("%s", globals.cuda_init_detail);
+  pthread_mutex_unlock(&globals.cuda_lock);
   return code;
 }
 
 /* --- contexts ---------------------------------------------------------- */
 
 static int cuda_device_ctx(int device, cudrv_context *out) {
-  cudrv_context ctx = atomic_load_explicit(&cuda_ctx[device], memory_order_acquire);
+  cudrv_context ctx = atomic_load_explicit(&globals.cuda_ctx[device], memory_order_acquire);
   if (ctx != NULL) {
     *out = ctx;
     return MAGPIE_OK;
   }
-  if (pthread_mutex_lock(&cuda_lock) != 0) {
+  if (pthread_mutex_lock(&globals.cuda_lock) != 0) {
     backend_set_error_detail("CUDA device %d context: pthread_mutex_lock failed", device);
     return MAGPIE_ERR_BACKEND;
   }
   int rc = MAGPIE_OK;
-  ctx = atomic_load_explicit(&cuda_ctx[device], memory_order_relaxed);
+  ctx = atomic_load_explicit(&globals.cuda_ctx[device], memory_order_relaxed);
   if (ctx == NULL) {
-    cudrv_result r = cudrv.primary_ctx_retain(&ctx, cuda_devices[device]);
+    cudrv_result r = cudrv.primary_ctx_retain(&ctx, globals.cuda_devices[device]);
     if (r == CUDRV_SUCCESS)
-      atomic_store_explicit(&cuda_ctx[device], ctx, memory_order_release);
+      atomic_store_explicit(&globals.cuda_ctx[device], ctx, memory_order_release);
     else
       rc = cuda_fail(cuda_code(r), r, "cuDevicePrimaryCtxRetain(device %d)", device);
   }
-  pthread_mutex_unlock(&cuda_lock);
+  pthread_mutex_unlock(&globals.cuda_lock);
   *out = ctx;
   return rc;
 }
@@ -252,13 +234,13 @@ static int cuda_bind_default_ctx(cudrv_stream stream) {
 }
 
 static int cuda_ordinal(cudrv_device dev, int *device) {
-  for (int i = 0; i < cuda_ndevices; i++)
-    if (cuda_devices[i] == dev) {
+  for (int i = 0; i < globals.cuda_ndevices; i++)
+    if (globals.cuda_devices[i] == dev) {
       *device = i;
       return MAGPIE_OK;
     }
   backend_set_error_detail("CUDA device handle %d is not among the %d devices", (int)dev,
-                           cuda_ndevices);
+                           globals.cuda_ndevices);
   return MAGPIE_ERR_BACKEND;
 }
 
@@ -267,7 +249,7 @@ static int cuda_ordinal(cudrv_device dev, int *device) {
 static int cuda_device_count(int *count) {
   if (!cuda_ready())
     return cuda_not_ready();
-  *count = cuda_ndevices;
+  *count = globals.cuda_ndevices;
   return MAGPIE_OK;
 }
 
@@ -293,12 +275,12 @@ static int cuda_vmm_supported(int device, int *supported) {
     return rc;
   int v = 0;
   cudrv_result r = cudrv.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED,
-                                                cuda_devices[device]);
+                                                globals.cuda_devices[device]);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r,
                      "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device %d)",
                      device);
-  *supported = v != 0 && !cuda_vmm_off;
+  *supported = v != 0 && !globals.cuda_vmm_off;
   return MAGPIE_OK;
 }
 
@@ -308,7 +290,7 @@ static void cuda_alloc_prop(int device, cudrv_mem_alloc_prop *prop) {
   prop->type = CUDRV_MEM_ALLOCATION_TYPE_PINNED;
   prop->requested_handle_types = CUDRV_MEM_HANDLE_TYPE_NONE;
   prop->location.type = CUDRV_MEM_LOCATION_TYPE_DEVICE;
-  prop->location.id = cuda_devices[device];
+  prop->location.id = globals.cuda_devices[device];
 }
 
 /* The caller has checked device; no context needed. */

@@ -13,7 +13,7 @@
  * so that the fast paths need no frame of their own. */
 static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
   void *p = tcache_alloc_slow(size, stream, id);
-  if (unlikely(atomic_load_relaxed(&observe_on)) && p != NULL) {
+  if (unlikely(atomic_load_relaxed(&globals.observe_on)) && p != NULL) {
     size_t usable = magpie_usable_size(p);
     observe_handout(p, usable > size ? usable : size, stream);
   }
@@ -22,7 +22,7 @@ static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64
 
 static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
   uint64_t id = 0;
-  if (likely(!atomic_load_relaxed(&observe_on))) {
+  if (likely(!atomic_load_relaxed(&globals.observe_on))) {
     void *p = tcache_alloc_fast(size, stream, &id);
     if (likely(p != NULL)) return p;
   }
@@ -35,7 +35,7 @@ static MAGPIE_NOINLINE int free_watched(void *ptr, cudaStream_t stream) {
 }
 
 static MAGPIE_INLINE int free_checked(void *ptr, cudaStream_t stream) {
-  if (unlikely(atomic_load_relaxed(&observe_on))) return free_watched(ptr, stream);
+  if (unlikely(atomic_load_relaxed(&globals.observe_on))) return free_watched(ptr, stream);
   return tcache_free(ptr, stream);
 }
 

@@ -5,21 +5,18 @@
 #define MAGPIE_GLOBAL_H
 
 #include "base/atomic.h"
+#include "base/globals.h"
 #include "device/backend.h"
 #include "magpie.h"
 
 enum global_state { GLOBAL_NONE = 0, GLOBAL_READY = 1, GLOBAL_FAILED = 2 };
-
-/* Read (acquire) on every slow path; written (release) once set-up is
- * complete, under the init lock. */
-extern _Atomic int global_state_v;
 
 /* Set up on first use from the environment (init.c); MAGPIE_OK or the
  * (sticky) error, with the thread's error message set. */
 int global_init_slow(const magpie_config *cfg, const backend_ops *ops);
 
 static inline int global_ensure(void) {
-  if (likely(atomic_load_acquire(&global_state_v) == GLOBAL_READY)) return MAGPIE_OK;
+  if (likely(atomic_load_acquire(&globals.global_state_v) == GLOBAL_READY)) return MAGPIE_OK;
   return global_init_slow(NULL, NULL);
 }
 

@@ -17,29 +17,20 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "device/backend_timed.h"
-#include "pool/epoch.h"
 #include "base/error.h"
+#include "base/globals.h"
+#include "base/sizeclass.h"
+#include "device/backend_timed.h"
+#include "front/observe.h"
+#include "front/stats.h"
+#include "front/tcache.h"
 #include "heap/heap.h"
+#include "pool/epoch.h"
 #include "pool/magazine.h"
 #include "pool/region.h"
-#include "front/observe.h"
-#include "front/tcache.h"
-#include "base/sizeclass.h"
-#include "front/stats.h"
 
-_Atomic int global_state_v;
-
-static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
-/* Written under init_lock before global_state_v becomes READY (release);
- * read after an acquire load of READY. */
-static magpie_config global_cfg;
-static const backend_ops *global_backend;
-static int global_err;
-static char global_msg[512];
-
-const backend_ops *global_ops(void) { return global_backend; }
-const magpie_config *global_config(void) { return &global_cfg; }
+const backend_ops *global_ops(void) { return globals.global_backend; }
+const magpie_config *global_config(void) { return &globals.global_cfg; }
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   if (cfg == NULL) return;
@@ -140,17 +131,17 @@ static void init_verbose_atexit(void) {
 }
 
 int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
-  pthread_mutex_lock(&init_lock);
-  int state = atomic_load_relaxed(&global_state_v);
+  pthread_mutex_lock(&globals.init_lock);
+  int state = atomic_load_relaxed(&globals.global_state_v);
   if (state == GLOBAL_READY) {
-    pthread_mutex_unlock(&init_lock);
+    pthread_mutex_unlock(&globals.init_lock);
     if (cfg == NULL && ops == NULL) return MAGPIE_OK;
     return error_set(MAGPIE_ERR_ALREADY_INITIALIZED,
                      "magpie_init: already initialised (call it before the first allocation)");
   }
   if (state == GLOBAL_FAILED && cfg == NULL && ops == NULL) {
-    pthread_mutex_unlock(&init_lock);
-    return error_set(global_err, "%s", global_msg);
+    pthread_mutex_unlock(&globals.init_lock);
+    return error_set(globals.global_err, "%s", globals.global_msg);
   }
   magpie_config c;
   int rc = MAGPIE_OK;
@@ -173,15 +164,15 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   size_t gran = (size_t)2 << 20;
   if (rc == MAGPIE_OK && ops->granularity(0, &gran) != MAGPIE_OK) gran = (size_t)2 << 20;
   if (rc != MAGPIE_OK) {
-    global_err = rc;
-    snprintf(global_msg, sizeof global_msg, "%s", magpie_last_error_message());
-    atomic_store_release(&global_state_v, GLOBAL_FAILED);
-    pthread_mutex_unlock(&init_lock);
+    globals.global_err = rc;
+    snprintf(globals.global_msg, sizeof globals.global_msg, "%s", magpie_last_error_message());
+    atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
+    pthread_mutex_unlock(&globals.init_lock);
     return rc;
   }
-  global_cfg = c;
+  globals.global_cfg = c;
   if (c.slow_call_ms) ops = backend_timed(ops, c.slow_call_ms);
-  global_backend = ops;
+  globals.global_backend = ops;
   sizeclass_init(c.magazine_bytes, region_unit(gran)); /* the unit every heap's region maps in */
   magazine_module_init();
   tcache_module_init();
@@ -192,8 +183,8 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   /* A device's observer (the simulated device's stream-order checker),
    * switched on by check_streams=1. */
   observe_install(ops, c.check_streams);
-  atomic_store_release(&global_state_v, GLOBAL_READY);
-  pthread_mutex_unlock(&init_lock);
+  atomic_store_release(&globals.global_state_v, GLOBAL_READY);
+  pthread_mutex_unlock(&globals.init_lock);
   return MAGPIE_OK;
 }
 
@@ -211,7 +202,7 @@ MAGPIE_API int magpie_init(const magpie_config *cfg) {
 
 MAGPIE_API int magpie_active_backend(void) {
   if (global_ensure() != MAGPIE_OK) return -1;
-  return strcmp(global_backend->name, "cuda") == 0 ? MAGPIE_BACKEND_CUDA : MAGPIE_BACKEND_SIM;
+  return strcmp(globals.global_backend->name, "cuda") == 0 ? MAGPIE_BACKEND_CUDA : MAGPIE_BACKEND_SIM;
 }
 
 MAGPIE_API const char *magpie_version(void) { return MAGPIE_VERSION_STRING; }

@@ -1,26 +1,26 @@
 /* See observe.h. */
 #include "front/observe.h"
 
-_Atomic int observe_on;
+#include "base/globals.h"
+
 
 /* The attached observer: stored (release) at set-up before observe_on can
  * follow its switch; loaded (acquire) by the hooks. */
-static _Atomic(backend_observer *) observe_hooks;
 
 void observe_install(const backend_ops *ops, int on) {
   backend_observer *o = ops->observer;
   if (o == NULL) return;
-  atomic_store_explicit(&observe_hooks, o, memory_order_release);
-  backend_observer_attach(o, &observe_on);
+  atomic_store_explicit(&globals.observe_hooks, o, memory_order_release);
+  backend_observer_attach(o, &globals.observe_on);
   if (on) backend_observer_set(o, 1);
 }
 
 void observe_handout(void *p, size_t size, cudaStream_t stream) {
-  backend_observer *o = atomic_load_explicit(&observe_hooks, memory_order_acquire);
+  backend_observer *o = atomic_load_explicit(&globals.observe_hooks, memory_order_acquire);
   if (o != NULL) o->on_handout(p, size, stream);
 }
 
 void observe_free(void *p, cudaStream_t stream) {
-  backend_observer *o = atomic_load_explicit(&observe_hooks, memory_order_acquire);
+  backend_observer *o = atomic_load_explicit(&globals.observe_hooks, memory_order_acquire);
   if (o != NULL) o->on_free(p, stream);
 }

@@ -8,13 +8,14 @@
 #include <stddef.h>
 
 #include "device/backend.h"
+#include "base/globals.h"
 #include "magpie.h"
 
-/* Read-mostly switch, following the attached observer's (written through
- * backend_observer_set: at set-up with check_streams=1, or by the device's
- * own switch, such as magpie_sim_check_enable). Read relaxed: it only
- * decides whether the hooks are called; they synchronise on their own. */
-extern _Atomic int observe_on;
+/* The switch is globals.observe_on: read-mostly, following the attached
+ * observer's (written through backend_observer_set: at set-up with
+ * check_streams=1, or by the device's own switch, such as
+ * magpie_sim_check_enable). Read relaxed: it only decides whether the
+ * hooks are called; they synchronise on their own. */
 
 /* At set-up, under the init lock: attaches ops's observer if it offers
  * one, and switches it on when on is set. */

@@ -113,7 +113,7 @@ void stats_print(int device, FILE *out) {
   fputs("  size class: hits / misses\n", out);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     if (s.class_hits[c] == 0 && s.class_misses[c] == 0) continue;
-    fprintf(out, "    %8zu B: %llu / %llu\n", sizeclass_table[c].size, (unsigned long long)s.class_hits[c],
+    fprintf(out, "    %8zu B: %llu / %llu\n", globals.sizeclass_table[c].size, (unsigned long long)s.class_hits[c],
             (unsigned long long)s.class_misses[c]);
   }
 }
@@ -136,6 +136,6 @@ MAGPIE_API int magpie_stats_get(int device, magpie_stats *out) {
 }
 
 MAGPIE_API size_t magpie_size_class_size(unsigned i) {
-  return i < SIZECLASS_COUNT ? sizeclass_table[i].size : 0;
+  return i < SIZECLASS_COUNT ? globals.sizeclass_table[i].size : 0;
 }
 _Static_assert(SIZECLASS_COUNT <= MAGPIE_STATS_CLASSES, "magpie_stats has room for every size class");

@@ -13,36 +13,27 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "front/global.h"
+#include "base/globals.h"
 #include "base/meta.h"
+#include "front/global.h"
 #include "pool/record.h"
 
 __thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
 
-static pthread_once_t tcache_key_once = PTHREAD_ONCE_INIT;
-static pthread_key_t tcache_key;
-static pthread_mutex_t tcache_list_lock = PTHREAD_MUTEX_INITIALIZER;
-static tcache *tcache_list;                     /* under tcache_list_lock */
-static int64_t tcache_retired_live[HEAP_MAX_DEVICES]; /* under tcache_list_lock */
-
 static void tcache_destroy(void *arg);
 static size_t tcache_reclaim_threads(heap *h);
 
-/* 1 once membarrier(PRIVATE_EXPEDITED) is registered: idle threads'
- * magazines may then be taken. Without it threads are only asked. */
-static int tcache_can_steal;
-
 void tcache_module_init(void) {
-  tcache_can_steal =
+  globals.tcache_can_steal =
       syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
   heap_set_threads_reclaim(tcache_reclaim_threads);
 }
 
 static int tcache_barrier(void) {
-  return tcache_can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+  return globals.tcache_can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
 }
 
-static void tcache_key_create(void) { pthread_key_create(&tcache_key, tcache_destroy); }
+static void tcache_key_create(void) { pthread_key_create(&globals.tcache_key, tcache_destroy); }
 
 static void tcache_slot_clear(tslot *ts) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
@@ -86,7 +77,7 @@ static uint64_t tcache_slot_allocs(const tslot *ts, unsigned c) {
  * H200). Many allocations since the last exchange bring it back toward
  * the start. */
 static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
-  const sizeclass_info *ci = &sizeclass_table[c];
+  const sizeclass_info *ci = &globals.sizeclass_table[c];
   uint64_t now = tcache_slot_allocs(ts, c);
   uint32_t cap = ts->cap[c];
   if (now == ts->mark[c]) {
@@ -107,7 +98,7 @@ static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
 
 static tcache *tcache_create(void) {
   if (global_ensure() != MAGPIE_OK) return NULL; /* error already set */
-  pthread_once(&tcache_key_once, tcache_key_create);
+  pthread_once(&globals.tcache_key_once, tcache_key_create);
   tcache *tc = meta_alloc(sizeof *tc);
   if (tc == NULL) {
     error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory for a thread cache");
@@ -122,12 +113,12 @@ static tcache *tcache_create(void) {
   }
   tc->last = &tc->dummy;
   atomic_store_relaxed(&tc->busy, 1); /* created inside a slow path */
-  pthread_mutex_lock(&tcache_list_lock);
-  tc->lnext = tcache_list;
-  if (tcache_list) tcache_list->lprev = tc;
-  tcache_list = tc;
-  pthread_mutex_unlock(&tcache_list_lock);
-  pthread_setspecific(tcache_key, tc);
+  pthread_mutex_lock(&globals.tcache_list_lock);
+  tc->lnext = globals.tcache_list;
+  if (globals.tcache_list) globals.tcache_list->lprev = tc;
+  globals.tcache_list = tc;
+  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_setspecific(globals.tcache_key, tc);
   tcache_tls = tc;
   return tc;
 }
@@ -171,14 +162,14 @@ static size_t tcache_slot_empty(tslot *ts) {
 
 /* Fold a retiring slot's class counters into its heap. */
 static void tcache_slot_fold(tslot *ts) {
-  pthread_mutex_lock(&tcache_list_lock);
+  pthread_mutex_lock(&globals.tcache_list_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     atomic_add_relaxed(&ts->heap->stat_class_hits[c], atomic_load_relaxed(&ts->cl[c].hits));
     atomic_add_relaxed(&ts->heap->stat_class_misses[c], atomic_load_relaxed(&ts->cl[c].misses));
     atomic_store_relaxed(&ts->cl[c].hits, 0);
     atomic_store_relaxed(&ts->cl[c].misses, 0);
   }
-  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_mutex_unlock(&globals.tcache_list_lock);
 }
 
 /* Give back everything a slot holds. Its non-empty magazines go to limbo,
@@ -235,7 +226,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   tcache_slot_index(tc, ts);
   /* Magazine capacity starts over with the slot (its counters are 0). */
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
+    ts->cap[c] = (uint8_t)globals.sizeclass_table[c].mag_cap;
     ts->mark[c] = 0;
     ts->run[c] = 0;
   }
@@ -273,9 +264,7 @@ static tslot *tcache_slot_for_free(tcache *tc, cudaStream_t s, uint64_t id, heap
   return tcache_slot_new(tc, s, id, h);
 }
 
-static tcache_describe_fn tcache_describe;
-
-void tcache_set_describe(tcache_describe_fn fn) { tcache_describe = fn; }
+void tcache_set_describe(tcache_describe_fn fn) { globals.tcache_describe = fn; }
 
 static void tcache_oom_error(heap *h, size_t size, int rc) {
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) {
@@ -283,7 +272,7 @@ static void tcache_oom_error(heap *h, size_t size, int rc) {
     return;
   }
   char detail[512] = "";
-  if (tcache_describe != NULL) tcache_describe(h, detail, sizeof detail);
+  if (globals.tcache_describe != NULL) globals.tcache_describe(h, detail, sizeof detail);
   error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of memory on device %d allocating %zu bytes: %s", h->device, size,
             detail);
 }
@@ -381,7 +370,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
     slab_block_index(sl, (uintptr_t)p, &i);
     slab_mark_used(sl, i);
   }
-  atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
+  atomic_owner_add_i64(ts->live, (int64_t)globals.sizeclass_table[c].size);
   /* Publish for the peak only when the depot was involved: swaps between
    * the two magazines stay free of shared writes. */
   if (publish) tcache_publish(tc, ts->heap);
@@ -529,37 +518,37 @@ static void tcache_destroy(void *arg) {
    * wait out one that already did (it set steal under the list lock). */
   atomic_store_relaxed(&tc->busy, 1);
   atomic_thread_fence(memory_order_seq_cst);
-  pthread_mutex_lock(&tcache_list_lock);
+  pthread_mutex_lock(&globals.tcache_list_lock);
   if (tc->lprev) tc->lprev->lnext = tc->lnext;
-  else tcache_list = tc->lnext;
+  else globals.tcache_list = tc->lnext;
   if (tc->lnext) tc->lnext->lprev = tc->lprev;
-  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_mutex_unlock(&globals.tcache_list_lock);
   while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
   for (int i = 0; i < TCACHE_SLOTS; i++)
     if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
-  pthread_mutex_lock(&tcache_list_lock);
-  for (int d = 0; d < HEAP_MAX_DEVICES; d++) tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
-  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_mutex_lock(&globals.tcache_list_lock);
+  for (int d = 0; d < HEAP_MAX_DEVICES; d++) globals.tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
+  pthread_mutex_unlock(&globals.tcache_list_lock);
   tcache_tls = NULL;
   meta_free(tc);
 }
 
 int64_t tcache_live_bytes(int device) {
   if (device < 0 || device >= HEAP_MAX_DEVICES) return 0;
-  pthread_mutex_lock(&tcache_list_lock);
-  int64_t sum = tcache_retired_live[device];
-  for (tcache *tc = tcache_list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[device]);
-  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_mutex_lock(&globals.tcache_list_lock);
+  int64_t sum = globals.tcache_retired_live[device];
+  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[device]);
+  pthread_mutex_unlock(&globals.tcache_list_lock);
   return sum;
 }
 
 void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
-  pthread_mutex_lock(&tcache_list_lock);
+  pthread_mutex_lock(&globals.tcache_list_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     hits[c] += atomic_load_relaxed(&h->stat_class_hits[c]);
     misses[c] += atomic_load_relaxed(&h->stat_class_misses[c]);
   }
-  for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
+  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
     for (int i = 0; i < TCACHE_SLOTS; i++) {
       tslot *ts = &tc->slots[i];
       if (atomic_load_relaxed(&ts->stats_heap) != h) continue;
@@ -569,7 +558,7 @@ void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
       }
     }
   }
-  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_mutex_unlock(&globals.tcache_list_lock);
 }
 
 /* Caches other than the caller's, each marked steal = 1 under the list
@@ -577,12 +566,12 @@ void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
 static tcache **tcache_claim_others(int *n) {
   tcache *self = tcache_tls;
   *n = 0;
-  pthread_mutex_lock(&tcache_list_lock);
+  pthread_mutex_lock(&globals.tcache_list_lock);
   int count = 0;
-  for (tcache *tc = tcache_list; tc; tc = tc->lnext) count++;
+  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) count++;
   tcache **all = count ? meta_alloc((size_t)count * sizeof *all) : NULL;
   if (all != NULL) {
-    for (tcache *tc = tcache_list; tc; tc = tc->lnext) {
+    for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
       if (tc == self || atomic_load_relaxed(&tc->steal) != 0) continue;
       /* An exchange that acquires: it reads the last reclaimer's release
        * store of 0, so what that one did to this cache happens before what
@@ -594,7 +583,7 @@ static tcache **tcache_claim_others(int *n) {
       all[(*n)++] = tc;
     }
   }
-  pthread_mutex_unlock(&tcache_list_lock);
+  pthread_mutex_unlock(&globals.tcache_list_lock);
   return all;
 }
 

@@ -172,7 +172,7 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
   if (unlikely(m->count == 0)) return NULL;
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->cls == c);
-  atomic_owner_add_i64(ts->live, (int64_t)sizeclass_table[c].size);
+  atomic_owner_add_i64(ts->live, (int64_t)globals.sizeclass_table[c].size);
   atomic_owner_inc_u64(&ts->cl[c].hits);
   void *p = m->slots[--m->count];
   tcache_leave(tc);

@@ -17,32 +17,26 @@
 #include <time.h>
 
 #include "base/error.h"
+#include "base/globals.h"
 #include "base/meta.h"
-
-static const backend_ops *heap_ops;
-static magpie_config heap_cfg; /* set once by heap_module_init */
-static pthread_mutex_t heap_create_lock = PTHREAD_MUTEX_INITIALIZER;
-/* Heaps by device. Written once (release) under heap_create_lock after the
- * heap is fully built; read with acquire. */
-static _Atomic(heap *) heaps[HEAP_MAX_DEVICES];
 
 static void heap_wake_maintenance(void);
 
 static void heap_events_low(void);
 
 void heap_module_init(const backend_ops *ops, const magpie_config *cfg) {
-  heap_ops = ops;
-  heap_cfg = *cfg;
+  globals.heap_ops = ops;
+  globals.heap_cfg = *cfg;
   epoch_set_low_hook(heap_events_low);
 }
 
 heap *heap_peek(int device) {
   if (device < 0 || device >= HEAP_MAX_DEVICES) return NULL;
-  return atomic_load_acquire(&heaps[device]);
+  return atomic_load_acquire(&globals.heaps[device]);
 }
 
 static heap *heap_create(int device) {
-  const backend_ops *ops = heap_ops;
+  const backend_ops *ops = globals.heap_ops;
   size_t free_b = 0, total = 0;
   int rc = ops->mem_info(device, &free_b, &total);
   if (rc != MAGPIE_OK) {
@@ -69,7 +63,7 @@ static heap *heap_create(int device) {
     meta_free(h);
     return NULL;
   }
-  const magpie_config *cfg = &heap_cfg;
+  const magpie_config *cfg = &globals.heap_cfg;
   if (cfg->limit_percent) h->region.limit = (size_t)((unsigned __int128)total * cfg->limit_percent / 100);
   else if (cfg->limit) h->region.limit = cfg->limit;
   h->release_threshold = cfg->release_threshold;
@@ -93,15 +87,15 @@ heap *heap_get(int device) {
     error_set(MAGPIE_ERR_INVALID_ARGUMENT, "device %d out of range (0..%d)", device, HEAP_MAX_DEVICES - 1);
     return NULL;
   }
-  heap *h = atomic_load_acquire(&heaps[device]);
+  heap *h = atomic_load_acquire(&globals.heaps[device]);
   if (likely(h != NULL)) return h;
-  pthread_mutex_lock(&heap_create_lock);
-  h = atomic_load_relaxed(&heaps[device]);
+  pthread_mutex_lock(&globals.heap_create_lock);
+  h = atomic_load_relaxed(&globals.heaps[device]);
   if (h == NULL) {
     h = heap_create(device);
-    if (h != NULL) atomic_store_release(&heaps[device], h);
+    if (h != NULL) atomic_store_release(&globals.heaps[device], h);
   }
-  pthread_mutex_unlock(&heap_create_lock);
+  pthread_mutex_unlock(&globals.heap_create_lock);
   return h;
 }
 
@@ -110,10 +104,9 @@ void heap_publish_in_use(heap *h, int64_t delta) {
   if (now > 0) atomic_max_size_relaxed(&h->stat_peak_in_use, (size_t)now);
 }
 
-static heap_threads_reclaim_fn heap_threads_reclaim;
 static void heap_reap_wait(heap *h);
 
-void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { heap_threads_reclaim = fn; }
+void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { globals.heap_threads_reclaim = fn; }
 
 size_t heap_cached_bytes(heap *h) {
   size_t reserved = atomic_load_relaxed(&h->region.mapped);
@@ -138,7 +131,7 @@ int heap_relieve(heap *h, enum heap_step step) {
     got = slab_release_free(&h->slabs, SIZE_MAX);
     break;
   case HEAP_STEP_THREADS:
-    if (heap_threads_reclaim) got = heap_threads_reclaim(h);
+    if (globals.heap_threads_reclaim) got = globals.heap_threads_reclaim(h);
     break;
   case HEAP_STEP_WAIT:
     /* Blocking, off the fast path: every pending magazine and free large
@@ -256,36 +249,28 @@ int heap_trim(heap *h, size_t keep) {
  * event pools that run low, so that no driver call of those kinds lands on
  * an allocation path. */
 
-static pthread_mutex_t reaper_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t reaper_cv = PTHREAD_COND_INITIALIZER;
-static int reaper_started; /* under reaper_lock */
-static int reaper_work;    /* under reaper_lock */
-static int reaper_timed;   /* under reaper_lock: some heap has a threshold */
-/* Process exit: the thread must not call the driver once the CUDA
- * runtime's exit handlers tear it down. heap_reaper_atexit (registered
- * when the thread starts, so after CUDA's own handlers and run before
- * them) sets reaper_stop and waits while reaper_busy (a round of driver
- * calls is under way). Both under reaper_lock. */
-static int reaper_stop;
-static int reaper_busy;
-static pthread_cond_t reaper_idle_cv = PTHREAD_COND_INITIALIZER;
+/* Its state is globals.reaper_* (base/globals.h). Process exit: the
+ * thread must not call the driver once the CUDA runtime's exit handlers
+ * tear it down. heap_reaper_atexit (registered when the thread starts, so
+ * after CUDA's own handlers and run before them) sets reaper_stop and
+ * waits while reaper_busy (a round of driver calls is under way). */
 
 /* Move everything in h's limbo to the depot once the device has drained.
  * The chain is taken before the synchronisation, so every magazine in it
  * was put there (and its stream's work enqueued) before the wait began. */
 static void heap_reap(heap *h) {
   atomic_add_relaxed(&h->reaping, 1);
-  registry_link *chain = stack_take_all(&h->limbo, &magazine_registry);
+  registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
   if (chain != NULL) {
     int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
     for (registry_link *n = chain, *next; n; n = next) {
-      next = stack_next(&magazine_registry, n);
+      next = stack_next(&globals.magazine_registry, n);
       magazine *m = (magazine *)n;
       if (ok) {
         atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
         depot_put(&h->depots[m->cls], m);
       } else {
-        stack_push(&h->limbo, &magazine_registry, &m->link);
+        stack_push(&h->limbo, &globals.magazine_registry, &m->link);
       }
     }
   }
@@ -319,10 +304,10 @@ static void heap_release_above_threshold(heap *h) {
 static void *heap_reaper_main(void *arg) {
   (void)arg;
   for (;;) {
-    pthread_mutex_lock(&reaper_lock);
-    while (!reaper_work && !reaper_stop) {
-      if (!reaper_timed) {
-        pthread_cond_wait(&reaper_cv, &reaper_lock);
+    pthread_mutex_lock(&globals.reaper_lock);
+    while (!globals.reaper_work && !globals.reaper_stop) {
+      if (!globals.reaper_timed) {
+        pthread_cond_wait(&globals.reaper_cv, &globals.reaper_lock);
         continue;
       }
       /* Threshold checks also run on a timer: memory cached by a program
@@ -334,12 +319,12 @@ static void *heap_reaper_main(void *arg) {
         ts.tv_sec++;
         ts.tv_nsec -= 1000000000;
       }
-      if (pthread_cond_timedwait(&reaper_cv, &reaper_lock, &ts) != 0) break;
+      if (pthread_cond_timedwait(&globals.reaper_cv, &globals.reaper_lock, &ts) != 0) break;
     }
-    reaper_work = 0;
-    if (reaper_stop) break;
-    reaper_busy = 1;
-    pthread_mutex_unlock(&reaper_lock);
+    globals.reaper_work = 0;
+    if (globals.reaper_stop) break;
+    globals.reaper_busy = 1;
+    pthread_mutex_unlock(&globals.reaper_lock);
     for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
       heap *h = heap_peek(d);
       if (h == NULL) continue;
@@ -347,57 +332,57 @@ static void *heap_reaper_main(void *arg) {
       heap_release_above_threshold(h);
       if (atomic_load_acquire(&h->epochs.refill_asked)) epoch_pool_fill(&h->epochs, h->ops->event_prefill);
     }
-    pthread_mutex_lock(&reaper_lock);
-    reaper_busy = 0;
-    pthread_cond_broadcast(&reaper_idle_cv);
-    pthread_mutex_unlock(&reaper_lock);
+    pthread_mutex_lock(&globals.reaper_lock);
+    globals.reaper_busy = 0;
+    pthread_cond_broadcast(&globals.reaper_idle_cv);
+    pthread_mutex_unlock(&globals.reaper_lock);
   }
-  pthread_mutex_unlock(&reaper_lock); /* stopping: the loop broke with it held */
+  pthread_mutex_unlock(&globals.reaper_lock); /* stopping: the loop broke with it held */
   return NULL;
 }
 
 /* At exit: let a round under way finish, then keep the thread off the
  * driver for good (what limbo still holds is the process's last memory). */
 static void heap_reaper_atexit(void) {
-  pthread_mutex_lock(&reaper_lock);
-  reaper_stop = 1;
-  pthread_cond_broadcast(&reaper_cv);
-  while (reaper_busy) pthread_cond_wait(&reaper_idle_cv, &reaper_lock);
-  pthread_mutex_unlock(&reaper_lock);
+  pthread_mutex_lock(&globals.reaper_lock);
+  globals.reaper_stop = 1;
+  pthread_cond_broadcast(&globals.reaper_cv);
+  while (globals.reaper_busy) pthread_cond_wait(&globals.reaper_idle_cv, &globals.reaper_lock);
+  pthread_mutex_unlock(&globals.reaper_lock);
 }
 
 /* Signal the thread, starting it if needed; returns 0 if none could be
  * started. reaper_lock is held by the caller. */
 static int heap_reaper_signal_locked(void) {
-  reaper_work = 1;
-  if (!reaper_started) {
+  globals.reaper_work = 1;
+  if (!globals.reaper_started) {
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, heap_reaper_main, NULL) == 0) {
-      reaper_started = 1;
+      globals.reaper_started = 1;
       atexit(heap_reaper_atexit);
     }
     pthread_attr_destroy(&attr);
   }
-  pthread_cond_signal(&reaper_cv);
-  return reaper_started;
+  pthread_cond_signal(&globals.reaper_cv);
+  return globals.reaper_started;
 }
 
 /* The event pool of some heap runs low (epoch.c's hook): refill it in the
  * background thread. */
 static void heap_events_low(void) {
-  pthread_mutex_lock(&reaper_lock);
+  pthread_mutex_lock(&globals.reaper_lock);
   heap_reaper_signal_locked();
-  pthread_mutex_unlock(&reaper_lock);
+  pthread_mutex_unlock(&globals.reaper_lock);
 }
 
 static void heap_wake_maintenance(void) {
-  pthread_mutex_lock(&reaper_lock);
-  reaper_timed = 1;
+  pthread_mutex_lock(&globals.reaper_lock);
+  globals.reaper_timed = 1;
   heap_reaper_signal_locked();
-  pthread_mutex_unlock(&reaper_lock);
+  pthread_mutex_unlock(&globals.reaper_lock);
 }
 
 void heap_limbo_put(heap *h, magazine *m) {
@@ -405,11 +390,11 @@ void heap_limbo_put(heap *h, magazine *m) {
   MAGPIE_ASSERT(m->count > 0);
   m->ticket = (epoch_ticket){0};
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
-  stack_push(&h->limbo, &magazine_registry, &m->link);
+  stack_push(&h->limbo, &globals.magazine_registry, &m->link);
   atomic_add_relaxed(&h->stat_limbo, 1);
-  pthread_mutex_lock(&reaper_lock);
+  pthread_mutex_lock(&globals.reaper_lock);
   int started = heap_reaper_signal_locked();
-  pthread_mutex_unlock(&reaper_lock);
+  pthread_mutex_unlock(&globals.reaper_lock);
   /* No thread could be started: drain here (this is a slow path: a slot
    * being retired), rather than strand the memory. */
   if (!started) heap_reap(h);

@@ -3,13 +3,13 @@
 #include "pool/epoch.h"
 
 #include "base/assert.h"
+#include "base/globals.h"
 #include <string.h>
 
 #include "base/meta.h"
 
-static registry event_registry;
 
-void epoch_module_init(void) { registry_init(&event_registry, sizeof(event_node)); }
+void epoch_module_init(void) { registry_init(&globals.event_registry, sizeof(event_node)); }
 
 int epoch_table_init(epoch_table *t, int device, const backend_ops *ops) {
   memset(t, 0, sizeof *t);
@@ -72,12 +72,11 @@ void epoch_stream_release(stream_rec *r) {
   meta_free(r);
 }
 
-static void (*epoch_low_hook)(void);
 
-void epoch_set_low_hook(void (*fn)(void)) { epoch_low_hook = fn; }
+void epoch_set_low_hook(void (*fn)(void)) { globals.epoch_low_hook = fn; }
 
 static event_node *epoch_event_new(epoch_table *t) {
-  event_node *e = registry_new(&event_registry);
+  event_node *e = registry_new(&globals.event_registry);
   if (e == NULL) return NULL;
   e->device = t->device;
   atomic_store_relaxed(&e->refs, 0);
@@ -97,7 +96,7 @@ int epoch_pool_fill(epoch_table *t, int64_t n) {
       rc = MAGPIE_ERR_BACKEND;
       break;
     }
-    stack_push(&t->free_events, &event_registry, &e->link);
+    stack_push(&t->free_events, &globals.event_registry, &e->link);
   }
   atomic_store_release(&t->refill_asked, 0);
   return rc;
@@ -108,17 +107,17 @@ int epoch_pool_fill(epoch_table *t, int64_t n) {
  * the pool is refilled in the background before it runs dry; creating one
  * here is the fallback. */
 static event_node *epoch_event_get(epoch_table *t) {
-  event_node *e = (event_node *)stack_pop(&t->free_events, &event_registry);
+  event_node *e = (event_node *)stack_pop(&t->free_events, &globals.event_registry);
   if (t->ops->event_prefill > 0 && stack_count(&t->free_events) < t->ops->event_prefill / 4 &&
-      epoch_low_hook != NULL && atomic_exchange_acq_rel(&t->refill_asked, 1) == 0)
-    epoch_low_hook();
+      globals.epoch_low_hook != NULL && atomic_exchange_acq_rel(&t->refill_asked, 1) == 0)
+    globals.epoch_low_hook();
   return e != NULL ? e : epoch_event_new(t);
 }
 
 /* Drop one reference; the last one returns the node to the pool. */
 static void epoch_event_unref(epoch_table *t, event_node *e) {
   MAGPIE_ASSERT(atomic_load_relaxed(&e->refs) > 0); /* INVARIANT (epoch.h): pooled iff refs == 0 */
-  if (atomic_sub_acq_rel(&e->refs, 1) == 1) stack_push(&t->free_events, &event_registry, &e->link);
+  if (atomic_sub_acq_rel(&e->refs, 1) == 1) stack_push(&t->free_events, &globals.event_registry, &e->link);
 }
 
 int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
@@ -139,7 +138,7 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
   }
   pthread_mutex_unlock(&r->seal_lock);
   if (rc != MAGPIE_OK) {
-    stack_push(&t->free_events, &event_registry, &e->link);
+    stack_push(&t->free_events, &globals.event_registry, &e->link);
     return rc;
   }
   if (old != NULL) epoch_event_unref(t, old);

@@ -18,6 +18,7 @@
 
 #include "base/assert.h"
 #include "base/registry.h"
+#include "base/globals.h"
 #include "base/sizeclass.h"
 
 #define MAGAZINE_MAX SIZECLASS_MAG_MAX
@@ -58,7 +59,6 @@ extern magazine magazine_sentinel;
 static inline int magazine_is_real(const magazine *m) { return m != &magazine_sentinel; }
 
 /* Magazines live in one registry (type-stable, indexed). */
-extern registry magazine_registry;
 
 void magazine_module_init(void);
 /* An empty magazine for class cls (reused or new); NULL if the host is out

@@ -7,20 +7,19 @@
 #include <string.h>
 
 #include "base/assert.h"
-#include "pool/depot.h"
-#include "base/pagemap.h"
+#include "base/globals.h"
 #include "base/meta.h"
+#include "base/pagemap.h"
 #include "base/sizeclass.h"
+#include "pool/depot.h"
 #include "pool/span.h"
 
-static pthread_mutex_t slab_desc_lock = PTHREAD_MUTEX_INITIALIZER;
-static slab *slab_desc_free; /* recycled large descriptors; under the lock */
 
 slab *slab_desc_get(void) {
-  pthread_mutex_lock(&slab_desc_lock);
-  slab *s = slab_desc_free;
-  if (s) slab_desc_free = s->lnext;
-  pthread_mutex_unlock(&slab_desc_lock);
+  pthread_mutex_lock(&globals.slab_desc_lock);
+  slab *s = globals.slab_desc_free;
+  if (s) globals.slab_desc_free = s->lnext;
+  pthread_mutex_unlock(&globals.slab_desc_lock);
   if (s == NULL) return meta_alloc_aligned(sizeof *s, 64);
   /* Keep the in-use bitmap for reuse (slab_desc_for). */
   _Atomic uint64_t *bits = s->inuse;
@@ -32,10 +31,10 @@ slab *slab_desc_get(void) {
 }
 
 void slab_desc_put(slab *s) {
-  pthread_mutex_lock(&slab_desc_lock);
-  s->lnext = slab_desc_free;
-  slab_desc_free = s;
-  pthread_mutex_unlock(&slab_desc_lock);
+  pthread_mutex_lock(&globals.slab_desc_lock);
+  s->lnext = globals.slab_desc_free;
+  globals.slab_desc_free = s;
+  pthread_mutex_unlock(&globals.slab_desc_lock);
 }
 
 int slab_mark_used(slab *s, uint32_t i) {
@@ -102,7 +101,7 @@ static void slab_give_back(slab_set *ss, slab *s) {
 }
 
 int slab_carve(slab_set *ss, unsigned cls, magazine **out) {
-  const sizeclass_info *ci = &sizeclass_table[cls];
+  const sizeclass_info *ci = &globals.sizeclass_table[cls];
   slab *s = slab_desc_for((ci->blocks + 63) / 64);
   if (s == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   span *sp = NULL;
@@ -167,7 +166,7 @@ int slab_carve(slab_set *ss, unsigned cls, magazine **out) {
 
 /* Count, per slab, the blocks in a chain of magazines. */
 static void slab_count_chain(registry_link *chain) {
-  for (registry_link *n = chain; n; n = stack_next(&magazine_registry, n)) {
+  for (registry_link *n = chain; n; n = stack_next(&globals.magazine_registry, n)) {
     magazine *m = (magazine *)n;
     for (uint32_t i = 0; i < m->count; i++) pagemap_lookup((uintptr_t)m->slots[i])->reclaim_free++;
   }
@@ -177,7 +176,7 @@ static void slab_count_chain(registry_link *chain) {
  * magazines back (ready, empty ones to the pool). */
 static void slab_return_chain(slab_set *ss, unsigned cls, registry_link *chain) {
   for (registry_link *n = chain, *next; n; n = next) {
-    next = stack_next(&magazine_registry, n);
+    next = stack_next(&globals.magazine_registry, n);
     magazine *m = (magazine *)n;
     uint32_t keep = 0;
     for (uint32_t i = 0; i < m->count; i++) {
@@ -198,8 +197,8 @@ size_t slab_release_free(slab_set *ss, size_t want) {
   size_t bytes = 0;
   pthread_mutex_lock(&ss->reclaim_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    chains[c] = stack_take_all(&ss->depots[c].full, &magazine_registry);
-    for (registry_link *n = chains[c]; n; n = stack_next(&magazine_registry, n))
+    chains[c] = stack_take_all(&ss->depots[c].full, &globals.magazine_registry);
+    for (registry_link *n = chains[c]; n; n = stack_next(&globals.magazine_registry, n))
       atomic_sub_relaxed(&ss->depots[c].ready_bytes, (int64_t)depot_magazine_bytes((magazine *)n));
     slab_count_chain(chains[c]);
   }

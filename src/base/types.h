@@ -1,0 +1,93 @@
+/* The types of base that the process-wide object (globals.h) embeds: the
+ * registry and stack heads, a size-class row and the page map's shape.
+ * Apart from their modules' functions (registry.h, stack.h, sizeclass.h,
+ * pagemap.h) so that globals.h depends on types alone and no module
+ * include cycle runs through it. */
+#ifndef MAGPIE_TYPES_H
+#define MAGPIE_TYPES_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- registry.h: type-stable objects addressed by index ---- */
+
+#define REGISTRY_CHUNK_SHIFT 10
+#define REGISTRY_CHUNK_OBJS (1u << REGISTRY_CHUNK_SHIFT)
+#define REGISTRY_MAX_CHUNKS 4096
+
+/* Every registry object starts with this link. */
+typedef struct registry_link {
+  /* Index of the next node while on a stack. Written by the pusher (relaxed,
+   * published by its release CAS on the head), read by poppers (relaxed,
+   * after their acquire load of the head). Atomic because a popper may read
+   * it while another thread re-pushes the node; the head's tag rejects that
+   * read. */
+  _Atomic uint32_t next;
+  uint32_t idx; /* own index; immutable after creation */
+} registry_link;
+
+typedef struct registry {
+  size_t obj_size;
+  /* Chunk pointers. Written once (release) under grow_lock before any index
+   * in the chunk is handed out; read with acquire by registry_get. */
+  _Atomic(char *) chunks[REGISTRY_MAX_CHUNKS];
+  /* Next never-used index; fetch_add by creators (relaxed: the chunk's
+   * release/acquire publishes the memory). */
+  _Atomic uint32_t next_idx;
+  pthread_mutex_t grow_lock;
+} registry;
+
+/* ---- stack.h: a lock-free LIFO of registry objects ---- */
+
+typedef struct stack {
+  /* (tag << 32) | top index; 0 index = empty. CAS acq_rel by push and pop. */
+  _Atomic uint64_t head;
+  /* Approximate length for statistics and heuristics (relaxed). */
+  _Atomic int64_t count;
+} stack;
+
+/* ---- sizeclass.h: size classes ---- */
+
+#define SIZECLASS_SHIFT 8 /* 256-byte units */
+#define SIZECLASS_MIN_SIZE ((size_t)1 << SIZECLASS_SHIFT)
+#define SIZECLASS_MAX_SIZE ((size_t)1 << 20)
+#define SIZECLASS_COUNT 44
+
+/* Most blocks one magazine holds (pool/magazine.h sizes its slots by it). */
+#define SIZECLASS_MAG_MAX 64
+
+/* Chunks: small classes' slabs are chunks of this many bytes cut from a
+ * shared granule (pool/span.h), when a chunk holds at least
+ * SIZECLASS_CHUNK_MIN_BLOCKS of their blocks (blocks up to 32 KiB). On the
+ * H200, workload 2 at sixteen threads held 1.34-1.41 times its threads'
+ * peaks with 16 here (blocks up to 16 KiB, 465-478 M ops/s), 1.27 with 8
+ * (387-409 M ops/s; the run to run spread of that figure is about as
+ * wide). */
+#define SIZECLASS_CHUNK_SHIFT 18
+#define SIZECLASS_CHUNK ((size_t)1 << SIZECLASS_CHUNK_SHIFT)
+#define SIZECLASS_CHUNK_MIN_BLOCKS 8
+
+/* Per-class tables, filled once by sizeclass_init(). */
+typedef struct sizeclass_info {
+  size_t size;       /* block bytes */
+  size_t slab_size;  /* bytes of one slab: a granularity multiple, or one chunk (span.h) */
+  uint32_t blocks;   /* blocks per slab */
+  uint32_t mag_cap;  /* blocks per magazine to start with (slabs carve these) */
+  uint32_t mag_max;  /* most blocks per magazine (magazine_bytes / size) */
+  uint32_t chunked;  /* 1: a slab is one span chunk (span.h); 0: whole granules */
+  uint64_t magic;    /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
+} sizeclass_info;
+
+/* ---- pagemap.h: address -> slab ---- */
+
+#define PAGEMAP_PAGE_SHIFT 18
+#define PAGEMAP_ADDR_BITS 48
+#define PAGEMAP_LEAF_BITS 14
+#define PAGEMAP_TOP_BITS (PAGEMAP_ADDR_BITS - PAGEMAP_PAGE_SHIFT - PAGEMAP_LEAF_BITS)
+
+struct slab;
+typedef _Atomic(struct slab *) pagemap_entry;
+
+#endif /* MAGPIE_TYPES_H */
