@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
 # bazel-bootstrap, used offline), cmocka, jemalloc, clang with its runtime
-# libraries (sanitizer builds, libFuzzer), Relacy (model checking),
+# libraries (sanitizer builds, libFuzzer), clang-format (tools/format.sh), Relacy (model checking),
 # matplotlib (the snapshot picture). Safe to run repeatedly.
 set -euo pipefail
 need=()
@@ -9,6 +9,7 @@ command -v bazel >/dev/null 2>&1 || need+=(bazel-bootstrap)
 [ -e /usr/include/cmocka.h ] || need+=(libcmocka-dev)
 [ -e /usr/include/jemalloc/jemalloc.h ] || need+=(libjemalloc-dev)
 command -v clang >/dev/null 2>&1 || need+=(clang)
+command -v clang-format >/dev/null 2>&1 || need+=(clang-format)
 compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null ||
   need+=(libclang-rt-14-dev)
 [ -e /usr/include/relacy/relacy.hpp ] || need+=(relacy-dev)

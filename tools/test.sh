@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Runs magpie's whole test suite (no GPU needed; GPU tests are tagged and
-# run by tools/gpu_suite.sh on a GPU machine): the plain build, then again
-# under ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer
+# run by tools/gpu_suite.sh on a GPU machine): the sources' formatting
+# (tools/format.sh --check), the plain build, then again with the checked
+# invariants compiled in (--config=debug: MAGPIE_ASSERT), under
+# ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer
 # (clang; configs in .bazelrc), then the libFuzzer target for a bounded time
 # (MAGPIE_FUZZ_SECONDS, default 60; 0 skips it). Extra arguments go to every
 # `bazel test`. The model checker (tests/model) runs in the plain build only:
 # Relacy's fibers and own instrumentation do not mix with the sanitizers.
 # Ends with one line "N passed, N failed" counting the cmocka test cases of
-# every test binary in every run, plus one for the fuzzing run.
+# every test binary in every run, plus one each for the format check and
+# the fuzzing run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 tools/install_deps.sh || exit 1
@@ -15,6 +18,14 @@ tools/install_deps.sh || exit 1
 passed=0
 failed=0
 status=0
+
+echo "=== tools/format.sh --check"
+if tools/format.sh --check; then
+  passed=$((passed + 1))
+else
+  failed=$((failed + 1))
+  status=1
+fi
 
 count_logs() {
   local log p f
@@ -26,12 +37,12 @@ count_logs() {
   done < <(find -L bazel-testlogs/ -name test.log 2>/dev/null)
 }
 
-for config in "" tsan asan; do
+for config in "" debug tsan asan; do
   echo "=== bazel test //... ${config:+--config=$config}"
   p0=$passed
   f0=$failed
-  if [ -z "$config" ]; then
-    bazel test //... "$@"
+  if [ -z "$config" ] || [ "$config" = debug ]; then
+    bazel test ${config:+--config=$config} //... "$@"
   else
     bazel test --config="$config" "$@" -- //... -//tests/model:all
   fi

@@ -48,12 +48,8 @@ MAGPIE_API void *magpie_malloc(size_t size) { return alloc_checked(size, (cudaSt
 MAGPIE_API int magpie_free(void *ptr) { return free_checked(ptr, (cudaStream_t)0); }
 
 MAGPIE_API size_t magpie_usable_size(const void *ptr) {
-  slab *sl = pagemap_lookup((uintptr_t)ptr);
-  uint32_t i = 0;
-  if (sl == NULL || !slab_block_index(sl, (uintptr_t)ptr, &i)) return 0;
-  size_t bsize = 0;
-  if (sl->cls == SLAB_LARGE) return large_lookup(&sl->heap->large, (uintptr_t)ptr, &bsize) ? bsize : 0;
-  return sl->bsize;
+  size_t size = 0;
+  return magpie_block_info(ptr, &size, NULL) == MAGPIE_OK ? size : 0;
 }
 
 MAGPIE_API int magpie_trim(int device, size_t keep_bytes) {
