@@ -82,8 +82,11 @@ static int load_sym(void *h, void **slot, const char *sym) {
  * own), else the toolkit's. */
 static void load_cudart(void) {
   static const char *const names[] = {
-      "libcudart.so.13", "libcudart.so.12", "libcudart.so",
-      "/usr/local/cuda/lib64/libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so.12",
+      "libcudart.so.13",
+      "libcudart.so.12",
+      "libcudart.so",
+      "/usr/local/cuda/lib64/libcudart.so.13",
+      "/usr/local/cuda/lib64/libcudart.so.12",
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0] && dev.cudart == NULL; i++) {
     dev.cudart = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
@@ -95,8 +98,9 @@ static void load_cudart(void) {
     dev.cudart = dlopen(dev.cudart_path, RTLD_NOW | RTLD_LOCAL);
   }
   if (dev.cudart == NULL) {
-    fprintf(stderr, "bench: libcudart not found (LD_LIBRARY_PATH, /usr/local/cuda/lib64, $CUDA_HOME/lib64): "
-                    "cudaMalloc and cudaMallocAsync are skipped\n");
+    fprintf(stderr,
+            "bench: libcudart not found (LD_LIBRARY_PATH, /usr/local/cuda/lib64, $CUDA_HOME/lib64): "
+            "cudaMalloc and cudaMallocAsync are skipped\n");
     return;
   }
   void *h = dev.cudart;
@@ -211,14 +215,12 @@ int bench_event_record(bench_event e, cudaStream_t s) {
 }
 
 int bench_event_sync(bench_event e) {
-  if (!dev.cuda)
-    return sim_check(magpie_sim_event_synchronize((magpie_sim_event)e), "magpie_sim_event_synchronize");
+  if (!dev.cuda) return sim_check(magpie_sim_event_synchronize((magpie_sim_event)e), "magpie_sim_event_synchronize");
   return cu_check(cudrv.event_synchronize((cudrv_event)e), "cuEventSynchronize");
 }
 
 int bench_stream_wait_event(cudaStream_t s, bench_event e) {
-  if (!dev.cuda)
-    return sim_check(magpie_sim_stream_wait_event(s, (magpie_sim_event)e), "magpie_sim_stream_wait_event");
+  if (!dev.cuda) return sim_check(magpie_sim_stream_wait_event(s, (magpie_sim_event)e), "magpie_sim_stream_wait_event");
   return cu_check(cudrv.stream_wait_event(s, (cudrv_event)e, 0), "cuStreamWaitEvent");
 }
 

@@ -69,8 +69,8 @@ int main(int argc, char **argv) {
   cudaStream_t s = devshim_stream_create();
   if (s == NULL) return 1;
   int pool = cuda && devshim_pool_prepare() == 0;
-  printf("pair_bench: one thread, one stream, warm; median of %d trials x %ld pairs; device: %s\n", trials,
-         pairs, cuda ? "GPU (CUDA backend)" : "simulated");
+  printf("pair_bench: one thread, one stream, warm; median of %d trials x %ld pairs; device: %s\n", trials, pairs,
+         cuda ? "GPU (CUDA backend)" : "simulated");
   printf("%10s %12s %12s %10s", "size", "magpie ns", "glibc ns", "glibc/mp");
   if (pool) printf(" %14s %10s", "cudaMallocAsync", "pool/mp");
   printf("\n");

@@ -85,14 +85,14 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-static double run_point(int kind, int threads, double seconds, int window, cudaStream_t *streams,
-                        size_t *sum_peaks) {
+static double run_point(int kind, int threads, double seconds, int window, cudaStream_t *streams, size_t *sum_peaks) {
   worker *w = calloc((size_t)threads, sizeof *w);
   pthread_t *t = calloc((size_t)threads, sizeof *t);
   pthread_barrier_t start;
   pthread_barrier_init(&start, NULL, (unsigned)threads);
   for (int i = 0; i < threads; i++) {
-    w[i] = (worker){.index = i, .kind = kind, .window = window, .seconds = seconds, .stream = streams[i], .start = &start};
+    w[i] =
+        (worker){.index = i, .kind = kind, .window = window, .seconds = seconds, .stream = streams[i], .start = &start};
     pthread_create(&t[i], NULL, worker_main, &w[i]);
   }
   double t0 = bench_now();
@@ -126,8 +126,8 @@ int main(int argc, char **argv) {
   cudaStream_t *streams = calloc((size_t)max_threads, sizeof *streams);
   for (int i = 0; i < max_threads; i++)
     if ((streams[i] = devshim_stream_create()) == NULL) return 1;
-  printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB, %.1f s per point, %ld cpus, device: %s\n",
-         window, seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
+  printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB, %.1f s per point, %ld cpus, device: %s\n", window,
+         seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
   printf("%7s %14s %9s %14s %9s", "threads", "magpie Mops/s", "x 1 thr", "glibc Mops/s", "mp/glibc");
   if (pool) printf(" %14s %9s", "pool Mops/s", "mp/pool");
   printf(" %16s\n", "reserved/peaks");

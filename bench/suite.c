@@ -38,17 +38,19 @@ void suite_magpie_stats(const char *workload, const char *when) {
     hits += st.class_hits[i];
     misses += st.class_misses[i];
   }
-  printf("  magpie %s: reserved %.1f MiB (peak %.1f), in use %.1f (peak %.1f), large in use %.1f; per layer: "
-         "thread-cached %.1f, depot %.1f, epoch-pending %.1f, large free %.1f, overhead %.1f MiB; %llu slabs, "
-         "%llu large segments, %llu depot exchanges, %llu events recorded (%llu queries, %llu found pending), %llu stream waits, "
-         "%llu magazine hits / %llu misses\n",
-         when, st.reserved_bytes / M, st.peak_reserved_bytes / M, st.in_use_bytes / M, st.peak_in_use_bytes / M,
-         st.large_in_use_bytes / M, st.thread_cached_bytes / M, st.depot_bytes / M, st.epoch_pending_bytes / M,
-         st.large_free_bytes / M, st.overhead_bytes / M, (unsigned long long)st.slab_count,
-         (unsigned long long)st.large_segment_count, (unsigned long long)st.depot_exchanges,
-         (unsigned long long)st.events_recorded, (unsigned long long)st.event_queries,
-         (unsigned long long)st.event_queries_pending, (unsigned long long)st.stream_waits, (unsigned long long)hits,
-         (unsigned long long)misses);
+  printf(
+      "  magpie %s: reserved %.1f MiB (peak %.1f), in use %.1f (peak %.1f), large in use %.1f; per layer: "
+      "thread-cached %.1f, depot %.1f, epoch-pending %.1f, large free %.1f, overhead %.1f MiB; %llu slabs, "
+      "%llu large segments, %llu depot exchanges, %llu events recorded (%llu queries, %llu found pending), %llu stream "
+      "waits, "
+      "%llu magazine hits / %llu misses\n",
+      when, st.reserved_bytes / M, st.peak_reserved_bytes / M, st.in_use_bytes / M, st.peak_in_use_bytes / M,
+      st.large_in_use_bytes / M, st.thread_cached_bytes / M, st.depot_bytes / M, st.epoch_pending_bytes / M,
+      st.large_free_bytes / M, st.overhead_bytes / M, (unsigned long long)st.slab_count,
+      (unsigned long long)st.large_segment_count, (unsigned long long)st.depot_exchanges,
+      (unsigned long long)st.events_recorded, (unsigned long long)st.event_queries,
+      (unsigned long long)st.event_queries_pending, (unsigned long long)st.stream_waits, (unsigned long long)hits,
+      (unsigned long long)misses);
   suite_row(workload, "magpie", when, "stat_reserved_bytes", (double)st.reserved_bytes);
   suite_row(workload, "magpie", when, "stat_slabs", (double)st.slab_count);
   suite_row(workload, "magpie", when, "stat_depot_exchanges", (double)st.depot_exchanges);
@@ -61,8 +63,9 @@ static int workloads_run;
 
 void suite_magpie_peak_note(void) {
   if (workloads_run++ > 0)
-    printf("  (magpie's reserved-memory figures below include earlier workloads of this process: magpie's peak "
-           "cannot be restarted; run one workload per process, as run_gpu.sh does, for figures of its own)\n");
+    printf(
+        "  (magpie's reserved-memory figures below include earlier workloads of this process: magpie's peak "
+        "cannot be restarted; run one workload per process, as run_gpu.sh does, for figures of its own)\n");
 }
 
 double suite_now(void) {
@@ -106,10 +109,13 @@ static size_t parse_size(const char *s) {
   char *end;
   double v = strtod(s, &end);
   switch (*end) {
-    case 'k': case 'K': v *= 1024; break;
-    case 'm': case 'M': v *= 1024 * 1024; break;
-    case 'g': case 'G': v *= 1024.0 * 1024 * 1024; break;
-    default: break;
+  case 'k':
+  case 'K': v *= 1024; break;
+  case 'm':
+  case 'M': v *= 1024 * 1024; break;
+  case 'g':
+  case 'G': v *= 1024.0 * 1024 * 1024; break;
+  default: break;
   }
   return v < 0 ? 0 : (size_t)v;
 }
@@ -145,79 +151,142 @@ static int parse_pair(const char *s, size_t *a, size_t *b) {
 int main(int argc, char **argv) {
   suite_opts o = {
       .seed = 1,
-      .lat_min = 256, .lat_max = 64u << 20, .lat_pairs = 200000,
-      .scale_threads = {1, 2, 4, 8, 16}, .scale_points = 5, .scale_seconds = 0.5, .scale_window = 64,
-      .mix_min = 256, .mix_max = 65536,
-      .pipe_threads = 8, .pipe_streams = 32, .pipe_temps = 4, .pipe_handoff_every = 4, .pipe_rounds = 3, .pipe_seconds = 1.0,
-      .pipe_min = 4096, .pipe_max = 1u << 20,
-      .cross_pairs = 4, .cross_seconds = 1.0,
-      .trace_threads = 4, .trace_streams = 2, .trace_requests = 400, .trace_hidden = 4096, .trace_layers = 8,
+      .lat_min = 256,
+      .lat_max = 64u << 20,
+      .lat_pairs = 200000,
+      .scale_threads = {1, 2, 4, 8, 16},
+      .scale_points = 5,
+      .scale_seconds = 0.5,
+      .scale_window = 64,
+      .mix_min = 256,
+      .mix_max = 65536,
+      .pipe_threads = 8,
+      .pipe_streams = 32,
+      .pipe_temps = 4,
+      .pipe_handoff_every = 4,
+      .pipe_rounds = 3,
+      .pipe_seconds = 1.0,
+      .pipe_min = 4096,
+      .pipe_max = 1u << 20,
+      .cross_pairs = 4,
+      .cross_seconds = 1.0,
+      .trace_threads = 4,
+      .trace_streams = 2,
+      .trace_requests = 400,
+      .trace_hidden = 4096,
+      .trace_layers = 8,
   };
   int run[6] = {0, 1, 1, 1, 1, 1};
   const char *csv_path = NULL, *torch = NULL, *allocs = NULL;
   size_t arena = 0;
-  enum { O_CSV = 256, O_TORCH, O_ALLOCS, O_SEED, O_ARENA, O_LSIZES, O_LPAIRS, O_THREADS, O_SECONDS, O_WINDOW,
-         O_MIX, O_PIPE, O_PSEC, O_PTEMPS, O_PHAND, O_PSIZES, O_PROUNDS, O_CPAIRS, O_CSEC, O_TRACE, O_THIDDEN, O_TLAYERS };
-  static const struct option longs[] = {
-      {"csv", 1, 0, O_CSV}, {"torch", 1, 0, O_TORCH}, {"allocs", 1, 0, O_ALLOCS}, {"seed", 1, 0, O_SEED},
-      {"noop-arena", 1, 0, O_ARENA}, {"lat-sizes", 1, 0, O_LSIZES}, {"lat-pairs", 1, 0, O_LPAIRS},
-      {"threads", 1, 0, O_THREADS}, {"seconds", 1, 0, O_SECONDS}, {"window", 1, 0, O_WINDOW},
-      {"mix", 1, 0, O_MIX}, {"pipe", 1, 0, O_PIPE}, {"pipe-seconds", 1, 0, O_PSEC},
-      {"pipe-temps", 1, 0, O_PTEMPS}, {"pipe-handoff", 1, 0, O_PHAND}, {"pipe-sizes", 1, 0, O_PSIZES},
-      {"pipe-rounds", 1, 0, O_PROUNDS}, {"cross-pairs", 1, 0, O_CPAIRS}, {"cross-seconds", 1, 0, O_CSEC}, {"trace", 1, 0, O_TRACE},
-      {"trace-hidden", 1, 0, O_THIDDEN}, {"trace-layers", 1, 0, O_TLAYERS}, {"help", 0, 0, 'h'}, {0, 0, 0, 0}};
+  enum {
+    O_CSV = 256,
+    O_TORCH,
+    O_ALLOCS,
+    O_SEED,
+    O_ARENA,
+    O_LSIZES,
+    O_LPAIRS,
+    O_THREADS,
+    O_SECONDS,
+    O_WINDOW,
+    O_MIX,
+    O_PIPE,
+    O_PSEC,
+    O_PTEMPS,
+    O_PHAND,
+    O_PSIZES,
+    O_PROUNDS,
+    O_CPAIRS,
+    O_CSEC,
+    O_TRACE,
+    O_THIDDEN,
+    O_TLAYERS
+  };
+  static const struct option longs[] = {{"csv", 1, 0, O_CSV},
+                                        {"torch", 1, 0, O_TORCH},
+                                        {"allocs", 1, 0, O_ALLOCS},
+                                        {"seed", 1, 0, O_SEED},
+                                        {"noop-arena", 1, 0, O_ARENA},
+                                        {"lat-sizes", 1, 0, O_LSIZES},
+                                        {"lat-pairs", 1, 0, O_LPAIRS},
+                                        {"threads", 1, 0, O_THREADS},
+                                        {"seconds", 1, 0, O_SECONDS},
+                                        {"window", 1, 0, O_WINDOW},
+                                        {"mix", 1, 0, O_MIX},
+                                        {"pipe", 1, 0, O_PIPE},
+                                        {"pipe-seconds", 1, 0, O_PSEC},
+                                        {"pipe-temps", 1, 0, O_PTEMPS},
+                                        {"pipe-handoff", 1, 0, O_PHAND},
+                                        {"pipe-sizes", 1, 0, O_PSIZES},
+                                        {"pipe-rounds", 1, 0, O_PROUNDS},
+                                        {"cross-pairs", 1, 0, O_CPAIRS},
+                                        {"cross-seconds", 1, 0, O_CSEC},
+                                        {"trace", 1, 0, O_TRACE},
+                                        {"trace-hidden", 1, 0, O_THIDDEN},
+                                        {"trace-layers", 1, 0, O_TLAYERS},
+                                        {"help", 0, 0, 'h'},
+                                        {0, 0, 0, 0}};
   int c;
   while ((c = getopt_long(argc, argv, "w:h", longs, NULL)) != -1) {
     switch (c) {
-      case 'w': {
-        memset(run, 0, sizeof run);
-        for (const char *p = optarg; *p; p++) {
-          if (*p >= '1' && *p <= '5') run[*p - '0'] = 1;
-          else if (*p != ',') usage();
-        }
-        break;
+    case 'w': {
+      memset(run, 0, sizeof run);
+      for (const char *p = optarg; *p; p++) {
+        if (*p >= '1' && *p <= '5') run[*p - '0'] = 1;
+        else if (*p != ',') usage();
       }
-      case O_CSV: csv_path = optarg; break;
-      case O_TORCH: torch = optarg; break;
-      case O_ALLOCS: allocs = optarg; break;
-      case O_SEED: o.seed = strtoull(optarg, NULL, 0); break;
-      case O_ARENA: arena = parse_size(optarg); break;
-      case O_LSIZES: if (parse_pair(optarg, &o.lat_min, &o.lat_max)) usage(); break;
-      case O_LPAIRS: o.lat_pairs = atol(optarg); break;
-      case O_THREADS: {
-        o.scale_points = 0;
-        for (char *p = optarg; *p && o.scale_points < 16;) {
-          int t = (int)strtol(p, &p, 10);
-          if (t < 1 || t > 256) usage();
-          o.scale_threads[o.scale_points++] = t;
-          if (*p == ',') p++;
-          else if (*p) usage();
-        }
-        break;
+      break;
+    }
+    case O_CSV: csv_path = optarg; break;
+    case O_TORCH: torch = optarg; break;
+    case O_ALLOCS: allocs = optarg; break;
+    case O_SEED: o.seed = strtoull(optarg, NULL, 0); break;
+    case O_ARENA: arena = parse_size(optarg); break;
+    case O_LSIZES:
+      if (parse_pair(optarg, &o.lat_min, &o.lat_max)) usage();
+      break;
+    case O_LPAIRS: o.lat_pairs = atol(optarg); break;
+    case O_THREADS: {
+      o.scale_points = 0;
+      for (char *p = optarg; *p && o.scale_points < 16;) {
+        int t = (int)strtol(p, &p, 10);
+        if (t < 1 || t > 256) usage();
+        o.scale_threads[o.scale_points++] = t;
+        if (*p == ',') p++;
+        else if (*p) usage();
       }
-      case O_SECONDS: o.scale_seconds = atof(optarg); break;
-      case O_WINDOW: o.scale_window = atoi(optarg); break;
-      case O_MIX: if (parse_pair(optarg, &o.mix_min, &o.mix_max)) usage(); break;
-      case O_PIPE: if (sscanf(optarg, "%d,%d", &o.pipe_threads, &o.pipe_streams) != 2) usage(); break;
-      case O_PSEC: o.pipe_seconds = atof(optarg); break;
-      case O_PTEMPS: o.pipe_temps = atoi(optarg); break;
-      case O_PHAND: o.pipe_handoff_every = atoi(optarg); break;
-      case O_PSIZES: if (parse_pair(optarg, &o.pipe_min, &o.pipe_max)) usage(); break;
-      case O_PROUNDS: o.pipe_rounds = atoi(optarg); break;
-      case O_CPAIRS: o.cross_pairs = atoi(optarg); break;
-      case O_CSEC: o.cross_seconds = atof(optarg); break;
-      case O_TRACE:
-        if (sscanf(optarg, "%d,%d,%d", &o.trace_threads, &o.trace_streams, &o.trace_requests) != 3) usage();
-        break;
-      case O_THIDDEN: o.trace_hidden = parse_size(optarg); break;
-      case O_TLAYERS: o.trace_layers = atoi(optarg); break;
-      default: usage();
+      break;
+    }
+    case O_SECONDS: o.scale_seconds = atof(optarg); break;
+    case O_WINDOW: o.scale_window = atoi(optarg); break;
+    case O_MIX:
+      if (parse_pair(optarg, &o.mix_min, &o.mix_max)) usage();
+      break;
+    case O_PIPE:
+      if (sscanf(optarg, "%d,%d", &o.pipe_threads, &o.pipe_streams) != 2) usage();
+      break;
+    case O_PSEC: o.pipe_seconds = atof(optarg); break;
+    case O_PTEMPS: o.pipe_temps = atoi(optarg); break;
+    case O_PHAND: o.pipe_handoff_every = atoi(optarg); break;
+    case O_PSIZES:
+      if (parse_pair(optarg, &o.pipe_min, &o.pipe_max)) usage();
+      break;
+    case O_PROUNDS: o.pipe_rounds = atoi(optarg); break;
+    case O_CPAIRS: o.cross_pairs = atoi(optarg); break;
+    case O_CSEC: o.cross_seconds = atof(optarg); break;
+    case O_TRACE:
+      if (sscanf(optarg, "%d,%d,%d", &o.trace_threads, &o.trace_streams, &o.trace_requests) != 3) usage();
+      break;
+    case O_THIDDEN: o.trace_hidden = parse_size(optarg); break;
+    case O_TLAYERS: o.trace_layers = atoi(optarg); break;
+    default: usage();
     }
   }
   if (optind != argc || o.lat_pairs < 1 || o.scale_seconds <= 0 || o.scale_window < 1 || o.pipe_threads < 1 ||
-      o.pipe_streams < o.pipe_threads || o.pipe_temps < 1 || o.pipe_temps > 4 || o.pipe_handoff_every < 1 || o.pipe_rounds < 1 || o.pipe_rounds > 16 ||
-      o.pipe_seconds <= 0 || o.cross_pairs < 1 || o.cross_seconds <= 0 || o.trace_threads < 1 ||
-      o.trace_streams < 1 || o.trace_requests < 1 || o.trace_hidden < 64 || o.trace_layers < 1)
+      o.pipe_streams < o.pipe_threads || o.pipe_temps < 1 || o.pipe_temps > 4 || o.pipe_handoff_every < 1 ||
+      o.pipe_rounds < 1 || o.pipe_rounds > 16 || o.pipe_seconds <= 0 || o.cross_pairs < 1 || o.cross_seconds <= 0 ||
+      o.trace_threads < 1 || o.trace_streams < 1 || o.trace_requests < 1 || o.trace_hidden < 64 || o.trace_layers < 1)
     usage();
 
   if (bench_dev_init() != 0) return 1;

@@ -131,9 +131,10 @@ void workload_latency(const suite_opts *o) {
   cudaStream_t s = bench_stream_create();
   if (s == NULL) return;
   uint64_t clock = clock_cost();
-  printf("\n== 1 latency: one alloc+free pair, one thread, one stream, warm (ns; magpie/noop %ld pairs per size; "
-         "mean: median of 5 trials; clock read %llu ns, subtracted from the percentiles)\n",
-         o->lat_pairs, (unsigned long long)clock);
+  printf(
+      "\n== 1 latency: one alloc+free pair, one thread, one stream, warm (ns; magpie/noop %ld pairs per size; "
+      "mean: median of 5 trials; clock read %llu ns, subtracted from the percentiles)\n",
+      o->lat_pairs, (unsigned long long)clock);
   suite_magpie_peak_note();
   printf("%8s %-16s %9s %9s %9s %9s %10s\n", "size", "allocator", "mean", "p50", "p99", "p99.9", "mean/magpie");
   double worst_small = 0, worst_id = 0;
@@ -147,8 +148,7 @@ void workload_latency(const suite_opts *o) {
       if (w == BA_MAGPIE) {
         double id_ns = measure_stream_id(o->lat_pairs, s);
         if (id_ns >= 0) {
-          printf("%8s %-16s %9.1f   (the driver call in each magpie allocation, alone)\n", sz, "cuStreamGetId",
-                 id_ns);
+          printf("%8s %-16s %9.1f   (the driver call in each magpie allocation, alone)\n", sz, "cuStreamGetId", id_ns);
           char x[32];
           snprintf(x, sizeof x, "%zu", size);
           suite_row("latency", "cuStreamGetId", x, "mean_ns", id_ns);

@@ -118,7 +118,7 @@ static inline void probe_end(lane *l, int kind, uint64_t t0) {
 }
 
 /* An allocator call, timed in the probe pass. */
-#define CALL(l, k, expr)                                   \
+#define CALL(l, k, expr)                                  \
   do {                                                    \
     uint64_t call_t0 = (l)->probe == 1 ? probe_now() : 0; \
     expr;                                                 \
@@ -185,8 +185,8 @@ static void *lane_main(void *arg) {
       for (int i = 0; i < n; i++) CALL(l, K_FREE, l->a->free(p[i], sz[i], s));
       if (l->probe == 2) completion_step(l, s, (int)(steps % (uint64_t)l->nstreams), steps);
       if (steps % (uint64_t)o->pipe_handoff_every == 0) {
-        it = (item){.size = suite_mixed_size(suite_rand(&seed), o->pipe_min, o->pipe_max), .stream = s,
-                    .producer = l->index};
+        it = (item){
+            .size = suite_mixed_size(suite_rand(&seed), o->pipe_min, o->pipe_max), .stream = s, .producer = l->index};
         CALL(l, K_ALLOC, it.p = l->a->alloc(it.size, s));
         if (it.p == NULL) {
           l->failures++;
@@ -211,8 +211,8 @@ static void *lane_main(void *arg) {
   return NULL;
 }
 
-static double run(const suite_opts *o, bench_alloc *a, lane *lanes, int probe, uint64_t *handoffs,
-                  uint64_t *failures, uint64_t *call_ns, uint64_t *max_call_ns) {
+static double run(const suite_opts *o, bench_alloc *a, lane *lanes, int probe, uint64_t *handoffs, uint64_t *failures,
+                  uint64_t *call_ns, uint64_t *max_call_ns) {
   int T = o->pipe_threads;
   pthread_barrier_t barrier;
   pthread_barrier_init(&barrier, NULL, (unsigned)T + 1);
@@ -313,10 +313,11 @@ void workload_pipeline(const suite_opts *o) {
       if ((l->ring[k] = bench_event_create()) == NULL) completion = 0;
   }
   char lo[32], hi[32];
-  printf("\n== 3 pipeline: %d threads over %d streams, %.2f s; a step = %d temporaries of %s-%s + 1 kernel + "
-         "frees; a cross-stream hand-off every %d steps\n",
-         T, S, o->pipe_seconds, o->pipe_temps, suite_size_name(o->pipe_min, lo, sizeof lo),
-         suite_size_name(o->pipe_max, hi, sizeof hi), o->pipe_handoff_every);
+  printf(
+      "\n== 3 pipeline: %d threads over %d streams, %.2f s; a step = %d temporaries of %s-%s + 1 kernel + "
+      "frees; a cross-stream hand-off every %d steps\n",
+      T, S, o->pipe_seconds, o->pipe_temps, suite_size_name(o->pipe_min, lo, sizeof lo),
+      suite_size_name(o->pipe_max, hi, sizeof hi), o->pipe_handoff_every);
   suite_magpie_peak_note();
   printf("%-16s %12s %10s %10s %14s %9s  (median of %d rounds)\n", "allocator", "k steps/s", "x noop", "hand-offs",
          "peak reserved", "failures", o->pipe_rounds);
@@ -373,9 +374,10 @@ void workload_pipeline(const suite_opts *o) {
     if (!o->use[w]) continue;
     uint64_t h = 0, f = 0;
     double r = run(o, &a[w], lanes, 1, &h, &f, &call_ns, &max_ns);
-    printf("  probe %-8s %.1f k steps/s with every call timed: %.2f us per step inside the allocator "
-           "(a step takes %.1f us of a thread), longest call %.1f us, %llu hand-offs\n",
-           a[w].name, r / 1e3, call_ns / 1e3, T / r * 1e6, max_ns / 1e3, (unsigned long long)h);
+    printf(
+        "  probe %-8s %.1f k steps/s with every call timed: %.2f us per step inside the allocator "
+        "(a step takes %.1f us of a thread), longest call %.1f us, %llu hand-offs\n",
+        a[w].name, r / 1e3, call_ns / 1e3, T / r * 1e6, max_ns / 1e3, (unsigned long long)h);
     uint64_t steps = 0, bn[3][4] = {{0}}, bns[3][4] = {{0}};
     for (int i = 0; i < T; i++) {
       steps += lanes[i].steps;

@@ -65,8 +65,7 @@ out:
   return NULL;
 }
 
-static double run_point(const suite_opts *o, bench_alloc *a, int threads, cudaStream_t *streams,
-                        size_t *sum_peaks) {
+static double run_point(const suite_opts *o, bench_alloc *a, int threads, cudaStream_t *streams, size_t *sum_peaks) {
   worker *w = calloc((size_t)threads, sizeof *w);
   pthread_t *t = calloc((size_t)threads, sizeof *t);
   if (w == NULL || t == NULL) return 0;
@@ -103,10 +102,11 @@ void workload_scaling(const suite_opts *o) {
   for (int i = 0; i < maxt; i++)
     if ((streams[i] = bench_stream_create()) == NULL) return;
   char lo[32], hi[32];
-  printf("\n== 2 scaling: each thread on its own stream, window %d live blocks of %s-%s, random frees, %.2f s "
-         "per point\n",
-         o->scale_window, suite_size_name(o->mix_min, lo, sizeof lo), suite_size_name(o->mix_max, hi, sizeof hi),
-         o->scale_seconds);
+  printf(
+      "\n== 2 scaling: each thread on its own stream, window %d live blocks of %s-%s, random frees, %.2f s "
+      "per point\n",
+      o->scale_window, suite_size_name(o->mix_min, lo, sizeof lo), suite_size_name(o->mix_max, hi, sizeof hi),
+      o->scale_seconds);
   suite_magpie_peak_note();
   printf("%7s %-16s %12s %9s %11s %14s\n", "threads", "allocator", "Mops/s", "x 1 thr", "magpie/x", "reserved/peaks");
   double base[BA_COUNT] = {0}, mp16 = 0, mp1 = 0, ratio16 = 0;

@@ -35,9 +35,9 @@
 #include "bench/suite.h"
 
 typedef struct op {
-  uint32_t id;     /* block slot in the thread's table */
+  uint32_t id; /* block slot in the thread's table */
   uint8_t is_free;
-  uint8_t stream;  /* index into the thread's streams */
+  uint8_t stream; /* index into the thread's streams */
   uint64_t size;
 } op;
 
@@ -219,8 +219,8 @@ static void *replay_main(void *arg) {
     size[o->id] = o->size;
     unsigned long long now = atomic_fetch_add_explicit(&live_bytes, o->size, memory_order_relaxed) + o->size;
     unsigned long long peak = atomic_load_explicit(&peak_live, memory_order_relaxed);
-    while (now > peak && !atomic_compare_exchange_weak_explicit(&peak_live, &peak, now, memory_order_relaxed,
-                                                                 memory_order_relaxed)) {
+    while (now > peak &&
+           !atomic_compare_exchange_weak_explicit(&peak_live, &peak, now, memory_order_relaxed, memory_order_relaxed)) {
     }
   }
 out:
@@ -256,13 +256,14 @@ void workload_trace(const suite_opts *o) {
   }
   for (int i = 0; i < T * S; i++)
     if ((streams[i] = bench_stream_create()) == NULL) return;
-  printf("\n== 5 trace: inference-like fragmentation trace, %d threads x %d streams, %d requests, hidden %zu, "
-         "%d layers: %zu operations, %zu allocations of %.1f GiB in all, largest %.1f MiB\n",
-         T, S, o->trace_requests, o->trace_hidden, o->trace_layers, nops, nallocs, total / 1073741824.0,
-         largest / 1048576.0);
+  printf(
+      "\n== 5 trace: inference-like fragmentation trace, %d threads x %d streams, %d requests, hidden %zu, "
+      "%d layers: %zu operations, %zu allocations of %.1f GiB in all, largest %.1f MiB\n",
+      T, S, o->trace_requests, o->trace_hidden, o->trace_layers, nops, nallocs, total / 1073741824.0,
+      largest / 1048576.0);
   suite_magpie_peak_note();
-  printf("%-16s %14s %14s %16s %10s %9s\n", "allocator", "peak live MiB", "peak resv MiB", "reserved/live",
-         "M ops/s", "failures");
+  printf("%-16s %14s %14s %16s %10s %9s\n", "allocator", "peak live MiB", "peak resv MiB", "reserved/live", "M ops/s",
+         "failures");
   double mp_ratio = 0;
   for (int w = 0; w < BA_COUNT; w++) {
     if (!o->use[w]) continue;

@@ -49,9 +49,9 @@ enum magpie_error {
   MAGPIE_ERR_TOO_LARGE = 5,       /* larger than the device's total memory */
   MAGPIE_ERR_INVALID_STREAM = 6,  /* stream handle not valid (destroyed?) */
   MAGPIE_ERR_INVALID_ARGUMENT = 7,
-  MAGPIE_ERR_BACKEND = 8,         /* the CUDA driver (or sim) reported an error */
-  MAGPIE_ERR_NO_DEVICE = 9,       /* requested backend has no device */
-  MAGPIE_ERR_CONFIG = 10,         /* bad MAGPIE_CONF / config value */
+  MAGPIE_ERR_BACKEND = 8,   /* the CUDA driver (or sim) reported an error */
+  MAGPIE_ERR_NO_DEVICE = 9, /* requested backend has no device */
+  MAGPIE_ERR_CONFIG = 10,   /* bad MAGPIE_CONF / config value */
   MAGPIE_ERR_ALREADY_INITIALIZED = 11,
   MAGPIE_ERR_COUNT_
 };
@@ -69,9 +69,9 @@ enum magpie_backend_kind {
  *   MAGPIE_BACKEND=cuda|sim
  *   MAGPIE_CONF=key=value,key=value  (keys: the field names below) */
 typedef struct magpie_config {
-  int backend;            /* enum magpie_backend_kind */
-  int check;              /* 1: detect double frees (costs an atomic per op) */
-  int verbose;            /* 1: print stats to stderr at exit */
+  int backend; /* enum magpie_backend_kind */
+  int check;   /* 1: detect double frees (costs an atomic per op) */
+  int verbose; /* 1: print stats to stderr at exit */
   /* Most bytes per magazine (2..64 blocks). Magazines start smaller
    * (capacity falling with the cube root of the block size: 5 blocks at
    * 64 KiB) and grow to this where a thread's blocks only flow out. */
@@ -84,7 +84,7 @@ typedef struct magpie_config {
   /* Cached memory above this many bytes is given back to the driver in the
    * background (like cudaMemPoolAttrReleaseThreshold). SIZE_MAX: keep all. */
   size_t release_threshold;
-  int check_streams;      /* 1: simulated device checks stream order of reuse */
+  int check_streams; /* 1: simulated device checks stream order of reuse */
   /* 1 (default): a large block freed on another stream may be reused by
    * making the allocating stream wait on the free's event once magpie's
    * cache passes its reserve (cudaMallocAsync's internal dependencies);
@@ -140,18 +140,18 @@ MAGPIE_API int magpie_block_info(const void *ptr, size_t *size, int *device);
 #define MAGPIE_STATS_CLASSES 64 /* room for every size class */
 #define MAGPIE_STATS_LADDER 8   /* out-of-memory ladder steps */
 typedef struct magpie_stats {
-  size_t in_use_bytes;        /* handed out and not yet freed (block sizes) */
-  size_t reserved_bytes;      /* device memory mapped by magpie */
-  size_t peak_in_use_bytes;   /* see README: sampled on slow paths */
+  size_t in_use_bytes;      /* handed out and not yet freed (block sizes) */
+  size_t reserved_bytes;    /* device memory mapped by magpie */
+  size_t peak_in_use_bytes; /* see README: sampled on slow paths */
   size_t peak_reserved_bytes;
-  size_t cached_bytes;        /* reserved but not in use */
-  size_t large_in_use_bytes;  /* part of in_use served by the large path */
-  uint64_t slab_count;        /* slabs mapped now */
-  uint64_t depot_exchanges;   /* magazines taken from / given to the depot */
-  uint64_t events_recorded;   /* one per magazine leaving a thread's stream */
+  size_t cached_bytes;              /* reserved but not in use */
+  size_t large_in_use_bytes;        /* part of in_use served by the large path */
+  uint64_t slab_count;              /* slabs mapped now */
+  uint64_t depot_exchanges;         /* magazines taken from / given to the depot */
+  uint64_t events_recorded;         /* one per magazine leaving a thread's stream */
   uint64_t cross_stream_migrations; /* sealed magazines released to every stream */
   uint64_t same_stream_reuses;      /* pending magazines reused on their own stream */
-  uint64_t limbo_magazines;   /* magazines whose stream died; waited by device sync */
+  uint64_t limbo_magazines;         /* magazines whose stream died; waited by device sync */
   /* Per layer (the cached bytes split by where they sit). */
   size_t thread_cached_bytes; /* in threads' magazines */
   size_t depot_bytes;         /* in depot magazines ready for any stream */
@@ -161,11 +161,11 @@ typedef struct magpie_stats {
   size_t large_mapped_bytes;  /* part of reserved in large segments */
   size_t limit_bytes;         /* the cap in force (0: none) */
   uint64_t large_segment_count;
-  uint64_t slabs_released;    /* slabs given back to the driver */
+  uint64_t slabs_released;       /* slabs given back to the driver */
   uint64_t large_bytes_unmapped; /* large-segment bytes given back */
-  uint64_t stream_waits;      /* blocks reused by making a stream wait */
-  uint64_t threads_flushed;   /* thread caches emptied on request */
-  uint64_t threads_stolen;    /* idle threads' caches taken by the depot */
+  uint64_t stream_waits;         /* blocks reused by making a stream wait */
+  uint64_t threads_flushed;      /* thread caches emptied on request */
+  uint64_t threads_stolen;       /* idle threads' caches taken by the depot */
   /* Out-of-memory ladder: how often each step ran. 0 reclaim completed
    * epochs, 1 free depot slabs, 2 thread caches, 3 wait for epochs,
    * 4 unmap free large segments, 5 requests failed. */

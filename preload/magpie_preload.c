@@ -144,7 +144,8 @@ static void preload_init(void) {
     real.cu_stream_create = dlsym(drv, "cuStreamCreate");
   }
   real.usable = drv != NULL && real.cu_ctx_get_device && real.cu_primary_retain && real.cu_ctx_push &&
-                real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create && magpie_active_backend() == MAGPIE_BACKEND_CUDA;
+                real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create &&
+                magpie_active_backend() == MAGPIE_BACKEND_CUDA;
 }
 
 static int preload_usable(void) {

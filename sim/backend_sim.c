@@ -21,7 +21,6 @@ static int backend_sim_mem_info(int device, size_t *free_bytes, size_t *total_by
   return sim_memory_info(device, free_bytes, total_bytes);
 }
 
-
 static int backend_sim_vmm_supported(int device, int *supported) {
   int rc = sim_check_device(device);
   if (rc != MAGPIE_OK) return rc;
@@ -68,9 +67,7 @@ static int backend_sim_mem_alloc(int device, size_t size, uintptr_t *out) {
   return sim_memory_alloc(device, size, out);
 }
 
-static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) {
-  return sim_memory_free(device, ptr, size);
-}
+static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) { return sim_memory_free(device, ptr, size); }
 
 static int backend_sim_event_create(int device, void **event) {
   magpie_sim_event e;
@@ -81,9 +78,7 @@ static int backend_sim_event_create(int device, void **event) {
 
 static int backend_sim_event_destroy(void *event) { return sim_event_destroy(event); }
 
-static int backend_sim_event_record(void *event, cudaStream_t stream) {
-  return sim_event_record(event, stream);
-}
+static int backend_sim_event_record(void *event, cudaStream_t stream) { return sim_event_record(event, stream); }
 
 static int backend_sim_event_query(void *event) {
   int rc = sim_event_query(event);
@@ -98,9 +93,7 @@ static int backend_sim_stream_wait_event(cudaStream_t stream, void *event) {
 
 static int backend_sim_stream_id(cudaStream_t stream, uint64_t *id) {
   uint64_t v = sim_stream_id(stream);
-  if (v == 0)
-    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream",
-                    (void *)stream);
+  if (v == 0) return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream", (void *)stream);
   *id = v;
   return MAGPIE_OK;
 }
@@ -113,16 +106,12 @@ static int backend_sim_stream_id_fast(cudaStream_t stream, unsigned long long *i
 
 static int backend_sim_stream_device(cudaStream_t stream, int *device) {
   int d = sim_stream_device_of_handle(stream);
-  if (d < 0)
-    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream",
-                    (void *)stream);
+  if (d < 0) return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream", (void *)stream);
   *device = d;
   return MAGPIE_OK;
 }
 
-static int backend_sim_device_synchronize(int device) {
-  return sim_stream_device_synchronize(device);
-}
+static int backend_sim_device_synchronize(int device) { return sim_stream_device_synchronize(device); }
 
 static const backend_ops backend_sim_ops = {
     .name = "sim",

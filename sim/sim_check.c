@@ -221,13 +221,9 @@ static void sim_check_lock_drop(void) {
 #endif
 }
 
-static int sim_check_active(void) {
-  return atomic_load_explicit(&sim_check_observer.enabled, memory_order_relaxed);
-}
+static int sim_check_active(void) { return atomic_load_explicit(&sim_check_observer.enabled, memory_order_relaxed); }
 
-static void sim_check_oom(void) {
-  atomic_fetch_add_explicit(&sim_check_oom_count, 1, memory_order_relaxed);
-}
+static void sim_check_oom(void) { atomic_fetch_add_explicit(&sim_check_oom_count, 1, memory_order_relaxed); }
 
 /* The checker's state of s, created on first use (lock held). */
 static struct sim_check_stream *sim_check_stream_of(struct sim_stream *s) {
@@ -373,8 +369,7 @@ static uint32_t sim_check_first_overlap(const struct sim_check_chunk *ch, uintpt
 
 /* Record the use (stream, n) over [lo, hi) of one chunk, replacing what
  * older records say about those bytes. */
-static int sim_check_record(struct sim_check_chunk *ch, uintptr_t lo, uintptr_t hi, uint64_t stream,
-                            uint64_t n) {
+static int sim_check_record(struct sim_check_chunk *ch, uintptr_t lo, uintptr_t hi, uint64_t stream, uint64_t n) {
   if (ch->n + 2 > ch->cap) {
     uint32_t ncap = ch->cap ? 2 * ch->cap : 8;
     struct sim_check_rec *r = realloc(ch->recs, (size_t)ncap * sizeof *r);

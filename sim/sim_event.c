@@ -67,9 +67,7 @@ struct sim_cell *sim_event_cell_new(uint32_t refs) {
   return c;
 }
 
-void sim_event_cell_ref(struct sim_cell *c) {
-  atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
-}
+void sim_event_cell_ref(struct sim_cell *c) { atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed); }
 
 void sim_event_cell_complete(struct sim_cell *c) {
   uint32_t old = atomic_exchange_explicit(&c->state, SIM_CELL_DONE, memory_order_release);
@@ -86,8 +84,7 @@ void sim_event_cell_wait(struct sim_cell *c) {
     if (v == SIM_CELL_DONE) return;
     if (v == SIM_CELL_PENDING) {
       uint32_t expected = SIM_CELL_PENDING;
-      if (!atomic_compare_exchange_strong_explicit(&c->state, &expected, SIM_CELL_SLEEPERS,
-                                                   memory_order_relaxed,
+      if (!atomic_compare_exchange_strong_explicit(&c->state, &expected, SIM_CELL_SLEEPERS, memory_order_relaxed,
                                                    memory_order_relaxed))
         continue; /* completed meanwhile: re-read with acquire */
     }
@@ -151,8 +148,8 @@ void sim_event_cell_unref(struct sim_cell *c) {
   struct sim_cell *head = atomic_load_explicit(&sim_reap_head, memory_order_relaxed);
   do {
     c->reap_next = head;
-  } while (!atomic_compare_exchange_weak_explicit(&sim_reap_head, &head, c,
-                                                  memory_order_release, memory_order_relaxed));
+  } while (
+      !atomic_compare_exchange_weak_explicit(&sim_reap_head, &head, c, memory_order_release, memory_order_relaxed));
   if (head == NULL) sem_post(&sim_reap_sem);
 }
 
@@ -179,8 +176,7 @@ int sim_event_create(int device, magpie_sim_event *out) {
   int rc = sim_init();
   if (rc != MAGPIE_OK) return rc;
   if (device < 0 || device >= sim_device_count())
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
-                    device, sim_device_count());
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)", device, sim_device_count());
   pthread_mutex_lock(&sim_event_pool_lock);
   if (sim_event_free == NULL) {
     struct magpie_sim_event_st *chunk = calloc(SIM_EVENT_CHUNK, sizeof *chunk);
@@ -242,8 +238,7 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
   if (e->device != sim_stream_device(s)) {
     int ed = e->device;
     pthread_mutex_unlock(&e->lock);
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "event of device %d recorded on a stream of device %d", ed,
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "event of device %d recorded on a stream of device %d", ed,
                     sim_stream_device(s));
   }
   struct sim_cell *c = sim_event_cell_new(2); /* the event's and the marker's */

@@ -95,8 +95,7 @@ static inline int sim_check_device(int device) {
   int rc = sim_init();
   if (rc != MAGPIE_OK) return rc;
   if (device < 0 || device >= sim_device_count())
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
-                    device, sim_device_count());
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)", device, sim_device_count());
   return MAGPIE_OK;
 }
 /* The calling thread's current device. */
@@ -150,8 +149,7 @@ uint64_t sim_stream_id_slow(cudaStream_t h);
 static inline uint64_t sim_stream_id(cudaStream_t h) {
   uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
   if (p >= base && p - base < sizeof sim_slots && (p - base) % sizeof(struct sim_slot) == 0)
-    return atomic_load_explicit(&sim_slots[(p - base) / sizeof(struct sim_slot)].id,
-                                memory_order_relaxed);
+    return atomic_load_explicit(&sim_slots[(p - base) / sizeof(struct sim_slot)].id, memory_order_relaxed);
   return sim_stream_id_slow(h);
 }
 

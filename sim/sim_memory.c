@@ -92,13 +92,9 @@ int sim_memory_configure(char *detail, size_t detail_len) {
   return MAGPIE_OK;
 }
 
-int sim_memory_vmm_supported(void) {
-  return atomic_load_explicit(&sim_memory_vmm, memory_order_relaxed);
-}
+int sim_memory_vmm_supported(void) { return atomic_load_explicit(&sim_memory_vmm, memory_order_relaxed); }
 
-void sim_memory_set_vmm(int supported) {
-  atomic_store_explicit(&sim_memory_vmm, supported != 0, memory_order_relaxed);
-}
+void sim_memory_set_vmm(int supported) { atomic_store_explicit(&sim_memory_vmm, supported != 0, memory_order_relaxed); }
 
 /* Checks the device and that sim_init succeeded (it initialises the locks). */
 static int sim_memory_device(int device, struct sim_memory_device **out) {
@@ -132,11 +128,10 @@ static int sim_memory_take(struct sim_memory_device *d, int device, size_t bytes
   do {
     size_t cap = atomic_load_explicit(&d->capacity, memory_order_relaxed);
     if (used > cap || bytes > cap - used)
-      return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY,
-                      "device %d: %zu bytes requested, %zu of %zu free", device, bytes,
+      return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "device %d: %zu bytes requested, %zu of %zu free", device, bytes,
                       used < cap ? cap - used : 0, cap);
-  } while (!atomic_compare_exchange_weak_explicit(&d->used, &used, used + bytes,
-                                                  memory_order_relaxed, memory_order_relaxed));
+  } while (!atomic_compare_exchange_weak_explicit(&d->used, &used, used + bytes, memory_order_relaxed,
+                                                  memory_order_relaxed));
   return MAGPIE_OK;
 }
 
@@ -146,12 +141,10 @@ static void sim_memory_give(struct sim_memory_device *d, size_t bytes) {
 
 static int sim_memory_check_range(uintptr_t addr, size_t size) {
   if (size == 0 || size % SIM_GRANULARITY != 0 || addr % SIM_GRANULARITY != 0)
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "range %#lx+%zu is not a nonzero multiple of the %zu-byte granularity",
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "range %#lx+%zu is not a nonzero multiple of the %zu-byte granularity",
                     (unsigned long)addr, size, SIM_GRANULARITY);
   if (size > UINTPTR_MAX - addr)
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "range %#lx+%zu wraps around",
-                    (unsigned long)addr, size);
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "range %#lx+%zu wraps around", (unsigned long)addr, size);
   return MAGPIE_OK;
 }
 
@@ -162,8 +155,7 @@ static int sim_memory_mmap_aligned(size_t size, int prot, uintptr_t *out) {
   size_t span = size + SIM_GRANULARITY;
   void *p = mmap(NULL, span, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED)
-    return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "mmap of %zu bytes of address space: %s", span,
-                    strerror(errno));
+    return sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "mmap of %zu bytes of address space: %s", span, strerror(errno));
   uintptr_t raw = (uintptr_t)p;
   uintptr_t base = (raw + SIM_GRANULARITY - 1) & ~(uintptr_t)(SIM_GRANULARITY - 1);
   if (base > raw) munmap(p, base - raw);
@@ -174,11 +166,9 @@ static int sim_memory_mmap_aligned(size_t size, int prot, uintptr_t *out) {
 }
 
 /* The region of d holding [addr, addr+size) entirely, under d->lock. */
-static struct sim_region *sim_memory_find(struct sim_memory_device *d, uintptr_t addr,
-                                          size_t size) {
+static struct sim_region *sim_memory_find(struct sim_memory_device *d, uintptr_t addr, size_t size) {
   for (struct sim_region *r = d->regions; r != NULL; r = r->next)
-    if (addr >= r->base && addr - r->base <= r->size && size <= r->size - (addr - r->base))
-      return r;
+    if (addr >= r->base && addr - r->base <= r->size && size <= r->size - (addr - r->base)) return r;
   return NULL;
 }
 
@@ -195,8 +185,7 @@ int sim_memory_reserve(int device, size_t size, uintptr_t *base) {
   int rc = sim_memory_device(device, &d);
   if (rc != MAGPIE_OK) return rc;
   if (size == 0 || size % SIM_GRANULARITY != 0)
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "reservation of %zu bytes is not a nonzero multiple of %zu", size,
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "reservation of %zu bytes is not a nonzero multiple of %zu", size,
                     SIM_GRANULARITY);
   size_t granules = size / SIM_GRANULARITY;
   struct sim_region *r = calloc(1, sizeof *r);
@@ -231,15 +220,13 @@ int sim_memory_unreserve(int device, uintptr_t base, size_t size) {
   struct sim_region *r = sim_memory_find(d, base, size);
   if (r == NULL || r->kind != SIM_REGION_RESERVED || r->base != base || r->size != size) {
     pthread_mutex_unlock(&d->lock);
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "%#lx+%zu is not a reservation of device %d", (unsigned long)base, size,
-                    device);
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not a reservation of device %d", (unsigned long)base,
+                    size, device);
   }
   if (r->mapped_bytes != 0) {
     size_t mapped = r->mapped_bytes;
     pthread_mutex_unlock(&d->lock);
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "reservation %#lx still has %zu bytes mapped: unmap them first",
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "reservation %#lx still has %zu bytes mapped: unmap them first",
                     (unsigned long)base, mapped);
   }
   sim_memory_unlink(d, r);
@@ -260,18 +247,15 @@ static int sim_memory_bits_all(const struct sim_region *r, size_t first, size_t 
 
 static void sim_memory_bits_set(struct sim_region *r, size_t first, size_t count, int on) {
   for (size_t g = first; g < first + count; g++) {
-    if (on)
-      r->mapped[g / 64] |= (uint64_t)1 << (g % 64);
-    else
-      r->mapped[g / 64] &= ~((uint64_t)1 << (g % 64));
+    if (on) r->mapped[g / 64] |= (uint64_t)1 << (g % 64);
+    else r->mapped[g / 64] &= ~((uint64_t)1 << (g % 64));
   }
 }
 
 /* Locks the device's memory and finds the reservation holding the range
  * (or fails, unlocked); *first and *count name its granules there. */
-static int sim_memory_lock_reserved(int device, uintptr_t addr, size_t size,
-                                    struct sim_memory_device **dout, struct sim_region **out,
-                                    size_t *first, size_t *count) {
+static int sim_memory_lock_reserved(int device, uintptr_t addr, size_t size, struct sim_memory_device **dout,
+                                    struct sim_region **out, size_t *first, size_t *count) {
   struct sim_memory_device *d;
   int rc = sim_memory_device(device, &d);
   if (rc == MAGPIE_OK) rc = sim_memory_check_range(addr, size);
@@ -280,9 +264,8 @@ static int sim_memory_lock_reserved(int device, uintptr_t addr, size_t size,
   struct sim_region *r = sim_memory_find(d, addr, size);
   if (r == NULL || r->kind != SIM_REGION_RESERVED) {
     pthread_mutex_unlock(&d->lock);
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "%#lx+%zu is not inside a reservation of device %d", (unsigned long)addr,
-                    size, device);
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not inside a reservation of device %d",
+                    (unsigned long)addr, size, device);
   }
   *dout = d;
   *out = r;
@@ -298,14 +281,12 @@ int sim_memory_map(int device, uintptr_t addr, size_t size) {
   int rc = sim_memory_lock_reserved(device, addr, size, &d, &r, &first, &count);
   if (rc != MAGPIE_OK) return rc;
   if (!sim_memory_bits_all(r, first, count, 0)) {
-    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is already (partly) mapped",
-                  (unsigned long)addr, size);
+    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is already (partly) mapped", (unsigned long)addr, size);
   } else {
     rc = sim_memory_take(d, device, size);
   }
   if (rc == MAGPIE_OK && mprotect((void *)addr, size, PROT_READ | PROT_WRITE) != 0) {
-    rc = sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "mprotect(read/write) of %zu bytes: %s", size,
-                  strerror(errno));
+    rc = sim_fail(MAGPIE_ERR_OUT_OF_MEMORY, "mprotect(read/write) of %zu bytes: %s", size, strerror(errno));
     sim_memory_give(d, size);
   }
   if (rc == MAGPIE_OK) {
@@ -323,10 +304,8 @@ int sim_memory_unmap(int device, uintptr_t addr, size_t size) {
   int rc = sim_memory_lock_reserved(device, addr, size, &d, &r, &first, &count);
   if (rc != MAGPIE_OK) return rc;
   if (!sim_memory_bits_all(r, first, count, 1)) {
-    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not (wholly) mapped",
-                  (unsigned long)addr, size);
-  } else if (madvise((void *)addr, size, MADV_DONTNEED) != 0 ||
-             mprotect((void *)addr, size, PROT_NONE) != 0) {
+    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not (wholly) mapped", (unsigned long)addr, size);
+  } else if (madvise((void *)addr, size, MADV_DONTNEED) != 0 || mprotect((void *)addr, size, PROT_NONE) != 0) {
     rc = sim_fail(MAGPIE_ERR_BACKEND, "unmapping %zu bytes: %s", size, strerror(errno));
   } else {
     sim_memory_bits_set(r, first, count, 0);
@@ -373,14 +352,12 @@ int sim_memory_free(int device, uintptr_t ptr, size_t size) {
   struct sim_region *r = sim_memory_find(d, ptr, 0);
   if (r == NULL || r->kind != SIM_REGION_ALLOCATED || r->base != ptr) {
     pthread_mutex_unlock(&d->lock);
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx is not an allocation of device %d",
-                    (unsigned long)ptr, device);
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx is not an allocation of device %d", (unsigned long)ptr, device);
   }
   if (size > r->size) {
     size_t have = r->size;
     pthread_mutex_unlock(&d->lock);
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT,
-                    "freeing %zu bytes at %#lx, but the allocation has %zu", size,
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "freeing %zu bytes at %#lx, but the allocation has %zu", size,
                     (unsigned long)ptr, have);
   }
   sim_memory_unlink(d, r);
@@ -392,6 +369,5 @@ int sim_memory_free(int device, uintptr_t ptr, size_t size) {
 }
 
 MAGPIE_API int magpie_sim_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
-  return sim_public_result("magpie_sim_mem_info",
-                           sim_memory_info(device, free_bytes, total_bytes));
+  return sim_public_result("magpie_sim_mem_info", sim_memory_info(device, free_bytes, total_bytes));
 }

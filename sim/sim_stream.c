@@ -201,10 +201,13 @@ int sim_parse_size(const char *text, int allow_suffix, uint64_t *out) {
   unsigned shift = 0;
   if (allow_suffix && *p != '\0') {
     switch (*p) {
-      case 'k': case 'K': shift = 10; break;
-      case 'm': case 'M': shift = 20; break;
-      case 'g': case 'G': shift = 30; break;
-      default: return -1;
+    case 'k':
+    case 'K': shift = 10; break;
+    case 'm':
+    case 'M': shift = 20; break;
+    case 'g':
+    case 'G': shift = 30; break;
+    default: return -1;
     }
     p++;
   }
@@ -220,9 +223,8 @@ static void sim_init_once(void) {
     uint64_t n;
     if (sim_parse_size(v, 0, &n) != 0 || n < 1 || n > SIM_MAX_DEVICES) {
       sim_init_status = MAGPIE_ERR_CONFIG;
-      snprintf(sim_init_detail, sizeof sim_init_detail,
-               "MAGPIE_SIM_DEVICES=\"%s\" is not a device count from 1 to %d", v,
-               SIM_MAX_DEVICES);
+      snprintf(sim_init_detail, sizeof sim_init_detail, "MAGPIE_SIM_DEVICES=\"%s\" is not a device count from 1 to %d",
+               v, SIM_MAX_DEVICES);
       return;
     }
     sim_ndevices = (int)n;
@@ -234,8 +236,7 @@ static void sim_init_once(void) {
   }
   if (pthread_key_create(&sim_thread_key, sim_stream_thread_exit) != 0) {
     sim_init_status = MAGPIE_ERR_BACKEND;
-    snprintf(sim_init_detail, sizeof sim_init_detail,
-             "cannot create the simulator's thread key");
+    snprintf(sim_init_detail, sizeof sim_init_detail, "cannot create the simulator's thread key");
     return;
   }
   sim_event_start_reaper();
@@ -243,8 +244,7 @@ static void sim_init_once(void) {
 
 int sim_init(void) {
   pthread_once(&sim_once, sim_init_once);
-  if (sim_init_status != MAGPIE_OK)
-    return sim_fail(sim_init_status, "%s", sim_init_detail);
+  if (sim_init_status != MAGPIE_OK) return sim_fail(sim_init_status, "%s", sim_init_detail);
   return MAGPIE_OK;
 }
 
@@ -256,8 +256,7 @@ int sim_set_current_device(int device) {
   int rc = sim_init();
   if (rc != MAGPIE_OK) return rc;
   if (device < 0 || device >= sim_ndevices)
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
-                    device, sim_ndevices);
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)", device, sim_ndevices);
   sim_tls_device = device;
   return MAGPIE_OK;
 }
@@ -271,20 +270,17 @@ static void sim_stream_push(struct sim_stream *s, struct sim_node *n) {
   struct sim_node *prev = atomic_exchange_explicit(&s->tail, n, memory_order_acq_rel);
   atomic_store_explicit(&prev->next, n, memory_order_release);
   atomic_thread_fence(memory_order_release);
-  if (atomic_exchange_explicit(&s->wake, SIM_WAKE_TOKEN, memory_order_relaxed) ==
-      SIM_WAKE_SLEEPING)
+  if (atomic_exchange_explicit(&s->wake, SIM_WAKE_TOKEN, memory_order_relaxed) == SIM_WAKE_SLEEPING)
     sim_futex_wake_one(&s->wake);
 }
 
 /* Worker only: returns once a push happened since the last return. */
 static void sim_stream_sleep(struct sim_stream *s) {
   for (;;) {
-    if (atomic_exchange_explicit(&s->wake, SIM_WAKE_NONE, memory_order_relaxed) ==
-        SIM_WAKE_TOKEN)
-      break;
+    if (atomic_exchange_explicit(&s->wake, SIM_WAKE_NONE, memory_order_relaxed) == SIM_WAKE_TOKEN) break;
     uint32_t expected = SIM_WAKE_NONE;
-    if (atomic_compare_exchange_strong_explicit(&s->wake, &expected, SIM_WAKE_SLEEPING,
-                                                memory_order_relaxed, memory_order_relaxed))
+    if (atomic_compare_exchange_strong_explicit(&s->wake, &expected, SIM_WAKE_SLEEPING, memory_order_relaxed,
+                                                memory_order_relaxed))
       sim_futex_wait(&s->wake, SIM_WAKE_SLEEPING);
     /* else a token arrived meanwhile: take it on the next turn */
   }
@@ -304,19 +300,16 @@ static struct sim_node *sim_stream_pop(struct sim_stream *s) {
 /* Runs one node's work; returns 1 for EXIT. */
 static int sim_stream_run(struct sim_node *n) {
   switch (n->kind) {
-    case SIM_NODE_CLOSURE:
-      n->fn(n->arg);
-      return 0;
-    case SIM_NODE_MARKER:
-      sim_event_cell_complete(n->cell);
-      sim_event_cell_unref(n->cell);
-      return 0;
-    case SIM_NODE_WAIT:
-      sim_event_cell_wait(n->cell);
-      sim_event_cell_unref(n->cell);
-      return 0;
-    case SIM_NODE_EXIT:
-      return 1;
+  case SIM_NODE_CLOSURE: n->fn(n->arg); return 0;
+  case SIM_NODE_MARKER:
+    sim_event_cell_complete(n->cell);
+    sim_event_cell_unref(n->cell);
+    return 0;
+  case SIM_NODE_WAIT:
+    sim_event_cell_wait(n->cell);
+    sim_event_cell_unref(n->cell);
+    return 0;
+  case SIM_NODE_EXIT: return 1;
   }
   return 0;
 }
@@ -360,20 +353,17 @@ static int sim_stream_reg_claim(int device, uint32_t *index) {
   for (uint32_t i = 0; i < SIM_MAX_STREAMS; i++) {
     struct sim_stream *expected = NULL;
     if (atomic_load_explicit(&d->reg[i].stream, memory_order_relaxed) != NULL) continue;
-    if (!atomic_compare_exchange_strong_explicit(&d->reg[i].stream, &expected,
-                                                 SIM_REG_CLAIMED, memory_order_relaxed,
+    if (!atomic_compare_exchange_strong_explicit(&d->reg[i].stream, &expected, SIM_REG_CLAIMED, memory_order_relaxed,
                                                  memory_order_relaxed))
       continue;
     uint32_t high = atomic_load_explicit(&d->reg_high, memory_order_relaxed);
-    while (high < i + 1 &&
-           !atomic_compare_exchange_weak_explicit(&d->reg_high, &high, i + 1,
-                                                  memory_order_relaxed, memory_order_relaxed)) {
+    while (high < i + 1 && !atomic_compare_exchange_weak_explicit(&d->reg_high, &high, i + 1, memory_order_relaxed,
+                                                                  memory_order_relaxed)) {
     }
     *index = i;
     return MAGPIE_OK;
   }
-  return sim_fail(MAGPIE_ERR_BACKEND, "too many streams on device %d (at most %d)", device,
-                  SIM_MAX_STREAMS);
+  return sim_fail(MAGPIE_ERR_BACKEND, "too many streams on device %d (at most %d)", device, SIM_MAX_STREAMS);
 }
 
 /* A new stream with a running worker, registered on device. */
@@ -412,8 +402,7 @@ static int sim_stream_new(int device, struct sim_stream **out) {
     pthread_attr_destroy(&attr);
   }
   if (err != 0) {
-    rc = sim_fail(MAGPIE_ERR_BACKEND, "cannot start a stream's worker thread: %s",
-                  strerror(err));
+    rc = sim_fail(MAGPIE_ERR_BACKEND, "cannot start a stream's worker thread: %s", strerror(err));
     goto fail_thread;
   }
   atomic_exchange_explicit(&sim_stream_entry(s)->stream, s, memory_order_release);
@@ -514,8 +503,7 @@ int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)h);
   }
   if (!sim_stream_is_special(h))
-    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
-                    (void *)h);
+    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device", (void *)h);
   int rc = sim_init();
   if (rc != MAGPIE_OK) return rc;
   int device = sim_tls_device;
@@ -533,7 +521,9 @@ int sim_stream_device(const struct sim_stream *s) { return s->device; }
 
 uint64_t sim_stream_uid(const struct sim_stream *s) { return s->id; }
 
-struct sim_check_stream **sim_stream_check_state(struct sim_stream *s) { return &s->chk; }
+struct sim_check_stream **sim_stream_check_state(struct sim_stream *s) {
+  return &s->chk;
+}
 
 int sim_stream_device_of_handle(cudaStream_t h) {
   struct sim_slot *slot = sim_stream_slot_of(h);
@@ -557,8 +547,7 @@ int sim_stream_create(cudaStream_t *out) {
     i = sim_slot_unused++;
   } else {
     pthread_mutex_unlock(&sim_slot_lock);
-    return sim_fail(MAGPIE_ERR_BACKEND, "too many streams (at most %d at once)",
-                    SIM_MAX_HANDLES);
+    return sim_fail(MAGPIE_ERR_BACKEND, "too many streams (at most %d at once)", SIM_MAX_HANDLES);
   }
   pthread_mutex_unlock(&sim_slot_lock);
 
@@ -585,10 +574,8 @@ int sim_stream_destroy(cudaStream_t h) {
   struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot == NULL) {
     if (sim_stream_is_special(h))
-      return sim_fail(MAGPIE_ERR_INVALID_STREAM,
-                      "the default and per-thread streams cannot be destroyed");
-    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
-                    (void *)h);
+      return sim_fail(MAGPIE_ERR_INVALID_STREAM, "the default and per-thread streams cannot be destroyed");
+    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device", (void *)h);
   }
   pthread_mutex_lock(&sim_slot_lock);
   struct sim_stream *s = NULL;
@@ -600,8 +587,7 @@ int sim_stream_destroy(cudaStream_t h) {
     sim_slot_free_head = (uint32_t)(slot - sim_slots) + 1;
   }
   pthread_mutex_unlock(&sim_slot_lock);
-  if (s == NULL)
-    return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was already destroyed", (void *)h);
+  if (s == NULL) return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was already destroyed", (void *)h);
   sim_stream_retire(s);
   return MAGPIE_OK;
 }
@@ -609,7 +595,7 @@ int sim_stream_destroy(cudaStream_t h) {
 /* ---------------------------------------------------------------- work */
 
 static struct sim_node *sim_stream_node_new(enum sim_node_kind kind, void (*fn)(void *), void *arg,
-                                     struct sim_cell *c) {
+                                            struct sim_cell *c) {
   struct sim_node *n = malloc(sizeof *n);
   if (n == NULL) return NULL;
   atomic_init(&n->next, NULL);
@@ -620,8 +606,8 @@ static struct sim_node *sim_stream_node_new(enum sim_node_kind kind, void (*fn)(
   return n;
 }
 
-static int sim_stream_enqueue(struct sim_stream *s, enum sim_node_kind kind,
-                              void (*fn)(void *), void *arg, struct sim_cell *c) {
+static int sim_stream_enqueue(struct sim_stream *s, enum sim_node_kind kind, void (*fn)(void *), void *arg,
+                              struct sim_cell *c) {
   struct sim_node *n = sim_stream_node_new(kind, fn, arg, c);
   if (n == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream's work");
   sim_stream_push(s, n);
@@ -694,8 +680,7 @@ int sim_stream_device_synchronize(int device) {
   int rc = sim_init();
   if (rc != MAGPIE_OK) return rc;
   if (device < 0 || device >= sim_ndevices)
-    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)",
-                    device, sim_ndevices);
+    return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)", device, sim_ndevices);
   struct sim_device *d = &sim_devices[device];
   /* The checker's clocks as of now: what the markers below will cover. */
   struct sim_vc *vc = sim_check_device_snapshot(device);
@@ -766,8 +751,7 @@ MAGPIE_API int magpie_sim_get_device(void) { return sim_tls_device; }
 
 MAGPIE_API cudaStream_t magpie_sim_stream_create(void) {
   cudaStream_t h = NULL;
-  if (sim_public_result("magpie_sim_stream_create", sim_stream_create(&h)) != MAGPIE_OK)
-    return NULL;
+  if (sim_public_result("magpie_sim_stream_create", sim_stream_create(&h)) != MAGPIE_OK) return NULL;
   return h;
 }
 
@@ -788,18 +772,15 @@ MAGPIE_API int magpie_sim_stream_synchronize(cudaStream_t s) {
 }
 
 MAGPIE_API int magpie_sim_device_synchronize(void) {
-  return sim_public_result("magpie_sim_device_synchronize",
-                           sim_stream_device_synchronize(sim_tls_device));
+  return sim_public_result("magpie_sim_device_synchronize", sim_stream_device_synchronize(sim_tls_device));
 }
 
 MAGPIE_API uint64_t magpie_sim_stream_id(cudaStream_t s) {
   uint64_t id = sim_stream_id(s);
   if (id == 0) {
-    if (sim_stream_slot_of(s) != NULL)
-      sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)s);
+    if (sim_stream_slot_of(s) != NULL) sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)s);
     else if (!sim_stream_is_special(s))
-      sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device",
-               (void *)s);
+      sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device", (void *)s);
     sim_public_result("magpie_sim_stream_id", MAGPIE_ERR_INVALID_STREAM);
   }
   return id;

@@ -3,15 +3,15 @@
  * (bytes in use, reserved bytes equal to device memory in use, no
  * stream-order violation) and the next valid operation succeeds. Runs with
  * check=1 (double frees of small blocks detected) and check_streams=1. */
+#include <fcntl.h>
 #include <setjmp.h>
+#include <spawn.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 

@@ -8,8 +8,8 @@
 
 #include <cmocka.h>
 
-#include "magpie.h"
 #include "front/init.h"
+#include "magpie.h"
 #include "tests/fake_backend.h"
 
 static void test_double_free_small(void **state) {

@@ -14,20 +14,20 @@
 
 #include <cmocka.h>
 
+#include "base/error.h"
+#include "base/meta.h"
+#include "base/pagemap.h"
+#include "base/sizeclass.h"
+#include "base/stack.h"
+#include "front/init.h"
+#include "front/tcache.h"
+#include "heap/heap.h"
 #include "magpie.h"
 #include "pool/depot.h"
 #include "pool/epoch.h"
 #include "pool/magazine.h"
-#include "heap/heap.h"
-#include "front/init.h"
-#include "base/error.h"
-#include "base/meta.h"
-#include "base/pagemap.h"
 #include "pool/slab.h"
 #include "pool/span.h"
-#include "base/sizeclass.h"
-#include "front/tcache.h"
-#include "base/stack.h"
 #include "tests/fake_backend.h"
 
 #define N_BLOCKS 400
@@ -106,8 +106,7 @@ static void test_cross_stream_waits_for_epoch(void **state) {
   assert_true(after.cross_stream_migrations > before.cross_stream_migrations);
   /* Nothing but a query can have told magpie that A's work completed. */
   assert_true(after.event_queries > before.event_queries);
-  assert_true(after.event_queries_pending - before.event_queries_pending <
-              after.event_queries - before.event_queries);
+  assert_true(after.event_queries_pending - before.event_queries_pending < after.event_queries - before.event_queries);
   fake_stream_complete(b);
 }
 

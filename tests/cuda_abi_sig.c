@@ -28,17 +28,14 @@ typedef CUmemAccessDesc cudrv_mem_access_desc;
 #error "cuda_abi_test needs the headers of CUDA 12.8 or newer (cuStreamGetDevice)"
 #endif
 
-#define ABI_SIG_CHECK(field, symbol, version)                                       \
-  _Static_assert(__builtin_types_compatible_p(cudrv_pfn_##field,                   \
-                                              PFN_##symbol##_v##version),          \
-                 "cudrv_pfn_" #field " differs from PFN_" #symbol "_v" #version);  \
-  _Static_assert(__builtin_types_compatible_p(__typeof__(((cudrv_api *)0)->field), \
-                                              PFN_##symbol##_v##version),          \
+#define ABI_SIG_CHECK(field, symbol, version)                                                                  \
+  _Static_assert(__builtin_types_compatible_p(cudrv_pfn_##field, PFN_##symbol##_v##version),                   \
+                 "cudrv_pfn_" #field " differs from PFN_" #symbol "_v" #version);                              \
+  _Static_assert(__builtin_types_compatible_p(__typeof__(((cudrv_api *)0)->field), PFN_##symbol##_v##version), \
                  "cudrv_api." #field " differs from PFN_" #symbol "_v" #version);
 CUDRV_ALL_FUNCS(ABI_SIG_CHECK)
 
-_Static_assert(__builtin_types_compatible_p(cudrv_pfn_get_proc_address,
-                                            PFN_cuGetProcAddress_v12000),
+_Static_assert(__builtin_types_compatible_p(cudrv_pfn_get_proc_address, PFN_cuGetProcAddress_v12000),
                "cudrv_pfn_get_proc_address differs from PFN_cuGetProcAddress_v12000");
 _Static_assert(__builtin_types_compatible_p(__typeof__(((cudrv_api *)0)->get_proc_address),
                                             PFN_cuGetProcAddress_v12000),

@@ -59,13 +59,12 @@ _Static_assert(SAME_TYPE(cudrv_mem_pool, CUmemoryPool), "CUmemoryPool");
 _Static_assert(SAME_TYPE(cudaStream_t, CUstream), "magpie.h cudaStream_t");
 
 /* Struct layouts. */
-#define LAYOUT(ours, theirs)                                                   \
-  _Static_assert(sizeof(ours) == sizeof(theirs), "sizeof " #theirs);           \
+#define LAYOUT(ours, theirs)                                         \
+  _Static_assert(sizeof(ours) == sizeof(theirs), "sizeof " #theirs); \
   _Static_assert(_Alignof(ours) == _Alignof(theirs), "alignof " #theirs)
-#define FIELD(ours, of, theirs, tf)                                                      \
+#define FIELD(ours, of, theirs, tf)                                                        \
   _Static_assert(offsetof(ours, of) == offsetof(theirs, tf), "offsetof " #theirs "." #tf); \
-  _Static_assert(sizeof(((ours *)0)->of) == sizeof(((theirs *)0)->tf),                   \
-                 "sizeof " #theirs "." #tf)
+  _Static_assert(sizeof(((ours *)0)->of) == sizeof(((theirs *)0)->tf), "sizeof " #theirs "." #tf)
 
 LAYOUT(cudrv_mem_location, CUmemLocation);
 FIELD(cudrv_mem_location, type, CUmemLocation, type);
@@ -79,10 +78,8 @@ FIELD(cudrv_mem_alloc_prop, location.type, CUmemAllocationProp, location.type);
 FIELD(cudrv_mem_alloc_prop, location.id, CUmemAllocationProp, location.id);
 FIELD(cudrv_mem_alloc_prop, win32_handle_meta_data, CUmemAllocationProp, win32HandleMetaData);
 FIELD(cudrv_mem_alloc_prop, alloc_flags, CUmemAllocationProp, allocFlags);
-FIELD(cudrv_mem_alloc_prop, alloc_flags.compression_type, CUmemAllocationProp,
-      allocFlags.compressionType);
-FIELD(cudrv_mem_alloc_prop, alloc_flags.gpu_direct_rdma_capable, CUmemAllocationProp,
-      allocFlags.gpuDirectRDMACapable);
+FIELD(cudrv_mem_alloc_prop, alloc_flags.compression_type, CUmemAllocationProp, allocFlags.compressionType);
+FIELD(cudrv_mem_alloc_prop, alloc_flags.gpu_direct_rdma_capable, CUmemAllocationProp, allocFlags.gpuDirectRDMACapable);
 FIELD(cudrv_mem_alloc_prop, alloc_flags.usage, CUmemAllocationProp, allocFlags.usage);
 FIELD(cudrv_mem_alloc_prop, alloc_flags.reserved, CUmemAllocationProp, allocFlags.reserved);
 
@@ -97,38 +94,36 @@ _Static_assert(sizeof(int) == sizeof(CUmemAllocationHandleType), "CUmemAllocatio
 _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
 
 /* Constants: X(ours, theirs). */
-#define ABI_CONSTANTS(X)                                                          \
-  X(CUDRV_SUCCESS, CUDA_SUCCESS)                                                  \
-  X(CUDRV_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE)                          \
-  X(CUDRV_ERROR_OUT_OF_MEMORY, CUDA_ERROR_OUT_OF_MEMORY)                          \
-  X(CUDRV_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_INITIALIZED)                      \
-  X(CUDRV_ERROR_DEINITIALIZED, CUDA_ERROR_DEINITIALIZED)                          \
-  X(CUDRV_ERROR_STUB_LIBRARY, CUDA_ERROR_STUB_LIBRARY)                            \
-  X(CUDRV_ERROR_NO_DEVICE, CUDA_ERROR_NO_DEVICE)                                  \
-  X(CUDRV_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT)                      \
-  X(CUDRV_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)                        \
-  X(CUDRV_ERROR_NOT_FOUND, CUDA_ERROR_NOT_FOUND)                                  \
-  X(CUDRV_ERROR_NOT_READY, CUDA_ERROR_NOT_READY)                                  \
-  X(CUDRV_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_CONTEXT_IS_DESTROYED)            \
-  X(CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED,                                         \
-    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)                      \
-  X(CUDRV_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOCATION_TYPE_PINNED)              \
-  X(CUDRV_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_NONE)                          \
-  X(CUDRV_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_DEVICE)                  \
-  X(CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)    \
-  X(CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_MINIMUM)        \
-  X(CUDRV_EVENT_DISABLE_TIMING, CU_EVENT_DISABLE_TIMING)                          \
-  X(CUDRV_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING)                            \
-  X(CUDRV_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_PORTABLE)                        \
-  X(CUDRV_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_DEVICEMAP)                      \
-  X(CUDRV_MEMPOOL_ATTR_RELEASE_THRESHOLD, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)      \
-  X(CUDRV_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER)                          \
-  X(CUDRV_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)    \
-  X(CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, CU_GET_PROC_ADDRESS_LEGACY_STREAM)      \
-  X(CUDRV_GET_PROC_ADDRESS_SUCCESS, CU_GET_PROC_ADDRESS_SUCCESS)                  \
-  X(CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND) \
-  X(CUDRV_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT,                                \
-    CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
+#define ABI_CONSTANTS(X)                                                                           \
+  X(CUDRV_SUCCESS, CUDA_SUCCESS)                                                                   \
+  X(CUDRV_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE)                                           \
+  X(CUDRV_ERROR_OUT_OF_MEMORY, CUDA_ERROR_OUT_OF_MEMORY)                                           \
+  X(CUDRV_ERROR_NOT_INITIALIZED, CUDA_ERROR_NOT_INITIALIZED)                                       \
+  X(CUDRV_ERROR_DEINITIALIZED, CUDA_ERROR_DEINITIALIZED)                                           \
+  X(CUDRV_ERROR_STUB_LIBRARY, CUDA_ERROR_STUB_LIBRARY)                                             \
+  X(CUDRV_ERROR_NO_DEVICE, CUDA_ERROR_NO_DEVICE)                                                   \
+  X(CUDRV_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT)                                       \
+  X(CUDRV_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)                                         \
+  X(CUDRV_ERROR_NOT_FOUND, CUDA_ERROR_NOT_FOUND)                                                   \
+  X(CUDRV_ERROR_NOT_READY, CUDA_ERROR_NOT_READY)                                                   \
+  X(CUDRV_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_CONTEXT_IS_DESTROYED)                             \
+  X(CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) \
+  X(CUDRV_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOCATION_TYPE_PINNED)                               \
+  X(CUDRV_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_NONE)                                           \
+  X(CUDRV_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_DEVICE)                                   \
+  X(CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)                     \
+  X(CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_MINIMUM)                         \
+  X(CUDRV_EVENT_DISABLE_TIMING, CU_EVENT_DISABLE_TIMING)                                           \
+  X(CUDRV_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING)                                             \
+  X(CUDRV_MEMHOSTALLOC_PORTABLE, CU_MEMHOSTALLOC_PORTABLE)                                         \
+  X(CUDRV_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_DEVICEMAP)                                       \
+  X(CUDRV_MEMPOOL_ATTR_RELEASE_THRESHOLD, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)                       \
+  X(CUDRV_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER)                                           \
+  X(CUDRV_JIT_ERROR_LOG_BUFFER_SIZE_BYTES, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES)                     \
+  X(CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, CU_GET_PROC_ADDRESS_LEGACY_STREAM)                       \
+  X(CUDRV_GET_PROC_ADDRESS_SUCCESS, CU_GET_PROC_ADDRESS_SUCCESS)                                   \
+  X(CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)                 \
+  X(CUDRV_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT, CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
 
 #define ABI_CONSTANT_ASSERT(ours, theirs) \
   _Static_assert((long long)(ours) == (long long)(theirs), #ours " != " #theirs);
@@ -145,8 +140,7 @@ static void test_constants(void **state) {
   (void)state;
 #define ABI_CONSTANT_EXPECT(ours, theirs) expect_same(#ours, (ours), (theirs));
   ABI_CONSTANTS(ABI_CONSTANT_EXPECT)
-  expect_same("CUDRV_STREAM_LEGACY", (long long)(uintptr_t)CUDRV_STREAM_LEGACY,
-              (long long)(uintptr_t)CU_STREAM_LEGACY);
+  expect_same("CUDRV_STREAM_LEGACY", (long long)(uintptr_t)CUDRV_STREAM_LEGACY, (long long)(uintptr_t)CU_STREAM_LEGACY);
   expect_same("CUDRV_STREAM_PER_THREAD", (long long)(uintptr_t)CUDRV_STREAM_PER_THREAD,
               (long long)(uintptr_t)CU_STREAM_PER_THREAD);
 }
@@ -154,7 +148,7 @@ static void test_constants(void **state) {
 static void test_layouts(void **state) {
   (void)state;
 #define EXPECT_SIZE(ours, theirs) expect_same("sizeof " #theirs, sizeof(ours), sizeof(theirs));
-#define EXPECT_FIELD(ours, of, theirs, tf)                                    \
+#define EXPECT_FIELD(ours, of, theirs, tf)                                            \
   expect_same("offsetof " #theirs "." #tf, offsetof(ours, of), offsetof(theirs, tf)); \
   expect_same("sizeof " #theirs "." #tf, sizeof(((ours *)0)->of), sizeof(((theirs *)0)->tf));
   EXPECT_SIZE(cudrv_result, CUresult)
@@ -168,15 +162,12 @@ static void test_layouts(void **state) {
   EXPECT_FIELD(cudrv_mem_location, id, CUmemLocation, id)
   EXPECT_SIZE(cudrv_mem_alloc_prop, CUmemAllocationProp)
   EXPECT_FIELD(cudrv_mem_alloc_prop, type, CUmemAllocationProp, type)
-  EXPECT_FIELD(cudrv_mem_alloc_prop, requested_handle_types, CUmemAllocationProp,
-               requestedHandleTypes)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, requested_handle_types, CUmemAllocationProp, requestedHandleTypes)
   EXPECT_FIELD(cudrv_mem_alloc_prop, location, CUmemAllocationProp, location)
-  EXPECT_FIELD(cudrv_mem_alloc_prop, win32_handle_meta_data, CUmemAllocationProp,
-               win32HandleMetaData)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, win32_handle_meta_data, CUmemAllocationProp, win32HandleMetaData)
   EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags, CUmemAllocationProp, allocFlags)
   EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags.usage, CUmemAllocationProp, allocFlags.usage)
-  EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags.reserved, CUmemAllocationProp,
-               allocFlags.reserved)
+  EXPECT_FIELD(cudrv_mem_alloc_prop, alloc_flags.reserved, CUmemAllocationProp, allocFlags.reserved)
   EXPECT_SIZE(cudrv_mem_access_desc, CUmemAccessDesc)
   EXPECT_FIELD(cudrv_mem_access_desc, location, CUmemAccessDesc, location)
   EXPECT_FIELD(cudrv_mem_access_desc, flags, CUmemAccessDesc, flags)
@@ -193,9 +184,10 @@ static void test_signatures(void **state) {
   (void)state;
   /* The comparison itself happened when cuda_abi_sig.c compiled. */
   int n = cuda_abi_sig_checked();
-  printf("  %d driver entry point types equal cudaTypedefs.h's PFN_* types: the loader's "
-         "table (%d required, %d for the tools and tests, %d optional) and cuGetProcAddress\n",
-         n, ABI_REQUIRED, ABI_TOOL, ABI_OPTIONAL);
+  printf(
+      "  %d driver entry point types equal cudaTypedefs.h's PFN_* types: the loader's "
+      "table (%d required, %d for the tools and tests, %d optional) and cuGetProcAddress\n",
+      n, ABI_REQUIRED, ABI_TOOL, ABI_OPTIONAL);
   assert_int_equal(n, 1 + ABI_REQUIRED + ABI_TOOL + ABI_OPTIONAL);
   assert_int_equal(sizeof(cudrv_api), (size_t)(n + 1) * sizeof(void *));
 }
@@ -205,8 +197,7 @@ static const char *typedefs_path;
 
 static char *read_file(const char *path) {
   FILE *f = fopen(path, "rb");
-  if (f == NULL)
-    return NULL;
+  if (f == NULL) return NULL;
   char *buf = NULL;
   size_t len = 0, cap = 0, got;
   do {
@@ -238,10 +229,8 @@ static int newest_variant(const char *text, const char *symbol, int limit) {
     const char *d = p + strlen(key);
     char *end;
     long v = strtol(d, &end, 10);
-    if (end == d || *end != ')')
-      continue;
-    if (v <= limit && v > best)
-      best = (int)v;
+    if (end == d || *end != ')') continue;
+    if (v <= limit && v > best) best = (int)v;
   }
   return best;
 }
@@ -254,16 +243,15 @@ static void test_variants(void **state) {
   (void)state;
   assert_non_null(typedefs_path);
   char *text = read_file(typedefs_path);
-  if (text == NULL)
-    fail_msg("cannot read %s", typedefs_path);
+  if (text == NULL) fail_msg("cannot read %s", typedefs_path);
   int checked = 0, wrong = 0;
-#define ABI_VARIANT(field, symbol, version)                                              \
-  {                                                                                      \
-    int got = newest_variant(text, #symbol, CUDRV_REQUEST_FOR(version));                 \
-    printf("  %-30s listed v%-6d requested at %-6d newest there v%-6d %s\n", #symbol,     \
-           version, CUDRV_REQUEST_FOR(version), got, got == version ? "ok" : "MISMATCH"); \
-    checked++;                                                                           \
-    wrong += got != version;                                                             \
+#define ABI_VARIANT(field, symbol, version)                                                    \
+  {                                                                                            \
+    int got = newest_variant(text, #symbol, CUDRV_REQUEST_FOR(version));                       \
+    printf("  %-30s listed v%-6d requested at %-6d newest there v%-6d %s\n", #symbol, version, \
+           CUDRV_REQUEST_FOR(version), got, got == version ? "ok" : "MISMATCH");               \
+    checked++;                                                                                 \
+    wrong += got != version;                                                                   \
   }
   CUDRV_ALL_FUNCS(ABI_VARIANT)
   ABI_VARIANT(get_proc_address, cuGetProcAddress, 12000)
@@ -306,8 +294,7 @@ static void test_loader(void **state) {
   assert_int_equal(cudrv_load(CUDRV_LOAD_LIBRARY, &again), -1);
   assert_string_equal(again, why_lib);
   assert_int_equal(cudrv_load(CUDRV_LOAD_ALL, NULL), -1);
-  if (cudrv.library == NULL)
-    assert_non_null(strstr(why_lib, "libcuda.so.1"));
+  if (cudrv.library == NULL) assert_non_null(strstr(why_lib, "libcuda.so.1"));
 }
 
 /* Where the driver is missing (CI), init must say so and nothing may crash.
@@ -331,8 +318,7 @@ static void test_backend_without_driver(void **state) {
   assert_true(strlen(detail) > 0);
   /* A failed load is reported with the loader's reason. */
   const char *why = NULL;
-  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0)
-    assert_string_equal(detail, why);
+  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0) assert_string_equal(detail, why);
   /* Idempotent: the same answer and reason again. */
   assert_int_equal(b->init(), MAGPIE_ERR_NO_DEVICE);
   assert_string_equal(backend_error_detail(), detail);
@@ -367,12 +353,8 @@ static void test_backend_without_driver(void **state) {
 int main(int argc, char **argv) {
   typedefs_path = argc > 1 ? argv[1] : NULL;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_constants),
-      cmocka_unit_test(test_layouts),
-      cmocka_unit_test(test_signatures),
-      cmocka_unit_test(test_variants),
-      cmocka_unit_test(test_loader),
-      cmocka_unit_test(test_backend_without_driver),
+      cmocka_unit_test(test_constants), cmocka_unit_test(test_layouts), cmocka_unit_test(test_signatures),
+      cmocka_unit_test(test_variants),  cmocka_unit_test(test_loader),  cmocka_unit_test(test_backend_without_driver),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

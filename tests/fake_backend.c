@@ -104,7 +104,10 @@ void fake_get_counters(fake_counters *out) {
 }
 
 static int f_init(void) { return MAGPIE_OK; }
-static int f_device_count(int *n) { *n = fake_ndev; return MAGPIE_OK; }
+static int f_device_count(int *n) {
+  *n = fake_ndev;
+  return MAGPIE_OK;
+}
 static int f_mem_info(int d, size_t *fr, size_t *tot) {
   pthread_mutex_lock(&fake_lock);
   *tot = fake_capacity[d];
@@ -112,8 +115,16 @@ static int f_mem_info(int d, size_t *fr, size_t *tot) {
   pthread_mutex_unlock(&fake_lock);
   return MAGPIE_OK;
 }
-static int f_vmm(int d, int *s) { (void)d; *s = 1; return MAGPIE_OK; }
-static int f_gran(int d, size_t *g) { (void)d; *g = FAKE_GRAN; return MAGPIE_OK; }
+static int f_vmm(int d, int *s) {
+  (void)d;
+  *s = 1;
+  return MAGPIE_OK;
+}
+static int f_gran(int d, size_t *g) {
+  (void)d;
+  *g = FAKE_GRAN;
+  return MAGPIE_OK;
+}
 static int f_reserve(int d, size_t size, uintptr_t *base) {
   (void)d;
   void *p = mmap(NULL, size + FAKE_GRAN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -121,7 +132,12 @@ static int f_reserve(int d, size_t size, uintptr_t *base) {
   *base = ((uintptr_t)p + FAKE_GRAN - 1) & ~(uintptr_t)(FAKE_GRAN - 1);
   return MAGPIE_OK;
 }
-static int f_unreserve(int d, uintptr_t base, size_t size) { (void)d; (void)base; (void)size; return MAGPIE_OK; }
+static int f_unreserve(int d, uintptr_t base, size_t size) {
+  (void)d;
+  (void)base;
+  (void)size;
+  return MAGPIE_OK;
+}
 static _Atomic unsigned fake_map_delay_us;
 void fake_set_map_delay_us(unsigned us) { fake_map_delay_us = us; }
 
@@ -173,16 +189,26 @@ static int f_unmap(int d, uintptr_t a, size_t size) {
   return MAGPIE_OK;
 }
 static int f_mem_alloc(int d, size_t size, uintptr_t *out) {
-  (void)d; (void)size; (void)out;
+  (void)d;
+  (void)size;
+  (void)out;
   return MAGPIE_ERR_BACKEND;
 }
-static int f_mem_free(int d, uintptr_t p, size_t size) { (void)d; (void)p; (void)size; return MAGPIE_OK; }
+static int f_mem_free(int d, uintptr_t p, size_t size) {
+  (void)d;
+  (void)p;
+  (void)size;
+  return MAGPIE_OK;
+}
 static int f_event_create(int d, void **ev) {
   (void)d;
   *ev = calloc(1, sizeof(fake_event));
   return *ev ? MAGPIE_OK : MAGPIE_ERR_OUT_OF_MEMORY;
 }
-static int f_event_destroy(void *ev) { free(ev); return MAGPIE_OK; }
+static int f_event_destroy(void *ev) {
+  free(ev);
+  return MAGPIE_OK;
+}
 static int f_event_record(void *ev, cudaStream_t s) {
   fake_event *e = ev;
   pthread_mutex_lock(&fake_lock);

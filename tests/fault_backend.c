@@ -13,9 +13,19 @@ static _Atomic uint64_t fault_n;
 static _Atomic int fault_did_fire;
 
 static const char *const fault_names[FAULT_OP_COUNT] = {
-    "reserve",     "map",         "unmap",     "mem_alloc",       "mem_free",
-    "event_create", "event_record", "event_query", "event_synchronize", "stream_wait_event",
-    "stream_id",   "stream_device", "device_synchronize",
+    "reserve",
+    "map",
+    "unmap",
+    "mem_alloc",
+    "mem_free",
+    "event_create",
+    "event_record",
+    "event_query",
+    "event_synchronize",
+    "stream_wait_event",
+    "stream_id",
+    "stream_device",
+    "device_synchronize",
 };
 
 const char *fault_op_name(int op) { return op >= 0 && op < FAULT_OP_COUNT ? fault_names[op] : "?"; }
@@ -48,9 +58,9 @@ static int fault_hit(int op) {
 }
 
 /* The error each operation reports when it fails: what the driver gives. */
-#define FAULT(op, code)              \
-  do {                               \
-    if (fault_hit(op)) return code;  \
+#define FAULT(op, code)             \
+  do {                              \
+    if (fault_hit(op)) return code; \
   } while (0)
 
 static int f_init(void) { return fault_inner->init(); }

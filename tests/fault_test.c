@@ -28,22 +28,22 @@
  * operation); the plain build sweeps every call. Run by hand:
  * fault_test --child OP N (OP "none" counts). */
 #include <setjmp.h>
+#include <spawn.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
 #include "fault_backend.h"
+#include "front/init.h"
 #include "magpie.h"
 #include "magpie_sim.h"
-#include "front/init.h"
 #include "sim/sim_internal.h"
 
 extern char **environ;
@@ -254,14 +254,15 @@ static void test_fault_sweep(void **state) {
     print_message("%-18s %4llu calls; made to fail once each: call 1, 1 + %llu, ...\n", fault_op_name(op),
                   (unsigned long long)counts[op], (unsigned long long)stride);
   }
-  print_message("%d faulty runs, %d failed, %d where the call did not come (a path that depends on when "
-                "simulated work completes)\n",
-                runs, failures, missed);
+  print_message(
+      "%d faulty runs, %d failed, %d where the call did not come (a path that depends on when "
+      "simulated work completes)\n",
+      runs, failures, missed);
   /* Sanitizers stretch the timing, so more calls move. */
   assert_true(sanitized ? missed * 2 < runs : missed * 10 < runs);
   /* The scenario reaches the operations the sweep is about. */
-  assert_true(counts[FAULT_MAP] + counts[FAULT_MEM_ALLOC] > 0 && counts[FAULT_EVENT_CREATE] > 0 && counts[FAULT_EVENT_RECORD] > 0 &&
-              counts[FAULT_EVENT_QUERY] > 0 && counts[FAULT_STREAM_ID] > 0);
+  assert_true(counts[FAULT_MAP] + counts[FAULT_MEM_ALLOC] > 0 && counts[FAULT_EVENT_CREATE] > 0 &&
+              counts[FAULT_EVENT_RECORD] > 0 && counts[FAULT_EVENT_QUERY] > 0 && counts[FAULT_STREAM_ID] > 0);
   assert_int_equal(failures, 0);
 }
 

@@ -18,7 +18,7 @@ typedef struct jm {
   char *str;              /* JM_STR */
   size_t n;               /* JM_ARR / JM_OBJ: children */
   struct jm **kids;
-  char **keys;            /* JM_OBJ */
+  char **keys; /* JM_OBJ */
 } jm;
 
 typedef struct jm_parser {

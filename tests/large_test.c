@@ -18,9 +18,9 @@
 
 #include <cmocka.h>
 
-#include "magpie.h"
-#include "heap/heap.h"
 #include "front/init.h"
+#include "heap/heap.h"
+#include "magpie.h"
 #include "pool/large.h"
 #include "tests/fake_backend.h"
 #include "tests/json_mini.h"
@@ -32,8 +32,8 @@
 static void check_layers(int dev) {
   magpie_stats s;
   assert_int_equal(magpie_stats_get(dev, &s), MAGPIE_OK);
-  size_t sum = s.in_use_bytes + s.thread_cached_bytes + s.depot_bytes + s.epoch_pending_bytes +
-               s.large_free_bytes + s.overhead_bytes;
+  size_t sum = s.in_use_bytes + s.thread_cached_bytes + s.depot_bytes + s.epoch_pending_bytes + s.large_free_bytes +
+               s.overhead_bytes;
   if (sum != s.reserved_bytes)
     fail_msg("reserved %zu != in_use %zu + thread %zu + depot %zu + pending %zu + large free %zu + overhead %zu",
              s.reserved_bytes, s.in_use_bytes, s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes,

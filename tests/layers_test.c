@@ -15,19 +15,19 @@
 
 #include <cmocka.h>
 
+#include "base/meta.h"
+#include "base/pagemap.h"
+#include "base/sizeclass.h"
+#include "base/stack.h"
+#include "front/init.h"
+#include "front/tcache.h"
+#include "heap/heap.h"
 #include "magpie.h"
 #include "pool/depot.h"
 #include "pool/epoch.h"
 #include "pool/magazine.h"
-#include "heap/heap.h"
-#include "front/init.h"
-#include "base/meta.h"
-#include "base/pagemap.h"
 #include "pool/slab.h"
 #include "pool/span.h"
-#include "base/sizeclass.h"
-#include "front/tcache.h"
-#include "base/stack.h"
 #include "tests/fake_backend.h"
 
 static void test_sizeclass(void **state) {
@@ -42,7 +42,8 @@ static void test_sizeclass(void **state) {
     if (size > 1024) assert_true((cs - size) * 4 <= cs); /* <= 25 % waste */
   }
   assert_int_equal(sizeclass_of(SIZECLASS_MAX_SIZE), SIZECLASS_COUNT - 1);
-  for (unsigned c = 1; c < SIZECLASS_COUNT; c++) assert_true(globals.sizeclass_table[c].size > globals.sizeclass_table[c - 1].size);
+  for (unsigned c = 1; c < SIZECLASS_COUNT; c++)
+    assert_true(globals.sizeclass_table[c].size > globals.sizeclass_table[c - 1].size);
 }
 
 static void test_sizeclass_magic_division(void **state) {
@@ -149,7 +150,6 @@ static void test_pagemap(void **state) {
   assert_null(pagemap_lookup(base));
 }
 
-
 /* Events on one stream complete in order: once one ticket's event is seen
  * complete, earlier tickets of that stream are complete by comparison, with
  * no further query. Same-stream reuse needs no query at all. */
@@ -210,7 +210,6 @@ static void test_epoch_ordering(void **state) {
   assert_int_equal(stack_count(&h->epochs.free_events), pooled + 3);
 }
 
-
 /* Two fake streams of device 0 with their ids, and A's stream record
  * (the caller releases it). */
 static stream_rec *two_streams(heap *h, cudaStream_t *a, cudaStream_t *b, uint64_t *ida, uint64_t *idb) {
@@ -256,9 +255,9 @@ static void test_magazine_and_depot(void **state) {
   m->slots[m->count++] = (void *)0x1000; /* never dereferenced */
   assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
   depot_put(&h->depots[m->cls], m);
-  assert_null(depot_take(&h->depots[cls], idb));       /* A's work may be running */
+  assert_null(depot_take(&h->depots[cls], idb));         /* A's work may be running */
   assert_ptr_equal(depot_take(&h->depots[cls], ida), m); /* A itself: at once */
-  assert_null(m->ticket.rec);                  /* handed over without a ticket */
+  assert_null(m->ticket.rec);                            /* handed over without a ticket */
 
   assert_int_equal(epoch_seal(ra, a, &m->ticket), MAGPIE_OK);
   depot_put(&h->depots[m->cls], m);
@@ -315,7 +314,7 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   (void)state;
   heap *h = heap_get(0);
   assert_non_null(h);
-  assert_int_equal(h->reuse_wait, 1); /* the default */
+  assert_int_equal(h->reuse_wait, 1);  /* the default */
   unsigned cls = sizeclass_of(160000); /* a class no other test uses */
   cudaStream_t a, b;
   uint64_t ida, idb;
@@ -384,7 +383,7 @@ static void test_magazine_capacity_adapts(void **state) {
   (void)state;
   unsigned cls = sizeclass_of(60000); /* 64 KiB class */
   const sizeclass_info *ci = &globals.sizeclass_table[cls];
-  assert_int_equal(ci->mag_cap, 5);  /* cbrt(2^23 / 64 KiB) */
+  assert_int_equal(ci->mag_cap, 5); /* cbrt(2^23 / 64 KiB) */
   assert_true(ci->mag_max > ci->mag_cap);
   cudaStream_t s = fake_stream_create(0);
   enum { N = 256 };

@@ -108,8 +108,8 @@ static void test_release_threshold_in_background(void **state) {
     assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
     ok = st.reserved_bytes - st.in_use_bytes <= THRESHOLD;
   }
-  if (!ok) fail_msg("still %zu bytes cached above the %zu-byte threshold", st.reserved_bytes - st.in_use_bytes,
-                    THRESHOLD);
+  if (!ok)
+    fail_msg("still %zu bytes cached above the %zu-byte threshold", st.reserved_bytes - st.in_use_bytes, THRESHOLD);
   assert_true(st.large_bytes_unmapped > 0);
   magpie_sim_stream_destroy(s);
 }

@@ -5,9 +5,9 @@
  * block as large as most of the device must be allocated. Also: the
  * out-of-memory message, and stamped blocks staying intact throughout. */
 #include <pthread.h>
-#include <stdatomic.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>

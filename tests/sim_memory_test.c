@@ -265,12 +265,9 @@ int main(int argc, char **argv) {
   unsetenv("MAGPIE_SIM_MEMORY");
   unsetenv("MAGPIE_SIM_VMM");
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_memory_reserve_map_unmap),
-      cmocka_unit_test(test_memory_over_capacity),
-      cmocka_unit_test(test_memory_alloc_free),
-      cmocka_unit_test(test_config_parsing),
-      cmocka_unit_test(test_bad_environment_is_reported),
-      cmocka_unit_test(test_backend_table),
+      cmocka_unit_test(test_memory_reserve_map_unmap),    cmocka_unit_test(test_memory_over_capacity),
+      cmocka_unit_test(test_memory_alloc_free),           cmocka_unit_test(test_config_parsing),
+      cmocka_unit_test(test_bad_environment_is_reported), cmocka_unit_test(test_backend_table),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -16,8 +16,8 @@
  * stamps, catching two uses running at once. */
 #include <pthread.h>
 #include <setjmp.h>
-#include <stdatomic.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -43,14 +43,14 @@ typedef struct srec {
    * stream's own work; read (relaxed) by the checker: it reports real time,
    * and must not add ordering the allocator does not have. */
   _Atomic uint64_t done;
-  uint64_t enqueued;      /* under its slot's lock */
-  uint64_t vc[MAX_RECS];  /* work enqueued from now on follows rec r's vc[r]; under the slot lock */
+  uint64_t enqueued;     /* under its slot's lock */
+  uint64_t vc[MAX_RECS]; /* work enqueued from now on follows rec r's vc[r]; under the slot lock */
 } srec;
 
 static srec recs[MAX_RECS];
 static _Atomic int nrecs;
 static pthread_mutex_t slot_mu[SLOTS];
-static int slot_rec[SLOTS];     /* under slot_mu */
+static int slot_rec[SLOTS]; /* under slot_mu */
 static _Atomic long violations, stamp_errors, handouts_checked;
 static char violation_msg[256];
 
@@ -217,7 +217,7 @@ static void *stress_thread(void *arg) {
        * block. */
       static const size_t sizes[] = {700, 3000, 30000, 60000, 200000, 500000};
       size_t size = (seed >> 32) % 50 == 0 ? ((size_t)1 << 20) + ((seed >> 40) % 3) * 700000
-                                          : sizes[(seed >> 32) % 6] - (size_t)((seed >> 44) % 64);
+                                           : sizes[(seed >> 32) % 6] - (size_t)((seed >> 44) % 64);
       pthread_mutex_lock(&slot_mu[s]);
       cudaStream_t h = recs[slot_rec[s]].handle;
       void *p = magpie_malloc_async(size, h);
@@ -302,11 +302,12 @@ static void test_stress(void **state) {
   magpie_stats st;
   assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
   assert_int_equal(st.in_use_bytes, 0);
-  print_message("handouts %ld, streams %d, events %llu, migrations %llu, same-stream %llu, limbo %llu, "
-                "reserved %zu\n",
-                atomic_load(&handouts_checked), atomic_load(&nrecs), (unsigned long long)st.events_recorded,
-                (unsigned long long)st.cross_stream_migrations, (unsigned long long)st.same_stream_reuses,
-                (unsigned long long)st.limbo_magazines, st.reserved_bytes);
+  print_message(
+      "handouts %ld, streams %d, events %llu, migrations %llu, same-stream %llu, limbo %llu, "
+      "reserved %zu\n",
+      atomic_load(&handouts_checked), atomic_load(&nrecs), (unsigned long long)st.events_recorded,
+      (unsigned long long)st.cross_stream_migrations, (unsigned long long)st.same_stream_reuses,
+      (unsigned long long)st.limbo_magazines, st.reserved_bytes);
   assert_true(st.events_recorded > 0);
   assert_true(st.cross_stream_migrations > 0);
   /* The simulated device's own checker (vector clocks, no timing) agrees. */

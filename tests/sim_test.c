@@ -151,13 +151,11 @@ static void test_device_synchronize_is_per_device(void **state) {
 
 static void test_handles_recycled_lifo_with_new_ids(void **state) {
   (void)state;
-  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create(),
-               c = magpie_sim_stream_create();
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create(), c = magpie_sim_stream_create();
   assert_non_null(a);
   assert_non_null(b);
   assert_non_null(c);
-  uint64_t ia = magpie_sim_stream_id(a), ib = magpie_sim_stream_id(b),
-           ic = magpie_sim_stream_id(c);
+  uint64_t ia = magpie_sim_stream_id(a), ib = magpie_sim_stream_id(b), ic = magpie_sim_stream_id(c);
   assert_true(ia != 0 && ib != 0 && ic != 0);
   assert_true(ia != ib && ib != ic && ia != ic);
   assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
@@ -194,12 +192,10 @@ static void test_destroyed_handle_is_invalid(void **state) {
   assert_int_equal(magpie_sim_stream_wait_event(s, e), MAGPIE_ERR_INVALID_STREAM);
   assert_int_equal(magpie_sim_stream_destroy(s), MAGPIE_ERR_INVALID_STREAM);
   /* Not a handle at all, and the special handles that cannot be destroyed. */
-  assert_int_equal(magpie_sim_launch((cudaStream_t)&x, set_flag, &x),
-                   MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_sim_launch((cudaStream_t)&x, set_flag, &x), MAGPIE_ERR_INVALID_STREAM);
   assert_true(magpie_sim_stream_id((cudaStream_t)&x) == 0);
   assert_int_equal(magpie_sim_stream_destroy(NULL), MAGPIE_ERR_INVALID_STREAM);
-  assert_int_equal(magpie_sim_stream_destroy(MAGPIE_SIM_STREAM_PER_THREAD),
-                   MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_sim_stream_destroy(MAGPIE_SIM_STREAM_PER_THREAD), MAGPIE_ERR_INVALID_STREAM);
   assert_int_equal(magpie_sim_launch(live, NULL, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
   assert_int_equal(x, 0);
   magpie_sim_event_destroy(e);
@@ -258,8 +254,7 @@ static void test_per_thread_streams(void **state) {
   assert_true(magpie_sim_stream_id(MAGPIE_SIM_STREAM_PER_THREAD) == mine);
   assert_true(mine != magpie_sim_stream_id(NULL));
   int flag = 0;
-  assert_int_equal(magpie_sim_launch(MAGPIE_SIM_STREAM_PER_THREAD, set_flag, &flag),
-                   MAGPIE_OK);
+  assert_int_equal(magpie_sim_launch(MAGPIE_SIM_STREAM_PER_THREAD, set_flag, &flag), MAGPIE_OK);
   assert_int_equal(magpie_sim_stream_synchronize(MAGPIE_SIM_STREAM_PER_THREAD), MAGPIE_OK);
   assert_int_equal(flag, 1);
 
@@ -448,8 +443,7 @@ static void test_many_producers_one_stream(void **state) {
     args[t].s = s;
     for (int i = 0; i < PER_PRODUCER; i++) args[t].items[i] = (struct produce_item){&p, t, i};
   }
-  for (int t = 0; t < PRODUCERS; t++)
-    assert_int_equal(pthread_create(&th[t], NULL, producer_main, &args[t]), 0);
+  for (int t = 0; t < PRODUCERS; t++) assert_int_equal(pthread_create(&th[t], NULL, producer_main, &args[t]), 0);
   for (int t = 0; t < PRODUCERS; t++) pthread_join(th[t], NULL);
   assert_int_equal(magpie_sim_stream_synchronize(s), MAGPIE_OK);
   assert_int_equal(p.count, PRODUCERS * PER_PRODUCER);
@@ -481,8 +475,7 @@ static void *churn_main(void *arg) {
     for (int k = 0; k < 3; k++)
       if (magpie_sim_launch(s, churn_count, c) == MAGPIE_OK) atomic_fetch_add(&c->launched, 1);
     if (r % 4 == 0) magpie_sim_stream_synchronize(s);
-    if (magpie_sim_launch(MAGPIE_SIM_STREAM_PER_THREAD, churn_count, c) == MAGPIE_OK)
-      atomic_fetch_add(&c->launched, 1);
+    if (magpie_sim_launch(MAGPIE_SIM_STREAM_PER_THREAD, churn_count, c) == MAGPIE_OK) atomic_fetch_add(&c->launched, 1);
     if (magpie_sim_stream_destroy(s) != MAGPIE_OK) atomic_fetch_add(&c->failures, 1);
   }
   return NULL;
@@ -492,8 +485,7 @@ static void test_churn_with_device_synchronize(void **state) {
   (void)state;
   struct churn c = {0};
   pthread_t th[CHURNERS];
-  for (int t = 0; t < CHURNERS; t++)
-    assert_int_equal(pthread_create(&th[t], NULL, churn_main, &c), 0);
+  for (int t = 0; t < CHURNERS; t++) assert_int_equal(pthread_create(&th[t], NULL, churn_main, &c), 0);
   for (int i = 0; i < 50; i++) assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
   for (int t = 0; t < CHURNERS; t++) pthread_join(th[t], NULL);
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);

@@ -10,17 +10,17 @@
 #include <cmocka.h>
 #include <errno.h>
 #include <pthread.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <semaphore.h>
+#include <spawn.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "magpie_sim.h"
 #include "device/backend.h"
+#include "magpie_sim.h"
 #include "sim/sim_internal.h"
 
 #define MiB ((size_t)1 << 20)
@@ -56,8 +56,8 @@ static inline void sleep_ms(int ms) {
 struct gated {
   sem_t gate;
   sem_t finished;
-  int opened;   /* 1 if the gate opened in time (written by the closure) */
-  int done;     /* written by the closure */
+  int opened; /* 1 if the gate opened in time (written by the closure) */
+  int done;   /* written by the closure */
   atomic_int started;
 };
 
@@ -109,8 +109,8 @@ static inline void set_flag(void *arg) { *(int *)arg = 1; }
  * its gate opened; correct only when a wait orders them. */
 struct ordered {
   struct gated g;
-  int x;          /* written on the first stream after its gate */
-  int seen;       /* the value the second stream read */
+  int x;    /* written on the first stream after its gate */
+  int seen; /* the value the second stream read */
   atomic_int b_ran;
 };
 

@@ -87,7 +87,8 @@ static void test_thread_churn(void **state) {
   size_t reserved_early = 0, reserved_end = 0;
   for (int base = 0; base < THREADS; base += WAVE) {
     pthread_t t[WAVE];
-    for (int k = 0; k < WAVE; k++) assert_int_equal(pthread_create(&t[k], NULL, churn, (void *)(uintptr_t)(base + k)), 0);
+    for (int k = 0; k < WAVE; k++)
+      assert_int_equal(pthread_create(&t[k], NULL, churn, (void *)(uintptr_t)(base + k)), 0);
     for (int k = 0; k < WAVE; k++) pthread_join(t[k], NULL);
     if (base == 200) accounted(&reserved_early);
   }

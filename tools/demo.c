@@ -42,7 +42,7 @@ static double now_s(void) {
 static size_t pick_size(unsigned *seed) {
   unsigned r = (unsigned)rand_r(seed);
   if ((r & 63) == 0) return ((size_t)2 << 20) + (r % 6) * ((size_t)1 << 20); /* 2-7 MiB */
-  return 256u << ((r >> 8) % 9);                                            /* 256 B - 64 KiB */
+  return 256u << ((r >> 8) % 9);                                             /* 256 B - 64 KiB */
 }
 
 static void *worker_main(void *arg) {
@@ -128,8 +128,7 @@ int main(int argc, char **argv) {
   magpie_stats_get(0, &st);
   printf("operations:           %llu allocs+frees in %.2f s = %.2f M ops/s\n", (unsigned long long)ops, el,
          ops / el / 1e6);
-  printf("cross-stream handoffs: %llu (event + stream wait, freed on the consumer)\n",
-         (unsigned long long)handoffs);
+  printf("cross-stream handoffs: %llu (event + stream wait, freed on the consumer)\n", (unsigned long long)handoffs);
   printf("bytes in use:         %zu (peak %zu)\n", st.in_use_bytes, st.peak_in_use_bytes);
   printf("bytes reserved:       %zu (peak %zu), cached %zu\n", st.reserved_bytes, st.peak_reserved_bytes,
          st.cached_bytes);

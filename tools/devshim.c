@@ -27,8 +27,7 @@ int devshim_init(void) {
     fprintf(stderr, "devshim: %s\n", why);
     return -1;
   }
-  if (cudrv.init(0) || cudrv.device_get(&dev.device, 0) || cudrv.primary_ctx_retain(&dev.ctx, dev.device))
-    return -1;
+  if (cudrv.init(0) || cudrv.device_get(&dev.device, 0) || cudrv.primary_ctx_retain(&dev.ctx, dev.device)) return -1;
   cudrv.ctx_set_current(dev.ctx);
   return 0;
 }

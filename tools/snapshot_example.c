@@ -68,8 +68,8 @@ int main(int argc, char **argv) {
   }
   magpie_stats st;
   magpie_stats_get(0, &st);
-  printf("snapshot of device 0 (%s) written to %s: reserved %zu, in use %zu\n",
-         devshim_is_cuda() ? "GPU" : "simulated", argv[1], st.reserved_bytes, st.in_use_bytes);
+  printf("snapshot of device 0 (%s) written to %s: reserved %zu, in use %zu\n", devshim_is_cuda() ? "GPU" : "simulated",
+         argv[1], st.reserved_bytes, st.in_use_bytes);
   devshim_synchronize();
   return 0;
 }

@@ -19,7 +19,6 @@
 #define MAGPIE_DEBUG_ONLY(x)
 #endif
 
-void assert_fail(const char *cond, const char *file, int line, const char *func)
-    __attribute__((noreturn, cold));
+void assert_fail(const char *cond, const char *file, int line, const char *func) __attribute__((noreturn, cold));
 
 #endif /* MAGPIE_ASSERT_H */

@@ -18,15 +18,12 @@
 #define atomic_add_acq_rel(p, v) atomic_fetch_add_explicit((p), (v), memory_order_acq_rel)
 #define atomic_sub_acq_rel(p, v) atomic_fetch_sub_explicit((p), (v), memory_order_acq_rel)
 #define atomic_exchange_acq_rel(p, v) atomic_exchange_explicit((p), (v), memory_order_acq_rel)
-#define atomic_cas_weak_acq_rel(p, exp, des)                                            \
-  atomic_compare_exchange_weak_explicit((p), (exp), (des), memory_order_acq_rel,      \
-                                        memory_order_acquire)
-#define atomic_cas_strong_acq_rel(p, exp, des)                                          \
-  atomic_compare_exchange_strong_explicit((p), (exp), (des), memory_order_acq_rel,    \
-                                          memory_order_acquire)
-#define atomic_cas_weak_relaxed(p, exp, des)                                            \
-  atomic_compare_exchange_weak_explicit((p), (exp), (des), memory_order_relaxed,      \
-                                        memory_order_relaxed)
+#define atomic_cas_weak_acq_rel(p, exp, des) \
+  atomic_compare_exchange_weak_explicit((p), (exp), (des), memory_order_acq_rel, memory_order_acquire)
+#define atomic_cas_strong_acq_rel(p, exp, des) \
+  atomic_compare_exchange_strong_explicit((p), (exp), (des), memory_order_acq_rel, memory_order_acquire)
+#define atomic_cas_weak_relaxed(p, exp, des) \
+  atomic_compare_exchange_weak_explicit((p), (exp), (des), memory_order_relaxed, memory_order_relaxed)
 
 /* Owner-only counters read by others: a relaxed load and store (a plain
  * move on x86-64), no read-modify-write, so the hot path stays free of
@@ -39,9 +36,7 @@ static inline void atomic_owner_add_i64(_Atomic int64_t *p, int64_t v) {
  * sees what the raiser saw). */
 static inline void atomic_max_u64_release(_Atomic uint64_t *p, uint64_t v) {
   uint64_t cur = atomic_load_relaxed(p);
-  while (cur < v &&
-         !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_release,
-                                                memory_order_relaxed)) {
+  while (cur < v && !atomic_compare_exchange_weak_explicit(p, &cur, v, memory_order_release, memory_order_relaxed)) {
   }
 }
 

@@ -4,14 +4,12 @@
 #include <stdarg.h>
 #include <stdio.h>
 
-
 static _Thread_local int tls_code;
 static _Thread_local char tls_msg[512];
 
 static const char *const error_names[MAGPIE_ERR_COUNT_] = {
     [MAGPIE_OK] = "success",
-    [MAGPIE_ERR_INVALID_POINTER] =
-        "pointer was not returned by magpie, or points inside a block",
+    [MAGPIE_ERR_INVALID_POINTER] = "pointer was not returned by magpie, or points inside a block",
     [MAGPIE_ERR_DOUBLE_FREE] = "block freed twice",
     [MAGPIE_ERR_SIZE_OVERFLOW] = "requested size overflows when rounded to a block size",
     [MAGPIE_ERR_OUT_OF_MEMORY] = "device out of memory",
@@ -25,8 +23,7 @@ static const char *const error_names[MAGPIE_ERR_COUNT_] = {
 };
 
 MAGPIE_API const char *magpie_error_string(int code) {
-  if (code < 0 || code >= MAGPIE_ERR_COUNT_ || error_names[code] == NULL)
-    return "unknown magpie error code";
+  if (code < 0 || code >= MAGPIE_ERR_COUNT_ || error_names[code] == NULL) return "unknown magpie error code";
   return error_names[code];
 }
 
@@ -48,6 +45,4 @@ void error_clear(void) {
 
 MAGPIE_API int magpie_last_error(void) { return tls_code; }
 
-MAGPIE_API const char *magpie_last_error_message(void) {
-  return tls_code == MAGPIE_OK ? "success" : tls_msg;
-}
+MAGPIE_API const char *magpie_last_error_message(void) { return tls_code == MAGPIE_OK ? "success" : tls_msg; }

@@ -5,7 +5,6 @@
 #include "base/meta.h"
 #include "magpie.h"
 
-
 static pagemap_entry *pagemap_leaf(uintptr_t page) {
   _Atomic(pagemap_entry *) *slot = &globals.pagemap_top[page >> PAGEMAP_LEAF_BITS];
   pagemap_entry *leaf = atomic_load_acquire(slot);

@@ -19,7 +19,6 @@
 #include "base/globals.h"
 #include "base/types.h"
 
-
 static inline struct slab *pagemap_lookup(uintptr_t addr) {
   uintptr_t page = addr >> PAGEMAP_PAGE_SHIFT;
   if (unlikely(page >> (PAGEMAP_TOP_BITS + PAGEMAP_LEAF_BITS))) return NULL;

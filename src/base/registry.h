@@ -17,7 +17,6 @@
 #include "base/atomic.h"
 #include "base/types.h"
 
-
 void registry_init(registry *r, size_t obj_size);
 
 /* A new zeroed object with its link.idx set; NULL when out of memory or

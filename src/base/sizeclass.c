@@ -4,10 +4,10 @@
 
 #include "base/globals.h"
 
-
 int sizeclass_chunked(size_t size, size_t granularity) {
   size_t n = granularity / SIZECLASS_CHUNK;
-  return granularity % SIZECLASS_CHUNK == 0 && n >= 2 && n <= 64 && size * SIZECLASS_CHUNK_MIN_BLOCKS <= SIZECLASS_CHUNK;
+  return granularity % SIZECLASS_CHUNK == 0 && n >= 2 && n <= 64 &&
+         size * SIZECLASS_CHUNK_MIN_BLOCKS <= SIZECLASS_CHUNK;
 }
 
 /* Slab of one to four granules, whichever wastes the least tail (ties to

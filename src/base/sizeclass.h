@@ -21,7 +21,7 @@
 static inline unsigned sizeclass_of(size_t size) {
   size_t u = (size + SIZECLASS_MIN_SIZE - 1) >> SIZECLASS_SHIFT; /* units, >= 1 */
   if (u <= 4) return (unsigned)(u - 1);
-  size_t v = u - 1; /* >= 4 */
+  size_t v = u - 1;                                /* >= 4 */
   unsigned b = 63u - (unsigned)__builtin_clzll(v); /* floor(log2 v) >= 2 */
   return ((b - 2) << 2) + (unsigned)(v >> (b - 2));
 }
@@ -44,8 +44,6 @@ int sizeclass_chunked(size_t size, size_t granularity);
 void sizeclass_init(size_t magazine_bytes, size_t granularity);
 
 #define SIZECLASS_MAGIC_SHIFT 48
-static inline uint64_t sizeclass_magic(size_t size) {
-  return (((uint64_t)1 << SIZECLASS_MAGIC_SHIFT) / size) + 1;
-}
+static inline uint64_t sizeclass_magic(size_t size) { return (((uint64_t)1 << SIZECLASS_MAGIC_SHIFT) / size) + 1; }
 
 #endif /* MAGPIE_SIZECLASS_H */

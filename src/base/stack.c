@@ -22,9 +22,7 @@ void stack_push_chain(stack *s, registry *r, registry_link *first, registry_link
   atomic_add_relaxed(&s->count, n);
 }
 
-void stack_push(stack *s, registry *r, registry_link *node) {
-  stack_push_chain(s, r, node, node, 1);
-}
+void stack_push(stack *s, registry *r, registry_link *node) { stack_push_chain(s, r, node, node, 1); }
 
 registry_link *stack_pop(stack *s, registry *r) {
   uint64_t old = atomic_load_acquire(&s->head);

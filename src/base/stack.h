@@ -21,7 +21,6 @@
 #include "base/registry.h"
 #include "base/types.h"
 
-
 void stack_init(stack *s);
 /* Push one node. */
 void stack_push(stack *s, registry *r, registry_link *node);

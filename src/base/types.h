@@ -71,13 +71,13 @@ typedef struct stack {
 
 /* Per-class tables, filled once by sizeclass_init(). */
 typedef struct sizeclass_info {
-  size_t size;       /* block bytes */
-  size_t slab_size;  /* bytes of one slab: a granularity multiple, or one chunk (span.h) */
-  uint32_t blocks;   /* blocks per slab */
-  uint32_t mag_cap;  /* blocks per magazine to start with (slabs carve these) */
-  uint32_t mag_max;  /* most blocks per magazine (magazine_bytes / size) */
-  uint32_t chunked;  /* 1: a slab is one span chunk (span.h); 0: whole granules */
-  uint64_t magic;    /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
+  size_t size;      /* block bytes */
+  size_t slab_size; /* bytes of one slab: a granularity multiple, or one chunk (span.h) */
+  uint32_t blocks;  /* blocks per slab */
+  uint32_t mag_cap; /* blocks per magazine to start with (slabs carve these) */
+  uint32_t mag_max; /* most blocks per magazine (magazine_bytes / size) */
+  uint32_t chunked; /* 1: a slab is one span chunk (span.h); 0: whole granules */
+  uint64_t magic;   /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
 } sizeclass_info;
 
 /* ---- pagemap.h: address -> slab ---- */

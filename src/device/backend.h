@@ -137,7 +137,6 @@ char *backend_local_error_detail(void);
  * reads and writes alike; at set-up, when a table is adopted. */
 void backend_use_error_detail(char *(*source)(void));
 /* Implementations set it (printf-style). */
-void backend_set_error_detail(const char *fmt, ...)
-    __attribute__((format(printf, 1, 2)));
+void backend_set_error_detail(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 #endif /* MAGPIE_BACKEND_H */

@@ -45,15 +45,13 @@ enum { CUDA_STATE_UNINIT = 0, CUDA_STATE_READY = 1, CUDA_STATE_FAILED = 2 };
 
 static const char *cuda_error_name(cudrv_result r) {
   const char *name = NULL;
-  if (cudrv.get_error_name == NULL || cudrv.get_error_name(r, &name) != CUDRV_SUCCESS ||
-      name == NULL)
+  if (cudrv.get_error_name == NULL || cudrv.get_error_name(r, &name) != CUDRV_SUCCESS || name == NULL)
     return "CUDA_ERROR_UNKNOWN_CODE";
   return name;
 }
 
 /* Sets the detail "<what> failed: CUDA_ERROR_X (n)" and returns code. */
-__attribute__((format(printf, 3, 4))) static int cuda_fail(int code, cudrv_result r,
-                                                           const char *fmt, ...) {
+__attribute__((format(printf, 3, 4))) static int cuda_fail(int code, cudrv_result r, const char *fmt, ...) {
   char what[160];
   va_list ap;
   va_start(ap, fmt);
@@ -74,10 +72,8 @@ static int cuda_stream_code(cudrv_result r) {
   case CUDRV_ERROR_INVALID_VALUE:
   case CUDRV_ERROR_INVALID_HANDLE:
   case CUDRV_ERROR_INVALID_CONTEXT:
-  case CUDRV_ERROR_CONTEXT_IS_DESTROYED:
-    return MAGPIE_ERR_INVALID_STREAM;
-  default:
-    return cuda_code(r);
+  case CUDRV_ERROR_CONTEXT_IS_DESTROYED: return MAGPIE_ERR_INVALID_STREAM;
+  default: return cuda_code(r);
   }
 }
 
@@ -92,8 +88,8 @@ static int cuda_not_ready(void) {
 
 static int cuda_check_device(int device) {
   if (device < 0 || device >= globals.cuda_ndevices) {
-    backend_set_error_detail("CUDA device %d does not exist (%d device%s)", device,
-                             globals.cuda_ndevices, globals.cuda_ndevices == 1 ? "" : "s");
+    backend_set_error_detail("CUDA device %d does not exist (%d device%s)", device, globals.cuda_ndevices,
+                             globals.cuda_ndevices == 1 ? "" : "s");
     return MAGPIE_ERR_INVALID_ARGUMENT;
   }
   return MAGPIE_OK;
@@ -101,8 +97,7 @@ static int cuda_check_device(int device) {
 
 /* --- init -------------------------------------------------------------- */
 
-__attribute__((format(printf, 2, 3))) static int cuda_init_fail(int code, const char *fmt,
-                                                                ...) {
+__attribute__((format(printf, 2, 3))) static int cuda_init_fail(int code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(globals.cuda_init_detail, sizeof globals.cuda_init_detail, fmt, ap);
@@ -112,36 +107,28 @@ __attribute__((format(printf, 2, 3))) static int cuda_init_fail(int code, const 
 
 static int cuda_init_locked(void) {
   const char *why = NULL;
-  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "%s", why);
+  if (cudrv_load(CUDRV_LOAD_LIBRARY, &why) != 0) return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "%s", why);
 
   cudrv_result r = cudrv.init(0);
   if (r != CUDRV_SUCCESS)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuInit failed: %s (%d)", cuda_error_name(r),
-                          (int)r);
+    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuInit failed: %s (%d)", cuda_error_name(r), (int)r);
   int version = 0;
   r = cudrv.driver_get_version(&version);
   if (r != CUDRV_SUCCESS)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDriverGetVersion failed: %s (%d)",
-                          cuda_error_name(r), (int)r);
+    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDriverGetVersion failed: %s (%d)", cuda_error_name(r), (int)r);
   if (version < CUDRV_REQUEST_VERSION)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE,
-                          "CUDA driver %d.%d is too old: 12.0 or newer is needed",
-                          version / 1000, version % 1000 / 10);
+    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "CUDA driver %d.%d is too old: 12.0 or newer is needed", version / 1000,
+                          version % 1000 / 10);
   int n = 0;
   r = cudrv.device_get_count(&n);
   if (r != CUDRV_SUCCESS)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGetCount failed: %s (%d)",
-                          cuda_error_name(r), (int)r);
-  if (n <= 0)
-    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "the CUDA driver reports no device");
-  if (n > CUDA_MAX_DEVICES)
-    n = CUDA_MAX_DEVICES; /* the rest stay unused */
+    return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGetCount failed: %s (%d)", cuda_error_name(r), (int)r);
+  if (n <= 0) return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "the CUDA driver reports no device");
+  if (n > CUDA_MAX_DEVICES) n = CUDA_MAX_DEVICES; /* the rest stay unused */
   for (int i = 0; i < n; i++) {
     r = cudrv.device_get(&globals.cuda_devices[i], i);
     if (r != CUDRV_SUCCESS)
-      return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGet(%d) failed: %s (%d)", i,
-                            cuda_error_name(r), (int)r);
+      return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGet(%d) failed: %s (%d)", i, cuda_error_name(r), (int)r);
   }
   globals.cuda_ndevices = n;
   const char *vmm = getenv("MAGPIE_CUDA_VMM");
@@ -150,8 +137,7 @@ static int cuda_init_locked(void) {
 }
 
 static int cuda_init(void) {
-  if (cuda_ready())
-    return MAGPIE_OK;
+  if (cuda_ready()) return MAGPIE_OK;
   if (pthread_mutex_lock(&globals.cuda_lock) != 0) {
     backend_set_error_detail("CUDA backend init: pthread_mutex_lock failed");
     return MAGPIE_ERR_BACKEND;
@@ -163,8 +149,7 @@ static int cuda_init(void) {
                           memory_order_release);
   }
   int code = globals.cuda_init_code;
-  if (code != MAGPIE_OK)
-    backend_set_error_detail("%s", globals.cuda_init_detail);
+  if (code != MAGPIE_OK) backend_set_error_detail("%s", globals.cuda_init_detail);
   pthread_mutex_unlock(&globals.cuda_lock);
   return code;
 }
@@ -185,10 +170,8 @@ static int cuda_device_ctx(int device, cudrv_context *out) {
   ctx = atomic_load_explicit(&globals.cuda_ctx[device], memory_order_relaxed);
   if (ctx == NULL) {
     cudrv_result r = cudrv.primary_ctx_retain(&ctx, globals.cuda_devices[device]);
-    if (r == CUDRV_SUCCESS)
-      atomic_store_explicit(&globals.cuda_ctx[device], ctx, memory_order_release);
-    else
-      rc = cuda_fail(cuda_code(r), r, "cuDevicePrimaryCtxRetain(device %d)", device);
+    if (r == CUDRV_SUCCESS) atomic_store_explicit(&globals.cuda_ctx[device], ctx, memory_order_release);
+    else rc = cuda_fail(cuda_code(r), r, "cuDevicePrimaryCtxRetain(device %d)", device);
   }
   pthread_mutex_unlock(&globals.cuda_lock);
   *out = ctx;
@@ -199,11 +182,9 @@ static int cuda_device_ctx(int device, cudrv_context *out) {
 static int cuda_push(int device, const char *op) {
   cudrv_context ctx;
   int rc = cuda_device_ctx(device, &ctx);
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc != MAGPIE_OK) return rc;
   cudrv_result r = cudrv.ctx_push_current(ctx);
-  if (r != CUDRV_SUCCESS)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(device %d) for %s", device, op);
+  if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(device %d) for %s", device, op);
   return MAGPIE_OK;
 }
 
@@ -211,8 +192,7 @@ static int cuda_push(int device, const char *op) {
 static int cuda_pop(int rc, const char *op) {
   cudrv_context ctx;
   cudrv_result r = cudrv.ctx_pop_current(&ctx);
-  if (r != CUDRV_SUCCESS && rc == MAGPIE_OK)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPopCurrent after %s", op);
+  if (r != CUDRV_SUCCESS && rc == MAGPIE_OK) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPopCurrent after %s", op);
   return rc;
 }
 
@@ -222,14 +202,11 @@ static int cuda_pop(int rc, const char *op) {
  * makes device 0's primary context current; so does this (slow path, once
  * per thread). Returns 1 if it did, so the caller retries. */
 static int cuda_bind_default_ctx(cudrv_stream stream) {
-  if ((uintptr_t)stream > (uintptr_t)CUDRV_STREAM_PER_THREAD)
-    return 0;
+  if ((uintptr_t)stream > (uintptr_t)CUDRV_STREAM_PER_THREAD) return 0;
   cudrv_context cur = NULL;
-  if (cudrv.ctx_get_current(&cur) != CUDRV_SUCCESS || cur != NULL)
-    return 0;
+  if (cudrv.ctx_get_current(&cur) != CUDRV_SUCCESS || cur != NULL) return 0;
   cudrv_context ctx;
-  if (cuda_device_ctx(0, &ctx) != MAGPIE_OK)
-    return 0;
+  if (cuda_device_ctx(0, &ctx) != MAGPIE_OK) return 0;
   return cudrv.ctx_set_current(ctx) == CUDRV_SUCCESS;
 }
 
@@ -239,46 +216,36 @@ static int cuda_ordinal(cudrv_device dev, int *device) {
       *device = i;
       return MAGPIE_OK;
     }
-  backend_set_error_detail("CUDA device handle %d is not among the %d devices", (int)dev,
-                           globals.cuda_ndevices);
+  backend_set_error_detail("CUDA device handle %d is not among the %d devices", (int)dev, globals.cuda_ndevices);
   return MAGPIE_ERR_BACKEND;
 }
 
 /* --- devices and memory ------------------------------------------------ */
 
 static int cuda_device_count(int *count) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   *count = globals.cuda_ndevices;
   return MAGPIE_OK;
 }
 
 static int cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuMemGetInfo");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemGetInfo");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_result r = cudrv.mem_get_info(free_bytes, total_bytes);
-  if (r != CUDRV_SUCCESS)
-    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemGetInfo(device %d)", device);
+  if (r != CUDRV_SUCCESS) rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemGetInfo(device %d)", device);
   return cuda_pop(rc, "cuMemGetInfo");
 }
 
 static int cuda_vmm_supported(int device, int *supported) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc != MAGPIE_OK) return rc;
   int v = 0;
-  cudrv_result r = cudrv.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED,
-                                                globals.cuda_devices[device]);
+  cudrv_result r = cudrv.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED, globals.cuda_devices[device]);
   if (r != CUDRV_SUCCESS)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r,
-                     "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device %d)",
+    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device %d)",
                      device);
   *supported = v != 0 && !globals.cuda_vmm_off;
   return MAGPIE_OK;
@@ -297,75 +264,59 @@ static void cuda_alloc_prop(int device, cudrv_mem_alloc_prop *prop) {
 static int cuda_granule(int device, size_t *bytes) {
   cudrv_mem_alloc_prop prop;
   cuda_alloc_prop(device, &prop);
-  cudrv_result r =
-      cudrv.mem_get_granularity(bytes, &prop, CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM);
-  if (r != CUDRV_SUCCESS)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemGetAllocationGranularity(device %d)",
-                     device);
+  cudrv_result r = cudrv.mem_get_granularity(bytes, &prop, CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemGetAllocationGranularity(device %d)", device);
   if (*bytes == 0 || (*bytes & (*bytes - 1)) != 0) {
-    backend_set_error_detail("CUDA device %d: granularity %zu is not a power of two", device,
-                             *bytes);
+    backend_set_error_detail("CUDA device %d: granularity %zu is not a power of two", device, *bytes);
     return MAGPIE_ERR_BACKEND;
   }
   return MAGPIE_OK;
 }
 
 static int cuda_granularity(int device, size_t *bytes) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
   return rc != MAGPIE_OK ? rc : cuda_granule(device, bytes);
 }
 
 /* Checks device and that addr and size are nonzero multiples of the
  * granularity, which it returns in *g. */
-static int cuda_check_range(int device, uintptr_t addr, size_t size, size_t *g,
-                            const char *op) {
+static int cuda_check_range(int device, uintptr_t addr, size_t size, size_t *g, const char *op) {
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_granule(device, g);
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_granule(device, g);
+  if (rc != MAGPIE_OK) return rc;
   if (size == 0 || size % *g != 0 || addr % *g != 0) {
-    backend_set_error_detail("%s(0x%llx, %zu bytes): not a nonzero multiple of the "
-                             "granularity (%zu bytes)",
-                             op, (unsigned long long)addr, size, *g);
+    backend_set_error_detail(
+        "%s(0x%llx, %zu bytes): not a nonzero multiple of the "
+        "granularity (%zu bytes)",
+        op, (unsigned long long)addr, size, *g);
     return MAGPIE_ERR_INVALID_ARGUMENT;
   }
   return MAGPIE_OK;
 }
 
 static int cuda_reserve(int device, size_t size, uintptr_t *base) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   size_t g;
   int rc = cuda_check_range(device, 0, size, &g, "reserve");
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuMemAddressReserve");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemAddressReserve");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_deviceptr p = 0;
   /* Aligned to the granularity so that every granule of it can be mapped. */
   cudrv_result r = cudrv.mem_address_reserve(&p, size, g, 0, 0);
-  if (r == CUDRV_SUCCESS)
-    *base = (uintptr_t)p;
-  else
-    rc = cuda_fail(cuda_code(r), r, "cuMemAddressReserve(%zu bytes)", size);
+  if (r == CUDRV_SUCCESS) *base = (uintptr_t)p;
+  else rc = cuda_fail(cuda_code(r), r, "cuMemAddressReserve(%zu bytes)", size);
   return cuda_pop(rc, "cuMemAddressReserve");
 }
 
 static int cuda_unreserve(int device, uintptr_t base, size_t size) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuMemAddressFree");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemAddressFree");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_result r = cudrv.mem_address_free((cudrv_deviceptr)base, size);
   if (r != CUDRV_SUCCESS)
-    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemAddressFree(0x%llx, %zu bytes)",
-                   (unsigned long long)base, size);
+    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemAddressFree(0x%llx, %zu bytes)", (unsigned long long)base, size);
   return cuda_pop(rc, "cuMemAddressFree");
 }
 
@@ -381,8 +332,7 @@ static int cuda_map_granule(int device, uintptr_t addr, size_t g) {
 
   cudrv_mem_handle h = 0;
   cudrv_result r = cudrv.mem_create(&h, g, &prop, 0);
-  if (r != CUDRV_SUCCESS)
-    return cuda_fail(cuda_code(r), r, "cuMemCreate(%zu bytes)", g);
+  if (r != CUDRV_SUCCESS) return cuda_fail(cuda_code(r), r, "cuMemCreate(%zu bytes)", g);
   cudrv_deviceptr p = (cudrv_deviceptr)addr;
   int rc = MAGPIE_OK;
   r = cudrv.mem_map(p, g, 0, h, 0);
@@ -392,13 +342,10 @@ static int cuda_map_granule(int device, uintptr_t addr, size_t g) {
     return rc;
   }
   r = cudrv.mem_set_access(p, g, &access, 1);
-  if (r != CUDRV_SUCCESS)
-    rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes)", p, g);
+  if (r != CUDRV_SUCCESS) rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes)", p, g);
   cudrv_result rr = cudrv.mem_release(h);
-  if (rr != CUDRV_SUCCESS && rc == MAGPIE_OK)
-    rc = cuda_fail(MAGPIE_ERR_BACKEND, rr, "cuMemRelease(0x%llx)", h);
-  if (rc != MAGPIE_OK)
-    cudrv.mem_unmap(p, g); /* frees the memory once the handle is released */
+  if (rr != CUDRV_SUCCESS && rc == MAGPIE_OK) rc = cuda_fail(MAGPIE_ERR_BACKEND, rr, "cuMemRelease(0x%llx)", h);
+  if (rc != MAGPIE_OK) cudrv.mem_unmap(p, g); /* frees the memory once the handle is released */
   return rc;
 }
 
@@ -406,144 +353,108 @@ static int cuda_map_granule(int device, uintptr_t addr, size_t g) {
  * a mapped range can be unmapped later (cuMemUnmap cannot split a mapping).
  * A failure unmaps the granules already done. */
 static int cuda_map(int device, uintptr_t addr, size_t size) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   size_t g;
   int rc = cuda_check_range(device, addr, size, &g, "map");
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "map");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "map");
+  if (rc != MAGPIE_OK) return rc;
   size_t done = 0;
-  while (done < size && (rc = cuda_map_granule(device, addr + done, g)) == MAGPIE_OK)
-    done += g;
+  while (done < size && (rc = cuda_map_granule(device, addr + done, g)) == MAGPIE_OK) done += g;
   if (rc != MAGPIE_OK)
-    for (size_t off = 0; off < done; off += g)
-      cudrv.mem_unmap((cudrv_deviceptr)(addr + off), g);
+    for (size_t off = 0; off < done; off += g) cudrv.mem_unmap((cudrv_deviceptr)(addr + off), g);
   return cuda_pop(rc, "map");
 }
 
 static int cuda_unmap(int device, uintptr_t addr, size_t size) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   size_t g;
   int rc = cuda_check_range(device, addr, size, &g, "unmap");
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuMemUnmap");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemUnmap");
+  if (rc != MAGPIE_OK) return rc;
   /* Granule by granule, as mapped; go on past a failure to free the rest. */
   for (size_t off = 0; off < size; off += g) {
     cudrv_result r = cudrv.mem_unmap((cudrv_deviceptr)(addr + off), g);
     if (r != CUDRV_SUCCESS && rc == MAGPIE_OK)
-      rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemUnmap(0x%llx, %zu bytes)",
-                     (unsigned long long)(addr + off), g);
+      rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemUnmap(0x%llx, %zu bytes)", (unsigned long long)(addr + off), g);
   }
   return cuda_pop(rc, "cuMemUnmap");
 }
 
 static int cuda_mem_alloc(int device, size_t size, uintptr_t *out) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuMemAlloc");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemAlloc");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_deviceptr p = 0;
   cudrv_result r = cudrv.mem_alloc(&p, size);
-  if (r == CUDRV_SUCCESS)
-    *out = (uintptr_t)p;
-  else
-    rc = cuda_fail(cuda_code(r), r, "cuMemAlloc(%zu bytes)", size);
+  if (r == CUDRV_SUCCESS) *out = (uintptr_t)p;
+  else rc = cuda_fail(cuda_code(r), r, "cuMemAlloc(%zu bytes)", size);
   return cuda_pop(rc, "cuMemAlloc");
 }
 
 static int cuda_mem_free(int device, uintptr_t ptr, size_t size) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuMemFree");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemFree");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_result r = cudrv.mem_free((cudrv_deviceptr)ptr);
   if (r != CUDRV_SUCCESS)
-    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemFree(0x%llx, %zu bytes)",
-                   (unsigned long long)ptr, size);
+    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemFree(0x%llx, %zu bytes)", (unsigned long long)ptr, size);
   return cuda_pop(rc, "cuMemFree");
 }
 
 /* --- events ------------------------------------------------------------ */
 
 static int cuda_event_create(int device, void **event) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuEventCreate");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuEventCreate");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_event e = NULL;
   /* No timing: cheaper to record, and magpie only orders work. */
   cudrv_result r = cudrv.event_create(&e, CUDRV_EVENT_DISABLE_TIMING);
-  if (r == CUDRV_SUCCESS)
-    *event = e;
-  else
-    rc = cuda_fail(cuda_code(r), r, "cuEventCreate(device %d)", device);
+  if (r == CUDRV_SUCCESS) *event = e;
+  else rc = cuda_fail(cuda_code(r), r, "cuEventCreate(device %d)", device);
   return cuda_pop(rc, "cuEventCreate");
 }
 
 static int cuda_event_destroy(void *event) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   cudrv_result r = cudrv.event_destroy((cudrv_event)event);
-  if (r != CUDRV_SUCCESS)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventDestroy(%p)", event);
+  if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventDestroy(%p)", event);
   return MAGPIE_OK;
 }
 
 static int cuda_event_record(void *event, cudaStream_t stream) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   cudrv_result r = cudrv.event_record((cudrv_event)event, stream);
-  if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-    r = cudrv.event_record((cudrv_event)event, stream);
+  if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream)) r = cudrv.event_record((cudrv_event)event, stream);
   if (r != CUDRV_SUCCESS)
-    return cuda_fail(cuda_stream_code(r), r, "cuEventRecord(event %p, stream %p)", event,
-                     (void *)stream);
+    return cuda_fail(cuda_stream_code(r), r, "cuEventRecord(event %p, stream %p)", event, (void *)stream);
   return MAGPIE_OK;
 }
 
 static int cuda_event_query(void *event) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   cudrv_result r = cudrv.event_query((cudrv_event)event);
-  if (r == CUDRV_SUCCESS)
-    return MAGPIE_OK;
-  if (r == CUDRV_ERROR_NOT_READY)
-    return BACKEND_NOT_READY;
+  if (r == CUDRV_SUCCESS) return MAGPIE_OK;
+  if (r == CUDRV_ERROR_NOT_READY) return BACKEND_NOT_READY;
   return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventQuery(%p)", event);
 }
 
 static int cuda_event_synchronize(void *event) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   cudrv_result r = cudrv.event_synchronize((cudrv_event)event);
-  if (r != CUDRV_SUCCESS)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventSynchronize(%p)", event);
+  if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventSynchronize(%p)", event);
   return MAGPIE_OK;
 }
 
 static int cuda_stream_wait_event(cudaStream_t stream, void *event) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   cudrv_result r = cudrv.stream_wait_event(stream, (cudrv_event)event, 0);
-  if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-    r = cudrv.stream_wait_event(stream, (cudrv_event)event, 0);
+  if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream)) r = cudrv.stream_wait_event(stream, (cudrv_event)event, 0);
   if (r != CUDRV_SUCCESS)
-    return cuda_fail(cuda_stream_code(r), r, "cuStreamWaitEvent(stream %p, event %p)",
-                     (void *)stream, event);
+    return cuda_fail(cuda_stream_code(r), r, "cuStreamWaitEvent(stream %p, event %p)", (void *)stream, event);
   return MAGPIE_OK;
 }
 
@@ -551,8 +462,7 @@ static int cuda_stream_wait_event(cudaStream_t stream, void *event) {
 
 static int cuda_stream_id_slow(cudaStream_t stream, uint64_t *id, cudrv_result r) {
   unsigned long long v = 0;
-  if (cuda_bind_default_ctx(stream) &&
-      (r = cudrv.stream_get_id(stream, &v)) == CUDRV_SUCCESS) {
+  if (cuda_bind_default_ctx(stream) && (r = cudrv.stream_get_id(stream, &v)) == CUDRV_SUCCESS) {
     *id = v;
     return MAGPIE_OK;
   }
@@ -614,73 +524,55 @@ static int cuda_stream_id_special(cudaStream_t stream, uint64_t *id) {
 }
 
 static int cuda_stream_id(cudaStream_t stream, uint64_t *id) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   if ((uintptr_t)stream <= (uintptr_t)CUDRV_STREAM_PER_THREAD) return cuda_stream_id_special(stream, id);
   unsigned long long v;
   cudrv_result r = cudrv.stream_get_id(stream, &v);
-  if (r != CUDRV_SUCCESS)
-    return cuda_stream_id_slow(stream, id, r);
+  if (r != CUDRV_SUCCESS) return cuda_stream_id_slow(stream, id, r);
   *id = v;
   return MAGPIE_OK;
 }
 
 /* The fast path's form: a jump into the driver, no frame of its own. The
  * tcache exists only after init succeeded, so no readiness check. */
-static int cuda_stream_id_fast(cudaStream_t stream, unsigned long long *id) {
-  return cudrv.stream_get_id(stream, id);
-}
+static int cuda_stream_id_fast(cudaStream_t stream, unsigned long long *id) { return cudrv.stream_get_id(stream, id); }
 
 /* Drivers before 12.8 lack cuStreamGetDevice: ask the stream's context. */
 static int cuda_stream_device_by_ctx(cudaStream_t stream, cudrv_device *dev) {
   cudrv_context ctx = NULL;
   cudrv_result r = cudrv.stream_get_ctx(stream, &ctx);
-  if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-    r = cudrv.stream_get_ctx(stream, &ctx);
-  if (r != CUDRV_SUCCESS)
-    return cuda_fail(cuda_stream_code(r), r, "cuStreamGetCtx(stream %p)", (void *)stream);
+  if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream)) r = cudrv.stream_get_ctx(stream, &ctx);
+  if (r != CUDRV_SUCCESS) return cuda_fail(cuda_stream_code(r), r, "cuStreamGetCtx(stream %p)", (void *)stream);
   r = cudrv.ctx_push_current(ctx);
   if (r != CUDRV_SUCCESS)
-    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(context of stream %p)",
-                     (void *)stream);
+    return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(context of stream %p)", (void *)stream);
   int rc = MAGPIE_OK;
   r = cudrv.ctx_get_device(dev);
-  if (r != CUDRV_SUCCESS)
-    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxGetDevice(context of stream %p)",
-                   (void *)stream);
+  if (r != CUDRV_SUCCESS) rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxGetDevice(context of stream %p)", (void *)stream);
   return cuda_pop(rc, "cuCtxGetDevice");
 }
 
 static int cuda_stream_device(cudaStream_t stream, int *device) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   cudrv_device dev = 0;
   if (cudrv.stream_get_device != NULL) {
     cudrv_result r = cudrv.stream_get_device(stream, &dev);
-    if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream))
-      r = cudrv.stream_get_device(stream, &dev);
-    if (r != CUDRV_SUCCESS)
-      return cuda_fail(cuda_stream_code(r), r, "cuStreamGetDevice(stream %p)",
-                       (void *)stream);
+    if (r != CUDRV_SUCCESS && cuda_bind_default_ctx(stream)) r = cudrv.stream_get_device(stream, &dev);
+    if (r != CUDRV_SUCCESS) return cuda_fail(cuda_stream_code(r), r, "cuStreamGetDevice(stream %p)", (void *)stream);
   } else {
     int rc = cuda_stream_device_by_ctx(stream, &dev);
-    if (rc != MAGPIE_OK)
-      return rc;
+    if (rc != MAGPIE_OK) return rc;
   }
   return cuda_ordinal(dev, device);
 }
 
 static int cuda_device_synchronize(int device) {
-  if (!cuda_ready())
-    return cuda_not_ready();
+  if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
-  if (rc == MAGPIE_OK)
-    rc = cuda_push(device, "cuCtxSynchronize");
-  if (rc != MAGPIE_OK)
-    return rc;
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuCtxSynchronize");
+  if (rc != MAGPIE_OK) return rc;
   cudrv_result r = cudrv.ctx_synchronize();
-  if (r != CUDRV_SUCCESS)
-    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxSynchronize(device %d)", device);
+  if (r != CUDRV_SUCCESS) rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxSynchronize(device %d)", device);
   return cuda_pop(rc, "cuCtxSynchronize");
 }
 

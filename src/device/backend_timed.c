@@ -19,21 +19,53 @@
 #include "base/globals.h"
 
 enum {
-  TIMED_INIT, TIMED_DEVICE_COUNT, TIMED_MEM_INFO, TIMED_VMM, TIMED_GRAN, TIMED_RESERVE, TIMED_UNRESERVE,
-  TIMED_MAP, TIMED_UNMAP, TIMED_MEM_ALLOC, TIMED_MEM_FREE, TIMED_EVENT_CREATE, TIMED_EVENT_DESTROY,
-  TIMED_EVENT_RECORD, TIMED_EVENT_QUERY, TIMED_EVENT_SYNC, TIMED_WAIT_EVENT, TIMED_STREAM_ID,
-  TIMED_STREAM_DEVICE, TIMED_DEVICE_SYNC, TIMED_COUNT
+  TIMED_INIT,
+  TIMED_DEVICE_COUNT,
+  TIMED_MEM_INFO,
+  TIMED_VMM,
+  TIMED_GRAN,
+  TIMED_RESERVE,
+  TIMED_UNRESERVE,
+  TIMED_MAP,
+  TIMED_UNMAP,
+  TIMED_MEM_ALLOC,
+  TIMED_MEM_FREE,
+  TIMED_EVENT_CREATE,
+  TIMED_EVENT_DESTROY,
+  TIMED_EVENT_RECORD,
+  TIMED_EVENT_QUERY,
+  TIMED_EVENT_SYNC,
+  TIMED_WAIT_EVENT,
+  TIMED_STREAM_ID,
+  TIMED_STREAM_DEVICE,
+  TIMED_DEVICE_SYNC,
+  TIMED_COUNT
 };
 
 _Static_assert(TIMED_COUNT == GLOBALS_TIMED_OPS, "globals.h counts the timed operations");
 
 static const char *const timed_names[TIMED_COUNT] = {
-    "init",         "device_count",  "mem_info",          "vmm_supported",     "granularity",
-    "reserve",      "unreserve",     "map",               "unmap",             "mem_alloc",
-    "mem_free",     "event_create",  "event_destroy",     "event_record",      "event_query",
-    "event_synchronize", "stream_wait_event", "stream_id", "stream_device",    "device_synchronize",
+    "init",
+    "device_count",
+    "mem_info",
+    "vmm_supported",
+    "granularity",
+    "reserve",
+    "unreserve",
+    "map",
+    "unmap",
+    "mem_alloc",
+    "mem_free",
+    "event_create",
+    "event_destroy",
+    "event_record",
+    "event_query",
+    "event_synchronize",
+    "stream_wait_event",
+    "stream_id",
+    "stream_device",
+    "device_synchronize",
 };
-
 
 static uint64_t timed_now(void) {
   struct timespec ts;

@@ -35,25 +35,25 @@ typedef struct CUmemPoolHandle_st *cudrv_mem_pool;
 /* CUDRV_EXTERNAL_TYPES: the signature check defines these as the real CUDA
  * types first, so that function types compare exactly. */
 #ifndef CUDRV_EXTERNAL_TYPES
-typedef int cudrv_result;               /* CUresult (an enum) */
-typedef int cudrv_device;               /* CUdevice */
-typedef unsigned long long cudrv_deviceptr;   /* CUdeviceptr */
-typedef unsigned long long cudrv_mem_handle;  /* CUmemGenericAllocationHandle */
-typedef uint64_t cudrv_uint64;          /* cuuint64_t */
-typedef int cudrv_device_attr;          /* CUdevice_attribute */
-typedef int cudrv_granularity_flags;    /* CUmemAllocationGranularity_flags */
-typedef int cudrv_proc_query_result;    /* CUdriverProcAddressQueryResult */
-typedef int cudrv_jit_option;           /* CUjit_option */
-typedef int cudrv_mem_pool_attr;        /* CUmemPool_attribute */
+typedef int cudrv_result;                    /* CUresult (an enum) */
+typedef int cudrv_device;                    /* CUdevice */
+typedef unsigned long long cudrv_deviceptr;  /* CUdeviceptr */
+typedef unsigned long long cudrv_mem_handle; /* CUmemGenericAllocationHandle */
+typedef uint64_t cudrv_uint64;               /* cuuint64_t */
+typedef int cudrv_device_attr;               /* CUdevice_attribute */
+typedef int cudrv_granularity_flags;         /* CUmemAllocationGranularity_flags */
+typedef int cudrv_proc_query_result;         /* CUdriverProcAddressQueryResult */
+typedef int cudrv_jit_option;                /* CUjit_option */
+typedef int cudrv_mem_pool_attr;             /* CUmemPool_attribute */
 
-typedef struct cudrv_mem_location {     /* CUmemLocation */
-  int type;                             /* CUmemLocationType */
+typedef struct cudrv_mem_location { /* CUmemLocation */
+  int type;                         /* CUmemLocationType */
   int id;
 } cudrv_mem_location;
 
-typedef struct cudrv_mem_alloc_prop {   /* CUmemAllocationProp */
-  int type;                             /* CUmemAllocationType */
-  int requested_handle_types;           /* CUmemAllocationHandleType */
+typedef struct cudrv_mem_alloc_prop { /* CUmemAllocationProp */
+  int type;                           /* CUmemAllocationType */
+  int requested_handle_types;         /* CUmemAllocationHandleType */
   cudrv_mem_location location;
   void *win32_handle_meta_data;
   struct {
@@ -64,25 +64,25 @@ typedef struct cudrv_mem_alloc_prop {   /* CUmemAllocationProp */
   } alloc_flags;
 } cudrv_mem_alloc_prop;
 
-typedef struct cudrv_mem_access_desc {  /* CUmemAccessDesc */
+typedef struct cudrv_mem_access_desc { /* CUmemAccessDesc */
   cudrv_mem_location location;
-  int flags;                            /* CUmemAccess_flags */
+  int flags; /* CUmemAccess_flags */
 } cudrv_mem_access_desc;
 #endif /* CUDRV_EXTERNAL_TYPES */
 
 /* Constants (the names after the colon are cuda.h's). */
 enum {
-  CUDRV_SUCCESS = 0,                    /* CUDA_SUCCESS */
-  CUDRV_ERROR_INVALID_VALUE = 1,        /* CUDA_ERROR_INVALID_VALUE */
-  CUDRV_ERROR_OUT_OF_MEMORY = 2,        /* CUDA_ERROR_OUT_OF_MEMORY */
-  CUDRV_ERROR_NOT_INITIALIZED = 3,      /* CUDA_ERROR_NOT_INITIALIZED */
-  CUDRV_ERROR_DEINITIALIZED = 4,        /* CUDA_ERROR_DEINITIALIZED */
-  CUDRV_ERROR_STUB_LIBRARY = 34,        /* CUDA_ERROR_STUB_LIBRARY */
-  CUDRV_ERROR_NO_DEVICE = 100,          /* CUDA_ERROR_NO_DEVICE */
-  CUDRV_ERROR_INVALID_CONTEXT = 201,    /* CUDA_ERROR_INVALID_CONTEXT */
-  CUDRV_ERROR_INVALID_HANDLE = 400,     /* CUDA_ERROR_INVALID_HANDLE */
-  CUDRV_ERROR_NOT_FOUND = 500,          /* CUDA_ERROR_NOT_FOUND */
-  CUDRV_ERROR_NOT_READY = 600,          /* CUDA_ERROR_NOT_READY */
+  CUDRV_SUCCESS = 0,                      /* CUDA_SUCCESS */
+  CUDRV_ERROR_INVALID_VALUE = 1,          /* CUDA_ERROR_INVALID_VALUE */
+  CUDRV_ERROR_OUT_OF_MEMORY = 2,          /* CUDA_ERROR_OUT_OF_MEMORY */
+  CUDRV_ERROR_NOT_INITIALIZED = 3,        /* CUDA_ERROR_NOT_INITIALIZED */
+  CUDRV_ERROR_DEINITIALIZED = 4,          /* CUDA_ERROR_DEINITIALIZED */
+  CUDRV_ERROR_STUB_LIBRARY = 34,          /* CUDA_ERROR_STUB_LIBRARY */
+  CUDRV_ERROR_NO_DEVICE = 100,            /* CUDA_ERROR_NO_DEVICE */
+  CUDRV_ERROR_INVALID_CONTEXT = 201,      /* CUDA_ERROR_INVALID_CONTEXT */
+  CUDRV_ERROR_INVALID_HANDLE = 400,       /* CUDA_ERROR_INVALID_HANDLE */
+  CUDRV_ERROR_NOT_FOUND = 500,            /* CUDA_ERROR_NOT_FOUND */
+  CUDRV_ERROR_NOT_READY = 600,            /* CUDA_ERROR_NOT_READY */
   CUDRV_ERROR_CONTEXT_IS_DESTROYED = 709, /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
 };
 
@@ -113,8 +113,7 @@ enum {
 
 /* The one entry point found with dlsym; every other one comes from it.
  * cuda.h: PFN_cuGetProcAddress_v12000, exported as "cuGetProcAddress_v2". */
-typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pfn,
-                                                   int cuda_version, cudrv_uint64 flags,
+typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pfn, int cuda_version, cudrv_uint64 flags,
                                                    cudrv_proc_query_result *status);
 #define CUDRV_GET_PROC_ADDRESS_SYMBOL "cuGetProcAddress_v2"
 
@@ -124,8 +123,7 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
  * has no variant between that version and 12000; later ones, such as
  * cuStreamGetCtx_v12050 or cuCtxSynchronize_v13000, change the signature). */
 #define CUDRV_REQUEST_VERSION 12000
-#define CUDRV_REQUEST_FOR(pfn_version) \
-  ((pfn_version) > CUDRV_REQUEST_VERSION ? (pfn_version) : CUDRV_REQUEST_VERSION)
+#define CUDRV_REQUEST_FOR(pfn_version) ((pfn_version) > CUDRV_REQUEST_VERSION ? (pfn_version) : CUDRV_REQUEST_VERSION)
 
 /* The table's entry points, X(field, symbol, pfn_version) in three lists.
  * The function type of each is cudrv_pfn_<field>, and must equal cuda.h's
@@ -141,64 +139,63 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
  *   CUDRV_LOAD_ALL fails without any of them; the library's own load
  *   (CUDRV_LOAD_LIBRARY) does not, and a missing one is then NULL.
  * CUDRV_OPTIONAL_FUNCS: NULL where the driver lacks them; test before use. */
-#define CUDRV_REQUIRED_FUNCS(X)                                         \
-  X(init, cuInit, 2000)                                                 \
-  X(driver_get_version, cuDriverGetVersion, 2020)                       \
-  X(get_error_name, cuGetErrorName, 6000)                               \
-  X(device_get_count, cuDeviceGetCount, 2000)                           \
-  X(device_get, cuDeviceGet, 2000)                                      \
-  X(device_get_attribute, cuDeviceGetAttribute, 2000)                   \
-  X(primary_ctx_retain, cuDevicePrimaryCtxRetain, 7000)                 \
-  X(ctx_push_current, cuCtxPushCurrent, 4000)                           \
-  X(ctx_pop_current, cuCtxPopCurrent, 4000)                             \
-  X(ctx_set_current, cuCtxSetCurrent, 4000)                             \
-  X(ctx_get_current, cuCtxGetCurrent, 4000)                             \
-  X(ctx_get_device, cuCtxGetDevice, 2000)                               \
-  X(ctx_synchronize, cuCtxSynchronize, 2000)                            \
-  X(mem_get_info, cuMemGetInfo, 3020)                                   \
-  X(mem_alloc, cuMemAlloc, 3020)                                        \
-  X(mem_free, cuMemFree, 3020)                                          \
-  X(mem_get_granularity, cuMemGetAllocationGranularity, 10020)          \
-  X(mem_address_reserve, cuMemAddressReserve, 10020)                    \
-  X(mem_address_free, cuMemAddressFree, 10020)                          \
-  X(mem_create, cuMemCreate, 10020)                                     \
-  X(mem_map, cuMemMap, 10020)                                           \
-  X(mem_set_access, cuMemSetAccess, 10020)                              \
-  X(mem_release, cuMemRelease, 10020)                                   \
-  X(mem_unmap, cuMemUnmap, 10020)                                       \
-  X(event_create, cuEventCreate, 2000)                                  \
-  X(event_destroy, cuEventDestroy, 4000)                                \
-  X(event_record, cuEventRecord, 2000)                                  \
-  X(event_query, cuEventQuery, 2000)                                    \
-  X(event_synchronize, cuEventSynchronize, 2000)                        \
-  X(stream_wait_event, cuStreamWaitEvent, 3020)                         \
-  X(stream_get_id, cuStreamGetId, 12000)                                \
+#define CUDRV_REQUIRED_FUNCS(X)                                \
+  X(init, cuInit, 2000)                                        \
+  X(driver_get_version, cuDriverGetVersion, 2020)              \
+  X(get_error_name, cuGetErrorName, 6000)                      \
+  X(device_get_count, cuDeviceGetCount, 2000)                  \
+  X(device_get, cuDeviceGet, 2000)                             \
+  X(device_get_attribute, cuDeviceGetAttribute, 2000)          \
+  X(primary_ctx_retain, cuDevicePrimaryCtxRetain, 7000)        \
+  X(ctx_push_current, cuCtxPushCurrent, 4000)                  \
+  X(ctx_pop_current, cuCtxPopCurrent, 4000)                    \
+  X(ctx_set_current, cuCtxSetCurrent, 4000)                    \
+  X(ctx_get_current, cuCtxGetCurrent, 4000)                    \
+  X(ctx_get_device, cuCtxGetDevice, 2000)                      \
+  X(ctx_synchronize, cuCtxSynchronize, 2000)                   \
+  X(mem_get_info, cuMemGetInfo, 3020)                          \
+  X(mem_alloc, cuMemAlloc, 3020)                               \
+  X(mem_free, cuMemFree, 3020)                                 \
+  X(mem_get_granularity, cuMemGetAllocationGranularity, 10020) \
+  X(mem_address_reserve, cuMemAddressReserve, 10020)           \
+  X(mem_address_free, cuMemAddressFree, 10020)                 \
+  X(mem_create, cuMemCreate, 10020)                            \
+  X(mem_map, cuMemMap, 10020)                                  \
+  X(mem_set_access, cuMemSetAccess, 10020)                     \
+  X(mem_release, cuMemRelease, 10020)                          \
+  X(mem_unmap, cuMemUnmap, 10020)                              \
+  X(event_create, cuEventCreate, 2000)                         \
+  X(event_destroy, cuEventDestroy, 4000)                       \
+  X(event_record, cuEventRecord, 2000)                         \
+  X(event_query, cuEventQuery, 2000)                           \
+  X(event_synchronize, cuEventSynchronize, 2000)               \
+  X(stream_wait_event, cuStreamWaitEvent, 3020)                \
+  X(stream_get_id, cuStreamGetId, 12000)                       \
   X(stream_get_ctx, cuStreamGetCtx, 9020)
 
-#define CUDRV_TOOL_FUNCS(X)                                             \
-  X(device_get_name, cuDeviceGetName, 2000)                             \
-  X(stream_create, cuStreamCreate, 2000)                                \
-  X(stream_destroy, cuStreamDestroy, 4000)                              \
-  X(stream_synchronize, cuStreamSynchronize, 2000)                      \
-  X(memset_d32, cuMemsetD32, 3020)                                      \
-  X(memset_d32_async, cuMemsetD32Async, 3020)                           \
-  X(memcpy_dtoh, cuMemcpyDtoH, 3020)                                    \
-  X(mem_alloc_async, cuMemAllocAsync, 11020)                            \
-  X(mem_free_async, cuMemFreeAsync, 11020)                              \
-  X(device_get_default_mem_pool, cuDeviceGetDefaultMemPool, 11020)      \
-  X(mem_pool_set_attribute, cuMemPoolSetAttribute, 11020)               \
-  X(mem_host_alloc, cuMemHostAlloc, 2020)                               \
-  X(mem_host_get_device_pointer, cuMemHostGetDevicePointer, 3020)       \
-  X(mem_free_host, cuMemFreeHost, 2000)                                 \
-  X(stream_write_value64, cuStreamWriteValue64, 11070)                  \
-  X(module_load_data, cuModuleLoadData, 2000)                           \
-  X(module_load_data_ex, cuModuleLoadDataEx, 2010)                      \
-  X(module_get_function, cuModuleGetFunction, 2000)                     \
+#define CUDRV_TOOL_FUNCS(X)                                        \
+  X(device_get_name, cuDeviceGetName, 2000)                        \
+  X(stream_create, cuStreamCreate, 2000)                           \
+  X(stream_destroy, cuStreamDestroy, 4000)                         \
+  X(stream_synchronize, cuStreamSynchronize, 2000)                 \
+  X(memset_d32, cuMemsetD32, 3020)                                 \
+  X(memset_d32_async, cuMemsetD32Async, 3020)                      \
+  X(memcpy_dtoh, cuMemcpyDtoH, 3020)                               \
+  X(mem_alloc_async, cuMemAllocAsync, 11020)                       \
+  X(mem_free_async, cuMemFreeAsync, 11020)                         \
+  X(device_get_default_mem_pool, cuDeviceGetDefaultMemPool, 11020) \
+  X(mem_pool_set_attribute, cuMemPoolSetAttribute, 11020)          \
+  X(mem_host_alloc, cuMemHostAlloc, 2020)                          \
+  X(mem_host_get_device_pointer, cuMemHostGetDevicePointer, 3020)  \
+  X(mem_free_host, cuMemFreeHost, 2000)                            \
+  X(stream_write_value64, cuStreamWriteValue64, 11070)             \
+  X(module_load_data, cuModuleLoadData, 2000)                      \
+  X(module_load_data_ex, cuModuleLoadDataEx, 2010)                 \
+  X(module_get_function, cuModuleGetFunction, 2000)                \
   X(launch_kernel, cuLaunchKernel, 4000)
 
 /* cuStreamGetDevice: drivers 12.8 and later. */
-#define CUDRV_OPTIONAL_FUNCS(X) \
-  X(stream_get_device, cuStreamGetDevice, 12080)
+#define CUDRV_OPTIONAL_FUNCS(X) X(stream_get_device, cuStreamGetDevice, 12080)
 
 /* All three lists. */
 #define CUDRV_ALL_FUNCS(X) CUDRV_REQUIRED_FUNCS(X) CUDRV_TOOL_FUNCS(X) CUDRV_OPTIONAL_FUNCS(X)
@@ -208,8 +205,7 @@ typedef cudrv_result (*cudrv_pfn_driver_get_version)(int *version);
 typedef cudrv_result (*cudrv_pfn_get_error_name)(cudrv_result error, const char **name);
 typedef cudrv_result (*cudrv_pfn_device_get_count)(int *count);
 typedef cudrv_result (*cudrv_pfn_device_get)(cudrv_device *device, int ordinal);
-typedef cudrv_result (*cudrv_pfn_device_get_attribute)(int *value, cudrv_device_attr attr,
-                                                       cudrv_device device);
+typedef cudrv_result (*cudrv_pfn_device_get_attribute)(int *value, cudrv_device_attr attr, cudrv_device device);
 typedef cudrv_result (*cudrv_pfn_primary_ctx_retain)(cudrv_context *ctx, cudrv_device device);
 typedef cudrv_result (*cudrv_pfn_ctx_push_current)(cudrv_context ctx);
 typedef cudrv_result (*cudrv_pfn_ctx_pop_current)(cudrv_context *ctx);
@@ -220,20 +216,16 @@ typedef cudrv_result (*cudrv_pfn_ctx_synchronize)(void);
 typedef cudrv_result (*cudrv_pfn_mem_get_info)(size_t *free_bytes, size_t *total_bytes);
 typedef cudrv_result (*cudrv_pfn_mem_alloc)(cudrv_deviceptr *ptr, size_t size);
 typedef cudrv_result (*cudrv_pfn_mem_free)(cudrv_deviceptr ptr);
-typedef cudrv_result (*cudrv_pfn_mem_get_granularity)(size_t *granularity,
-                                                      const cudrv_mem_alloc_prop *prop,
+typedef cudrv_result (*cudrv_pfn_mem_get_granularity)(size_t *granularity, const cudrv_mem_alloc_prop *prop,
                                                       cudrv_granularity_flags option);
-typedef cudrv_result (*cudrv_pfn_mem_address_reserve)(cudrv_deviceptr *ptr, size_t size,
-                                                      size_t alignment, cudrv_deviceptr addr,
-                                                      unsigned long long flags);
+typedef cudrv_result (*cudrv_pfn_mem_address_reserve)(cudrv_deviceptr *ptr, size_t size, size_t alignment,
+                                                      cudrv_deviceptr addr, unsigned long long flags);
 typedef cudrv_result (*cudrv_pfn_mem_address_free)(cudrv_deviceptr ptr, size_t size);
-typedef cudrv_result (*cudrv_pfn_mem_create)(cudrv_mem_handle *handle, size_t size,
-                                             const cudrv_mem_alloc_prop *prop,
+typedef cudrv_result (*cudrv_pfn_mem_create)(cudrv_mem_handle *handle, size_t size, const cudrv_mem_alloc_prop *prop,
                                              unsigned long long flags);
-typedef cudrv_result (*cudrv_pfn_mem_map)(cudrv_deviceptr ptr, size_t size, size_t offset,
-                                          cudrv_mem_handle handle, unsigned long long flags);
-typedef cudrv_result (*cudrv_pfn_mem_set_access)(cudrv_deviceptr ptr, size_t size,
-                                                 const cudrv_mem_access_desc *desc,
+typedef cudrv_result (*cudrv_pfn_mem_map)(cudrv_deviceptr ptr, size_t size, size_t offset, cudrv_mem_handle handle,
+                                          unsigned long long flags);
+typedef cudrv_result (*cudrv_pfn_mem_set_access)(cudrv_deviceptr ptr, size_t size, const cudrv_mem_access_desc *desc,
                                                  size_t count);
 typedef cudrv_result (*cudrv_pfn_mem_release)(cudrv_mem_handle handle);
 typedef cudrv_result (*cudrv_pfn_mem_unmap)(cudrv_deviceptr ptr, size_t size);
@@ -242,8 +234,7 @@ typedef cudrv_result (*cudrv_pfn_event_destroy)(cudrv_event event);
 typedef cudrv_result (*cudrv_pfn_event_record)(cudrv_event event, cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_event_query)(cudrv_event event);
 typedef cudrv_result (*cudrv_pfn_event_synchronize)(cudrv_event event);
-typedef cudrv_result (*cudrv_pfn_stream_wait_event)(cudrv_stream stream, cudrv_event event,
-                                                    unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_stream_wait_event)(cudrv_stream stream, cudrv_event event, unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_stream_get_id)(cudrv_stream stream, unsigned long long *id);
 typedef cudrv_result (*cudrv_pfn_stream_get_ctx)(cudrv_stream stream, cudrv_context *ctx);
 typedef cudrv_result (*cudrv_pfn_stream_get_device)(cudrv_stream stream, cudrv_device *device);
@@ -253,35 +244,26 @@ typedef cudrv_result (*cudrv_pfn_stream_create)(cudrv_stream *stream, unsigned i
 typedef cudrv_result (*cudrv_pfn_stream_destroy)(cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_stream_synchronize)(cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_memset_d32)(cudrv_deviceptr ptr, unsigned int value, size_t n);
-typedef cudrv_result (*cudrv_pfn_memset_d32_async)(cudrv_deviceptr ptr, unsigned int value,
-                                                   size_t n, cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_memset_d32_async)(cudrv_deviceptr ptr, unsigned int value, size_t n,
+                                                   cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_memcpy_dtoh)(void *dst, cudrv_deviceptr src, size_t bytes);
-typedef cudrv_result (*cudrv_pfn_mem_alloc_async)(cudrv_deviceptr *ptr, size_t size,
-                                                  cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_mem_alloc_async)(cudrv_deviceptr *ptr, size_t size, cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_mem_free_async)(cudrv_deviceptr ptr, cudrv_stream stream);
-typedef cudrv_result (*cudrv_pfn_device_get_default_mem_pool)(cudrv_mem_pool *pool,
-                                                              cudrv_device device);
-typedef cudrv_result (*cudrv_pfn_mem_pool_set_attribute)(cudrv_mem_pool pool,
-                                                         cudrv_mem_pool_attr attr, void *value);
+typedef cudrv_result (*cudrv_pfn_device_get_default_mem_pool)(cudrv_mem_pool *pool, cudrv_device device);
+typedef cudrv_result (*cudrv_pfn_mem_pool_set_attribute)(cudrv_mem_pool pool, cudrv_mem_pool_attr attr, void *value);
 typedef cudrv_result (*cudrv_pfn_mem_host_alloc)(void **ptr, size_t size, unsigned int flags);
-typedef cudrv_result (*cudrv_pfn_mem_host_get_device_pointer)(cudrv_deviceptr *dptr, void *ptr,
-                                                              unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_mem_host_get_device_pointer)(cudrv_deviceptr *dptr, void *ptr, unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_mem_free_host)(void *ptr);
-typedef cudrv_result (*cudrv_pfn_stream_write_value64)(cudrv_stream stream, cudrv_deviceptr addr,
-                                                       cudrv_uint64 value, unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_stream_write_value64)(cudrv_stream stream, cudrv_deviceptr addr, cudrv_uint64 value,
+                                                       unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_module_load_data)(cudrv_module *module, const void *image);
-typedef cudrv_result (*cudrv_pfn_module_load_data_ex)(cudrv_module *module, const void *image,
-                                                      unsigned int num_options,
-                                                      cudrv_jit_option *options,
-                                                      void **option_values);
-typedef cudrv_result (*cudrv_pfn_module_get_function)(cudrv_function *function,
-                                                      cudrv_module module, const char *name);
-typedef cudrv_result (*cudrv_pfn_launch_kernel)(cudrv_function f, unsigned int grid_x,
-                                                unsigned int grid_y, unsigned int grid_z,
-                                                unsigned int block_x, unsigned int block_y,
-                                                unsigned int block_z, unsigned int shared_bytes,
-                                                cudrv_stream stream, void **params,
-                                                void **extra);
+typedef cudrv_result (*cudrv_pfn_module_load_data_ex)(cudrv_module *module, const void *image, unsigned int num_options,
+                                                      cudrv_jit_option *options, void **option_values);
+typedef cudrv_result (*cudrv_pfn_module_get_function)(cudrv_function *function, cudrv_module module, const char *name);
+typedef cudrv_result (*cudrv_pfn_launch_kernel)(cudrv_function f, unsigned int grid_x, unsigned int grid_y,
+                                                unsigned int grid_z, unsigned int block_x, unsigned int block_y,
+                                                unsigned int block_z, unsigned int shared_bytes, cudrv_stream stream,
+                                                void **params, void **extra);
 
 /* --- the loader (cuda_loader.c) ----------------------------------------- */
 

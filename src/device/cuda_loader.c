@@ -31,8 +31,7 @@ static int cudrv_failed[2];
 static char cudrv_why[2][256];
 
 __attribute__((format(printf, 2, 3))) static void cudrv_fail(int what, const char *fmt, ...) {
-  if (cudrv_failed[what])
-    return; /* the first failure says it */
+  if (cudrv_failed[what]) return; /* the first failure says it */
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(cudrv_why[what], sizeof cudrv_why[what], fmt, ap);
@@ -45,10 +44,9 @@ __attribute__((format(printf, 2, 3))) static void cudrv_fail(int what, const cha
 static int cudrv_resolve(const char *symbol, int version, void *slot) {
   void *fn = NULL;
   cudrv_proc_query_result found = CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-  cudrv_result r = cudrv.get_proc_address(symbol, &fn, CUDRV_REQUEST_FOR(version),
-                                          CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, &found);
-  if (r != CUDRV_SUCCESS || found != CUDRV_GET_PROC_ADDRESS_SUCCESS)
-    fn = NULL;
+  cudrv_result r =
+      cudrv.get_proc_address(symbol, &fn, CUDRV_REQUEST_FOR(version), CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM, &found);
+  if (r != CUDRV_SUCCESS || found != CUDRV_GET_PROC_ADDRESS_SUCCESS) fn = NULL;
   memcpy(slot, &fn, sizeof fn);
   return fn != NULL;
 }
@@ -61,8 +59,7 @@ static void cudrv_load_once(void) {
   void *dl = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (dl == NULL) {
     const char *why = dlerror();
-    cudrv_fail(CUDRV_LOAD_LIBRARY, "CUDA driver not found: dlopen(libcuda.so.1): %s",
-               why ? why : "unknown error");
+    cudrv_fail(CUDRV_LOAD_LIBRARY, "CUDA driver not found: dlopen(libcuda.so.1): %s", why ? why : "unknown error");
     cudrv_fail(CUDRV_LOAD_ALL, "%s", cudrv_why[CUDRV_LOAD_LIBRARY]);
     return;
   }
@@ -70,22 +67,21 @@ static void cudrv_load_once(void) {
   void *fn = dlsym(dl, CUDRV_GET_PROC_ADDRESS_SYMBOL);
   memcpy(&cudrv.get_proc_address, &fn, sizeof fn);
   if (fn == NULL) {
-    cudrv_fail(CUDRV_LOAD_LIBRARY,
-               "CUDA driver too old: no %s (a CUDA 12.0 or newer driver is needed)",
+    cudrv_fail(CUDRV_LOAD_LIBRARY, "CUDA driver too old: no %s (a CUDA 12.0 or newer driver is needed)",
                CUDRV_GET_PROC_ADDRESS_SYMBOL);
     cudrv_fail(CUDRV_LOAD_ALL, "%s", cudrv_why[CUDRV_LOAD_LIBRARY]);
     return;
   }
   /* Every entry point is resolved, so that a failed load still names the
    * first one missing of each kind. */
-#define CUDRV_RESOLVE_REQUIRED(field, symbol, version)                  \
-  if (!cudrv_resolve(#symbol, version, &cudrv.field)) {                 \
+#define CUDRV_RESOLVE_REQUIRED(field, symbol, version)                          \
+  if (!cudrv_resolve(#symbol, version, &cudrv.field)) {                         \
     cudrv_fail(CUDRV_LOAD_LIBRARY, CUDRV_MISSING, #symbol, CUDRV_ABI(version)); \
     cudrv_fail(CUDRV_LOAD_ALL, CUDRV_MISSING, #symbol, CUDRV_ABI(version));     \
   }
   CUDRV_REQUIRED_FUNCS(CUDRV_RESOLVE_REQUIRED)
 #undef CUDRV_RESOLVE_REQUIRED
-#define CUDRV_RESOLVE_TOOL(field, symbol, version) \
+#define CUDRV_RESOLVE_TOOL(field, symbol, version)    \
   if (!cudrv_resolve(#symbol, version, &cudrv.field)) \
     cudrv_fail(CUDRV_LOAD_ALL, CUDRV_MISSING, #symbol, CUDRV_ABI(version));
   CUDRV_TOOL_FUNCS(CUDRV_RESOLVE_TOOL)
@@ -96,16 +92,12 @@ static void cudrv_load_once(void) {
 }
 
 int cudrv_load(int what, const char **why) {
-  if (what != CUDRV_LOAD_ALL)
-    what = CUDRV_LOAD_LIBRARY;
+  if (what != CUDRV_LOAD_ALL) what = CUDRV_LOAD_LIBRARY;
   if (pthread_once(&cudrv_once, cudrv_load_once) != 0) {
-    if (why != NULL)
-      *why = "CUDA driver loader: pthread_once failed";
+    if (why != NULL) *why = "CUDA driver loader: pthread_once failed";
     return -1;
   }
-  if (!cudrv_failed[what])
-    return 0;
-  if (why != NULL)
-    *why = cudrv_why[what];
+  if (!cudrv_failed[what]) return 0;
+  if (why != NULL) *why = cudrv_why[what];
   return -1;
 }

@@ -5,8 +5,8 @@
 #include "base/error.h"
 #include "front/global.h"
 #include "front/observe.h"
-#include "pool/large.h"
 #include "front/tcache.h"
+#include "pool/large.h"
 
 /* Everything but a fast-path hit: the slow path, and the observer's view
  * of every hand-out while it is on. The observer's calls stay out of line

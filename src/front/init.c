@@ -149,16 +149,16 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
     c = *cfg;
     if (c.magazine_bytes == 0) c.magazine_bytes = (size_t)1 << 20;
     if (c.backend < MAGPIE_BACKEND_AUTO || c.backend > MAGPIE_BACKEND_SIM)
-      rc = error_set(MAGPIE_ERR_CONFIG, "magpie_init: backend %d is not one of AUTO (0), CUDA (1), SIM (2)",
-                     c.backend);
+      rc = error_set(MAGPIE_ERR_CONFIG, "magpie_init: backend %d is not one of AUTO (0), CUDA (1), SIM (2)", c.backend);
   } else {
     magpie_config_default(&c);
     rc = options_from_env(&c);
   }
   if (rc == MAGPIE_OK) {
     backend_use_error_detail(ops != NULL ? ops->error_detail : NULL);
-    if (ops != NULL) rc = ops->init() == MAGPIE_OK ? MAGPIE_OK
-                           : error_set(MAGPIE_ERR_NO_DEVICE, "backend failed: %s", backend_error_detail());
+    if (ops != NULL)
+      rc = ops->init() == MAGPIE_OK ? MAGPIE_OK
+                                    : error_set(MAGPIE_ERR_NO_DEVICE, "backend failed: %s", backend_error_detail());
     else rc = init_pick_backend(c.backend, &ops);
   }
   size_t gran = (size_t)2 << 20;

@@ -3,7 +3,6 @@
 
 #include "base/globals.h"
 
-
 /* The attached observer: stored (release) at set-up before observe_on can
  * follow its switch; loaded (acquire) by the hooks. */
 

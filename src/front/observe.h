@@ -7,8 +7,8 @@
 
 #include <stddef.h>
 
-#include "device/backend.h"
 #include "base/globals.h"
+#include "device/backend.h"
 #include "magpie.h"
 
 /* The switch is globals.observe_on: read-mostly, following the attached

@@ -34,9 +34,18 @@ static int options_size(const char *v, size_t *out) {
   if (end == v || errno != 0) return 0;
   unsigned shift = 0;
   switch (tolower((unsigned char)*end)) {
-  case 'k': shift = 10; end++; break;
-  case 'm': shift = 20; end++; break;
-  case 'g': shift = 30; end++; break;
+  case 'k':
+    shift = 10;
+    end++;
+    break;
+  case 'm':
+    shift = 20;
+    end++;
+    break;
+  case 'g':
+    shift = 30;
+    end++;
+    break;
   default: break;
   }
   if (*end != '\0') return 0;
@@ -94,11 +103,11 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
     size_t ms = 0;
     ok = options_size(val, &ms) && ms <= 3600000;
     cfg->slow_call_ms = (unsigned)ms;
-  }
-  else
+  } else
     return error_set(MAGPIE_ERR_CONFIG,
                      "MAGPIE_CONF: unknown key '%s' (known: backend, check, verbose, magazine_bytes, limit, "
-                     "release_threshold, check_streams, reuse_wait, slow_call_ms)", key);
+                     "release_threshold, check_streams, reuse_wait, slow_call_ms)",
+                     key);
   if (!ok) return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_CONF: bad value '%s' for key '%s'", val, key);
   return MAGPIE_OK;
 }

@@ -18,11 +18,12 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
   size_t bytes = sl->bsize;
   if (!slab_block_index(sl, (uintptr_t)ptr, &bi) ||
       (sl->cls == SLAB_LARGE && !large_lookup(&sl->heap->large, (uintptr_t)ptr, &bytes)))
-    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not the start of an allocated block",
-                     ptr);
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not the start of an allocated block", ptr);
   if ((uintptr_t)stream == 2)
-    return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_record_stream(%p): the per-thread default stream handle "
-                     "names another stream in every thread; pass a stream created by the application", ptr);
+    return error_set(MAGPIE_ERR_INVALID_STREAM,
+                     "magpie_record_stream(%p): the per-thread default stream handle "
+                     "names another stream in every thread; pass a stream created by the application",
+                     ptr);
   const backend_ops *ops = global_ops();
   uint64_t id = 0;
   int dev = -1;
@@ -31,14 +32,15 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
                      (void *)stream, backend_error_detail());
   heap *h = sl->heap;
   if (dev != h->device)
-    return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_record_stream(%p): stream %p is on device %d, the block "
-                     "on device %d", ptr, (void *)stream, dev, h->device);
+    return error_set(MAGPIE_ERR_INVALID_STREAM,
+                     "magpie_record_stream(%p): stream %p is on device %d, the block "
+                     "on device %d",
+                     ptr, (void *)stream, dev, h->device);
   stream_rec *rec = epoch_stream_acquire(&h->epochs, id);
   if (rec == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_record_stream: out of host memory");
   rc = record_add(&h->records, sl, (uintptr_t)ptr, bytes, rec, stream);
   epoch_stream_release(rec); /* the entry took its own reference */
-  if (rc == MAGPIE_ERR_INVALID_POINTER)
-    return error_set(rc, "magpie_record_stream(%p): the block is free", ptr);
+  if (rc == MAGPIE_ERR_INVALID_POINTER) return error_set(rc, "magpie_record_stream(%p): the block is free", ptr);
   if (rc != MAGPIE_OK) return error_set(rc, "magpie_record_stream(%p): out of host memory", ptr);
   return MAGPIE_OK;
 }

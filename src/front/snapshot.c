@@ -27,12 +27,12 @@
 #include <string.h>
 
 #include "base/error.h"
-#include "heap/heap.h"
-#include "front/global.h"
-#include "pool/large.h"
 #include "base/meta.h"
+#include "front/global.h"
 #include "front/stats.h"
 #include "front/tcache.h"
+#include "heap/heap.h"
+#include "pool/large.h"
 
 enum { SNAP_IN_USE = 0, SNAP_THREAD, SNAP_DEPOT, SNAP_PENDING, SNAP_LIMBO, SNAP_UNUSED };
 static const char *const snap_names[] = {"in_use", "thread", "depot", "pending", "limbo", "unused"};
@@ -125,8 +125,8 @@ static void snap_write_stats(FILE *out, const magpie_stats *st) {
           "\"large_mapped_bytes\":%zu,\"limit_bytes\":%zu,\"large_segment_count\":%llu}",
           st->in_use_bytes, st->reserved_bytes, st->peak_in_use_bytes, st->peak_reserved_bytes, st->cached_bytes,
           st->large_in_use_bytes, (unsigned long long)st->slab_count, st->thread_cached_bytes, st->depot_bytes,
-          st->epoch_pending_bytes, st->large_free_bytes, st->overhead_bytes, st->large_mapped_bytes,
-          st->limit_bytes, (unsigned long long)st->large_segment_count);
+          st->epoch_pending_bytes, st->large_free_bytes, st->overhead_bytes, st->large_mapped_bytes, st->limit_bytes,
+          (unsigned long long)st->large_segment_count);
 }
 
 static void snap_free(snap_ctx *cx) {
@@ -143,8 +143,8 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out) {
   if (rc != MAGPIE_OK) return rc;
   int ndev = 0;
   if (global_ops()->device_count(&ndev) != MAGPIE_OK || device < 0 || device >= ndev)
-    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_snapshot_json: no device %d (the backend has %d)",
-                     device, ndev);
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_snapshot_json: no device %d (the backend has %d)", device,
+                     ndev);
   heap *h = heap_peek(device);
   magpie_stats st;
   memset(&st, 0, sizeof st);

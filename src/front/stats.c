@@ -3,14 +3,14 @@
 
 #include <string.h>
 
-#include "device/backend_timed.h"
 #include "base/error.h"
+#include "base/sizeclass.h"
+#include "device/backend_timed.h"
+#include "front/global.h"
+#include "front/tcache.h"
 #include "heap/heap.h"
 #include "pool/large.h"
-#include "front/global.h"
 #include "pool/record.h"
-#include "base/sizeclass.h"
-#include "front/tcache.h"
 
 static size_t stats_nonneg(int64_t v) { return v > 0 ? (size_t)v : 0; }
 
@@ -44,16 +44,14 @@ void stats_collect(heap *h, magpie_stats *out) {
 
   /* Layers. Small blocks in threads = handed to threads - given back -
    * small blocks in use (frees land in the freeing thread's magazines). */
-  size_t small_in_use = out->in_use_bytes > out->large_in_use_bytes ? out->in_use_bytes - out->large_in_use_bytes
-                                                                     : 0;
+  size_t small_in_use = out->in_use_bytes > out->large_in_use_bytes ? out->in_use_bytes - out->large_in_use_bytes : 0;
   int64_t in_threads = dt.thread_in - dt.thread_out - (int64_t)small_in_use;
   large_account la;
   large_account_get(&h->large, &la);
   out->thread_cached_bytes = stats_nonneg(in_threads);
   out->depot_bytes = stats_nonneg(dt.ready_bytes);
-  out->epoch_pending_bytes = stats_nonneg(dt.pending_bytes) +
-                             stats_nonneg(atomic_load_relaxed(&h->stat_limbo_bytes)) + la.free_pending +
-                             parked_small + parked_large;
+  out->epoch_pending_bytes = stats_nonneg(dt.pending_bytes) + stats_nonneg(atomic_load_relaxed(&h->stat_limbo_bytes)) +
+                             la.free_pending + parked_small + parked_large;
   out->large_free_bytes = la.free_ready;
   out->overhead_bytes = stats_nonneg(atomic_load_relaxed(&h->region.overhead)) + la.overhead;
   out->large_mapped_bytes = atomic_load_relaxed(&h->large.mapped_bytes);
@@ -99,16 +97,15 @@ void stats_print(int device, FILE *out) {
           device, s.in_use_bytes, s.peak_in_use_bytes, s.reserved_bytes, s.peak_reserved_bytes, s.cached_bytes,
           s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes, s.large_free_bytes, s.overhead_bytes,
           (unsigned long long)s.slab_count, (unsigned long long)s.slabs_released,
-          (unsigned long long)s.large_segment_count, s.large_mapped_bytes,
-          (unsigned long long)s.large_bytes_unmapped, s.limit_bytes, (unsigned long long)s.depot_exchanges,
-          (unsigned long long)s.events_recorded, (unsigned long long)s.event_queries,
-          (unsigned long long)s.event_queries_pending, (unsigned long long)s.cross_stream_migrations,
-          (unsigned long long)s.same_stream_reuses, (unsigned long long)s.limbo_magazines,
-          (unsigned long long)s.stream_waits, (unsigned long long)s.threads_flushed,
-          (unsigned long long)s.threads_stolen, (unsigned long long)s.ladder_steps[0],
-          (unsigned long long)s.ladder_steps[1], (unsigned long long)s.ladder_steps[2],
-          (unsigned long long)s.ladder_steps[3], (unsigned long long)s.ladder_steps[4],
-          (unsigned long long)s.ladder_steps[5]);
+          (unsigned long long)s.large_segment_count, s.large_mapped_bytes, (unsigned long long)s.large_bytes_unmapped,
+          s.limit_bytes, (unsigned long long)s.depot_exchanges, (unsigned long long)s.events_recorded,
+          (unsigned long long)s.event_queries, (unsigned long long)s.event_queries_pending,
+          (unsigned long long)s.cross_stream_migrations, (unsigned long long)s.same_stream_reuses,
+          (unsigned long long)s.limbo_magazines, (unsigned long long)s.stream_waits,
+          (unsigned long long)s.threads_flushed, (unsigned long long)s.threads_stolen,
+          (unsigned long long)s.ladder_steps[0], (unsigned long long)s.ladder_steps[1],
+          (unsigned long long)s.ladder_steps[2], (unsigned long long)s.ladder_steps[3],
+          (unsigned long long)s.ladder_steps[4], (unsigned long long)s.ladder_steps[5]);
   backend_timed_print(out);
   fputs("  size class: hits / misses\n", out);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
@@ -126,8 +123,7 @@ MAGPIE_API int magpie_stats_get(int device, magpie_stats *out) {
   if (h == NULL) {
     int n = 0;
     if (global_ops()->device_count(&n) != MAGPIE_OK || device < 0 || device >= n)
-      return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_stats_get: no device %d (the backend has %d)",
-                       device, n);
+      return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_stats_get: no device %d (the backend has %d)", device, n);
     memset(out, 0, sizeof *out); /* nothing allocated there yet */
     return MAGPIE_OK;
   }

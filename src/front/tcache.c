@@ -24,8 +24,7 @@ static void tcache_destroy(void *arg);
 static size_t tcache_reclaim_threads(heap *h);
 
 void tcache_module_init(void) {
-  globals.tcache_can_steal =
-      syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+  globals.tcache_can_steal = syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
   heap_set_threads_reclaim(tcache_reclaim_threads);
 }
 
@@ -273,20 +272,19 @@ static void tcache_oom_error(heap *h, size_t size, int rc) {
   }
   char detail[512] = "";
   if (globals.tcache_describe != NULL) globals.tcache_describe(h, detail, sizeof detail);
-  error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of memory on device %d allocating %zu bytes: %s", h->device, size,
-            detail);
+  error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of memory on device %d allocating %zu bytes: %s", h->device, size, detail);
 }
 
 static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id, cudaStream_t s) {
   heap *h = ts->heap;
   if (size > SIZE_MAX - h->region.gran + 1) {
-    error_set(MAGPIE_ERR_SIZE_OVERFLOW, "requested size %zu cannot be rounded up to the %zu-byte granularity",
-              size, h->region.gran);
+    error_set(MAGPIE_ERR_SIZE_OVERFLOW, "requested size %zu cannot be rounded up to the %zu-byte granularity", size,
+              h->region.gran);
     return NULL;
   }
   if (size > h->total_mem) {
-    error_set(MAGPIE_ERR_TOO_LARGE, "requested %zu bytes but device %d has %zu bytes in total", size,
-              h->device, h->total_mem);
+    error_set(MAGPIE_ERR_TOO_LARGE, "requested %zu bytes but device %d has %zu bytes in total", size, h->device,
+              h->total_mem);
     return NULL;
   }
   uintptr_t p = 0;
@@ -460,8 +458,10 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   }
   uint64_t id = 0;
   if (tc->ops->stream_id(s, &id) != MAGPIE_OK)
-    return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_free_async(%p): stream %p is not valid (%s); the block "
-                     "stays allocated", p, (void *)s, backend_error_detail());
+    return error_set(MAGPIE_ERR_INVALID_STREAM,
+                     "magpie_free_async(%p): stream %p is not valid (%s); the block "
+                     "stays allocated",
+                     p, (void *)s, backend_error_detail());
   tslot *ts = tcache_slot_for_free(tc, s, id, sl->heap);
   if (ts == NULL) return magpie_last_error();
   /* record_stream: a recorded block is parked until its streams' work
@@ -492,8 +492,10 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
       magazine *e = magazine_get_empty(c);
       if (e == NULL) {
         if (tc->check) slab_mark_used(sl, bi);
-        return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory for a magazine; "
-                         "the block stays allocated", p);
+        return error_set(MAGPIE_ERR_OUT_OF_MEMORY,
+                         "magpie_free_async(%p): out of host memory for a magazine; "
+                         "the block stays allocated",
+                         p);
       }
       e->cap = tcache_next_cap(ts, c);
       /* The previous magazine is full: it leaves the thread, sealed on the

@@ -34,11 +34,11 @@
 #include <stdint.h>
 
 #include "base/atomic.h"
+#include "base/pagemap.h"
+#include "base/sizeclass.h"
 #include "device/backend.h"
 #include "heap/heap.h"
 #include "pool/magazine.h"
-#include "base/pagemap.h"
-#include "base/sizeclass.h"
 #include "pool/slab.h"
 
 #define TCACHE_SLOTS 32
@@ -50,12 +50,12 @@ typedef struct tclass {
 } tclass;
 
 typedef struct tslot {
-  uint64_t id;          /* stream id; meaningful while heap != NULL */
-  cudaStream_t handle;  /* handle the slot was created with */
-  heap *heap;           /* heap of the cached blocks; NULL = unused slot */
-  stream_rec *rec;      /* the stream's record (one reference held) */
+  uint64_t id;           /* stream id; meaningful while heap != NULL */
+  cudaStream_t handle;   /* handle the slot was created with */
+  heap *heap;            /* heap of the cached blocks; NULL = unused slot */
+  stream_rec *rec;       /* the stream's record (one reference held) */
   _Atomic int64_t *live; /* this thread's in-use counter for heap's device */
-  int alloc_ok;         /* heap is the stream's own device */
+  int alloc_ok;          /* heap is the stream's own device */
   /* Per class, what an allocation reads and writes: the loaded magazine
    * and the allocation counts. Side by side, so that a class whose lines
    * went out of the cache (a thread taking turns on several streams) costs
@@ -134,9 +134,7 @@ static inline int tcache_enter(tcache *tc) {
 
 static inline void tcache_leave(tcache *tc) { atomic_store_release(&tc->busy, 0); }
 
-static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) {
-  atomic_store_relaxed(p, atomic_load_relaxed(p) + 1);
-}
+static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) { atomic_store_relaxed(p, atomic_load_relaxed(p) + 1); }
 
 /* The stream's id for the fast paths: ordinary handles straight from the
  * backend's fast form; special ones through stream_id (cached by context).

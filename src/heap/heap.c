@@ -127,9 +127,7 @@ int heap_relieve(heap *h, enum heap_step step) {
     for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_reclaim(&h->depots[c]);
     got += large_reclaim(&h->large);
     break;
-  case HEAP_STEP_SLABS:
-    got = slab_release_free(&h->slabs, SIZE_MAX);
-    break;
+  case HEAP_STEP_SLABS: got = slab_release_free(&h->slabs, SIZE_MAX); break;
   case HEAP_STEP_THREADS:
     if (globals.heap_threads_reclaim) got = globals.heap_threads_reclaim(h);
     break;
@@ -145,11 +143,8 @@ int heap_relieve(heap *h, enum heap_step step) {
     }
     got += slab_release_free(&h->slabs, SIZE_MAX);
     break;
-  case HEAP_STEP_UNMAP:
-    got = large_release(&h->large, SIZE_MAX);
-    break;
-  default:
-    break;
+  case HEAP_STEP_UNMAP: got = large_release(&h->large, SIZE_MAX); break;
+  default: break;
   }
   return got > 0;
 }
@@ -210,8 +205,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
   return MAGPIE_ERR_OUT_OF_MEMORY;
 }
 
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out,
-                     size_t *bsize) {
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize) {
   record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
   int rc = large_alloc(&h->large, size, stream_id, stream, 0, out, bsize);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
@@ -228,7 +222,7 @@ int heap_trim(heap *h, size_t keep) {
   /* Cheapest first; stop once the target is met. Thread caches are
    * emptied too (their blocks then need a device synchronisation). */
   static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_UNMAP,
-                                         HEAP_STEP_THREADS, HEAP_STEP_WAIT, HEAP_STEP_UNMAP};
+                                         HEAP_STEP_THREADS, HEAP_STEP_WAIT,  HEAP_STEP_UNMAP};
   for (unsigned i = 0; i < sizeof steps / sizeof steps[0]; i++) {
     if (heap_cached_bytes(h) <= keep) break;
     heap_relieve(h, steps[i]);

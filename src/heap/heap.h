@@ -17,13 +17,13 @@
 #include <stdint.h>
 
 #include "base/atomic.h"
+#include "base/sizeclass.h"
 #include "device/backend.h"
 #include "pool/depot.h"
 #include "pool/epoch.h"
 #include "pool/large.h"
 #include "pool/record.h"
 #include "pool/region.h"
-#include "base/sizeclass.h"
 #include "pool/slab.h"
 #include "pool/span.h"
 
@@ -54,9 +54,9 @@ typedef struct heap {
   depot depots[SIZECLASS_COUNT];
   stack limbo;
   large_cache large;
-  span_set spans;       /* granules shared by small classes' slabs */
-  slab_set slabs;       /* class slabs, for release and snapshots */
-  record_table records; /* blocks with record_stream entries */
+  span_set spans;                        /* granules shared by small classes' slabs */
+  slab_set slabs;                        /* class slabs, for release and snapshots */
+  record_table records;                  /* blocks with record_stream entries */
   _Atomic int64_t stat_in_use_published; /* sum of threads' published live bytes */
   _Atomic size_t stat_peak_in_use;
   _Atomic uint64_t stat_limbo;
@@ -95,8 +95,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
 
 /* A large block of at least size bytes usable by stream_id (handle
  * stream) now; under pressure, goes down the same ladder. */
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out,
-                     size_t *bsize);
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize);
 
 /* Run one ladder step; returns nonzero if it freed or readied anything. */
 int heap_relieve(heap *h, enum heap_step step);

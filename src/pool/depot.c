@@ -6,8 +6,8 @@
 #include <sched.h>
 
 #include "base/assert.h"
-#include "pool/epoch.h"
 #include "base/sizeclass.h"
+#include "pool/epoch.h"
 
 void depot_init(depot *d) {
   stack_init(&d->full);
@@ -217,8 +217,7 @@ int depot_reclaim(depot *d) {
   for (registry_link *n = chain, *next; n; n = next) {
     next = stack_next(&globals.magazine_registry, n);
     magazine *m = (magazine *)n;
-    if (!depot_memo_known_pending(&memo, &m->ticket) &&
-        epoch_ready(&m->ticket, EPOCH_NO_STREAM) == EPOCH_READY_DONE) {
+    if (!depot_memo_known_pending(&memo, &m->ticket) && epoch_ready(&m->ticket, EPOCH_NO_STREAM) == EPOCH_READY_DONE) {
       depot_pending_to_full(d, m);
       atomic_add_relaxed(&d->migrations, 1);
       moved++;

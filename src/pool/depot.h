@@ -13,10 +13,10 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#include "device/backend.h"
-#include "pool/magazine.h"
-#include "magpie.h"
 #include "base/stack.h"
+#include "device/backend.h"
+#include "magpie.h"
+#include "pool/magazine.h"
 
 /* One per size class, on lines of its own: every exchange of a class
  * touches its stacks and counters, and threads exchanging other classes

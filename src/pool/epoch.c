@@ -8,7 +8,6 @@
 
 #include "base/meta.h"
 
-
 void epoch_module_init(void) { registry_init(&globals.event_registry, sizeof(event_node)); }
 
 int epoch_table_init(epoch_table *t, int device, const backend_ops *ops) {
@@ -71,7 +70,6 @@ void epoch_stream_release(stream_rec *r) {
   if (r->newest != NULL) epoch_event_unref(t, r->newest);
   meta_free(r);
 }
-
 
 void epoch_set_low_hook(void (*fn)(void)) { globals.epoch_low_hook = fn; }
 

@@ -25,10 +25,10 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#include "device/backend.h"
-#include "pool/magazine.h"
 #include "base/registry.h"
 #include "base/stack.h"
+#include "device/backend.h"
+#include "pool/magazine.h"
 
 #define EPOCH_BUCKETS 256
 
@@ -38,8 +38,8 @@ struct epoch_table;
  * in 1..sealed, and seq order is the order of the event records on the
  * stream. */
 typedef struct stream_rec {
-  uint64_t id;           /* backend stream id; immutable */
-  int device;            /* the stream's device; immutable */
+  uint64_t id; /* backend stream id; immutable */
+  int device;  /* the stream's device; immutable */
   struct epoch_table *table;
   /* Last sequence number issued. Written under seal_lock (relaxed); read by
    * diagnostics only. */

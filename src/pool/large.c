@@ -9,9 +9,9 @@
 #include <string.h>
 
 #include "base/assert.h"
-#include "pool/epoch.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
+#include "pool/epoch.h"
 #include "pool/slab.h"
 
 void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_mem, int reuse_wait,
@@ -255,7 +255,7 @@ static int large_seg_new(large_cache *c, size_t need, lseg **out) {
     sg->size = size;
     sg->vmm = 1;
     sg->ngran = size / g;
-    sg->gran = meta_alloc(sg->ngran); /* zeroed: GRAN_UNMAPPED */
+    sg->gran = meta_alloc(sg->ngran);     /* zeroed: GRAN_UNMAPPED */
     if (sg->gran == NULL) goto fail_host; /* the VA claim is lost; harmless */
   } else {
     int rc = region_map(c->region, size, &sg->base, &sg->raw, &sg->raw_size);
@@ -561,7 +561,7 @@ int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t st
     best = (large_pick){.b = sg->first, .at_end = 0, .cost = large_unmapped_in(c, sg, sg->base, need)};
     goto carve_best;
 
-  carve_best: {
+  carve_best : {
     lblock *u = large_carve(c, best.b, need, best.at_end);
     if (u == NULL) {
       backend_set_error_detail("out of host memory for a large-block descriptor");
@@ -740,4 +740,3 @@ size_t large_release(large_cache *c, size_t want) {
   lticket_release_all(deferred);
   return released;
 }
-

@@ -78,12 +78,12 @@ enum { GRAN_UNMAPPED = 0, GRAN_MAPPED = 1, GRAN_MAPPING = 2, GRAN_UNMAPPING = 3 
 typedef struct lseg {
   uintptr_t base;
   size_t size;
-  int vmm;                  /* 0: one device allocation, all mapped */
-  uintptr_t raw;            /* without VMM: what the region allocated */
+  int vmm;       /* 0: one device allocation, all mapped */
+  uintptr_t raw; /* without VMM: what the region allocated */
   size_t raw_size;
   size_t ngran;
-  uint8_t *gran;            /* per granule state (VMM) */
-  struct slab *desc;        /* page-map descriptor (cls SLAB_LARGE) */
+  uint8_t *gran;     /* per granule state (VMM) */
+  struct slab *desc; /* page-map descriptor (cls SLAB_LARGE) */
   lblock *first;
   struct lseg *next;
 } lseg;
@@ -97,11 +97,11 @@ typedef struct large_cache {
   struct heap *owner;     /* stored in segment descriptors (slab.heap) */
   pthread_mutex_t lock;
   pthread_cond_t granule_cv;
-  lseg *segs;              /* under lock */
-  lblock *free;            /* under lock */
-  lblock **hash;           /* under lock */
+  lseg *segs;    /* under lock */
+  lblock *free;  /* under lock */
+  lblock **hash; /* under lock */
   size_t hash_cap, hash_count;
-  int growing;             /* a thread is adding a segment; under lock */
+  int growing; /* a thread is adding a segment; under lock */
   /* Statistics: written under the lock (relaxed), read without it. */
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */

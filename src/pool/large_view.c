@@ -39,8 +39,8 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f) {
   }
   fputs("],\"blocks\":[", f);
   for (lblock *b = sg->first; b; b = b->next) {
-    fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",",
-            (unsigned long long)b->base, b->size, lseg_mapped_in(sg, c->region->gran, b->base, b->size));
+    fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",", (unsigned long long)b->base,
+            b->size, lseg_mapped_in(sg, c->region->gran, b->base, b->size));
     if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
     else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
     else

@@ -40,5 +40,6 @@ void magazine_put_empty(magazine *m) {
   MAGPIE_ASSERT(m->ticket.rec == NULL); /* an empty carries no seal */
   m->count = 0;
   stack *own = &globals.magazine_empties[m->cls].s;
-  stack_push(stack_count(own) < MAGAZINE_EMPTIES_KEPT ? own : &globals.magazine_spill.s, &globals.magazine_registry, &m->link);
+  stack_push(stack_count(own) < MAGAZINE_EMPTIES_KEPT ? own : &globals.magazine_spill.s, &globals.magazine_registry,
+             &m->link);
 }

@@ -17,8 +17,8 @@
 #include <stdint.h>
 
 #include "base/assert.h"
-#include "base/registry.h"
 #include "base/globals.h"
+#include "base/registry.h"
 #include "base/sizeclass.h"
 
 #define MAGAZINE_MAX SIZECLASS_MAG_MAX
@@ -53,7 +53,7 @@ typedef struct magazine {
 extern magazine magazine_sentinel;
 
 /* INVARIANT (above): count within cap, cap within the slots, class in range. */
-#define MAGAZINE_ASSERT_VALID(m)                                                                        \
+#define MAGAZINE_ASSERT_VALID(m) \
   MAGPIE_ASSERT((m)->count <= (m)->cap && (m)->cap <= MAGAZINE_MAX && (m)->cls < SIZECLASS_COUNT)
 
 static inline int magazine_is_real(const magazine *m) { return m != &magazine_sentinel; }

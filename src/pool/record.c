@@ -12,9 +12,9 @@
 
 #include "base/assert.h"
 #include "base/error.h"
-#include "pool/magazine.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
+#include "pool/magazine.h"
 
 #define RECORD_POLL_FILLED 64 /* magazines one poll hands back at most */
 
@@ -144,7 +144,8 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
     pthread_mutex_lock(&t->lock);
     e->parked = 0;
     pthread_mutex_unlock(&t->lock);
-    return error_set(rc, "magpie_free_async(%p): cannot record an event on a stream the block was used on "
+    return error_set(rc,
+                     "magpie_free_async(%p): cannot record an event on a stream the block was used on "
                      "(magpie_record_stream): %s; the block stays allocated",
                      (void *)p, rc == MAGPIE_ERR_OUT_OF_MEMORY ? "out of host memory" : backend_error_detail());
   }
@@ -189,7 +190,7 @@ void record_poll(record_table *t, depot *depots, large_cache *lc) {
   /* Event queries, outside the lock. Small blocks go into magazines per
    * class (published only after their entries left the hash). */
   magazine *mags[SIZECLASS_COUNT] = {0}; /* being filled, per class */
-  magazine *filled[RECORD_POLL_FILLED];    /* full ones; the rest wait for the next poll */
+  magazine *filled[RECORD_POLL_FILLED];  /* full ones; the rest wait for the next poll */
   unsigned nfilled = 0;
   record_entry *ready = NULL, *keep = NULL;
   for (record_entry *e = chain, *next; e != NULL; e = next) {

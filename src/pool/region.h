@@ -83,8 +83,6 @@ void region_releases_wait(region *r);
 
 static inline void region_overhead_add(region *r, int64_t bytes) { atomic_add_relaxed(&r->overhead, bytes); }
 
-static inline size_t region_round(const region *r, size_t size) {
-  return (size + r->gran - 1) & ~(r->gran - 1);
-}
+static inline size_t region_round(const region *r, size_t size) { return (size + r->gran - 1) & ~(r->gran - 1); }
 
 #endif /* MAGPIE_REGION_H */

@@ -14,7 +14,6 @@
 #include "pool/depot.h"
 #include "pool/span.h"
 
-
 slab *slab_desc_get(void) {
   pthread_mutex_lock(&globals.slab_desc_lock);
   slab *s = globals.slab_desc_free;
@@ -130,8 +129,7 @@ int slab_carve(slab_set *ss, unsigned cls, magazine **out) {
   MAGPIE_ASSERT((s->base & (((uintptr_t)1 << PAGEMAP_PAGE_SHIFT) - 1)) == 0);
   MAGPIE_DEBUG_ONLY({
     uint32_t li = 0;
-    MAGPIE_ASSERT(slab_block_index(s, s->base + (size_t)(s->nblocks - 1) * s->bsize, &li) &&
-                  li == s->nblocks - 1);
+    MAGPIE_ASSERT(slab_block_index(s, s->base + (size_t)(s->nblocks - 1) * s->bsize, &li) && li == s->nblocks - 1);
   })
   /* Publish before any block leaves: frees must find the slab. */
   if (pagemap_set(s->base, s->size, s) != MAGPIE_OK) {

@@ -22,10 +22,10 @@
 #include <stdint.h>
 
 #include "base/atomic.h"
-#include "pool/magazine.h"
 #include "base/pagemap.h"
 #include "base/sizeclass.h"
 #include "pool/depot.h"
+#include "pool/magazine.h"
 #include "pool/region.h"
 #include "pool/span.h"
 
@@ -61,28 +61,26 @@ typedef struct slab {
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */
   _Atomic uint64_t *inuse;
-  struct lseg *seg;     /* large segments only */
-  struct slab *lnext;   /* descriptor free list; the set's slab list */
-  struct slab *lprev;   /* the set's slab list (under slab_set.slab_lock) */
+  struct lseg *seg;   /* large segments only */
+  struct slab *lnext; /* descriptor free list; the set's slab list */
+  struct slab *lprev; /* the set's slab list (under slab_set.slab_lock) */
   /* Slab release (under slab_set.reclaim_lock): free blocks counted in
    * the depot's magazines. */
   uint32_t reclaim_free;
-  uint32_t dead;        /* being given back: its blocks leave the magazines */
-  size_t stranded;      /* bytes of blocks no magazine took (host OOM) */
+  uint32_t dead;   /* being given back: its blocks leave the magazines */
+  size_t stranded; /* bytes of blocks no magazine took (host OOM) */
 } slab;
 _Static_assert(offsetof(slab, recorded) + sizeof(uint32_t) <= 64, "the free fast path's fields share one line");
 
 /* Bytes of a class slab no block serves. */
-static inline size_t slab_overhead(const slab *s) {
-  return s->raw_size - (size_t)s->nblocks * s->bsize + s->stranded;
-}
+static inline size_t slab_overhead(const slab *s) { return s->raw_size - (size_t)s->nblocks * s->bsize + s->stranded; }
 
 /* A device's class slabs, and where their memory and blocks go. */
 typedef struct slab_set {
-  region *region;        /* maps whole-granule slabs; immutable */
-  span_set *spans;       /* chunks for small classes' slabs; immutable */
-  depot *depots;         /* the device's per-class depots; immutable */
-  struct heap *owner;    /* stored in each slab (slab.heap); immutable */
+  region *region;            /* maps whole-granule slabs; immutable */
+  span_set *spans;           /* chunks for small classes' slabs; immutable */
+  depot *depots;             /* the device's per-class depots; immutable */
+  struct heap *owner;        /* stored in each slab (slab.heap); immutable */
   pthread_mutex_t slab_lock; /* guards list */
   slab *list;
   /* Serialises slab release (it borrows the depots' ready magazines);

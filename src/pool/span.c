@@ -16,7 +16,9 @@ void span_set_init(span_set *ss, region *r) {
   ss->list = NULL;
 }
 
-static uint64_t span_full(const span *sp) { return sp->nchunks == 64 ? ~(uint64_t)0 : ((uint64_t)1 << sp->nchunks) - 1; }
+static uint64_t span_full(const span *sp) {
+  return sp->nchunks == 64 ? ~(uint64_t)0 : ((uint64_t)1 << sp->nchunks) - 1;
+}
 
 /* A free chunk of an existing span, or 0. */
 static int span_take_free(span_set *ss, uintptr_t *base, span **out) {

@@ -34,9 +34,9 @@
 _Static_assert(SPAN_CHUNK_SHIFT >= PAGEMAP_PAGE_SHIFT, "chunks smaller than page-map pages");
 
 typedef struct span {
-  uintptr_t base;    /* granule-aligned; immutable */
-  size_t size;       /* the region's granularity; immutable */
-  uintptr_t raw;     /* what region_unmap takes back; immutable */
+  uintptr_t base; /* granule-aligned; immutable */
+  size_t size;    /* the region's granularity; immutable */
+  uintptr_t raw;  /* what region_unmap takes back; immutable */
   size_t raw_size;
   uint64_t used;     /* under span_set.span_lock */
   unsigned nchunks;  /* size / SPAN_CHUNK, at most 64; immutable */
@@ -45,8 +45,8 @@ typedef struct span {
 
 /* A device's spans. */
 typedef struct span_set {
-  region *region;                 /* maps and unmaps the granules; immutable */
-  pthread_mutex_t span_lock;      /* guards list and the spans' used masks */
+  region *region;            /* maps and unmaps the granules; immutable */
+  pthread_mutex_t span_lock; /* guards list and the spans' used masks */
   span *list;
   /* Held across one span's map: threads that find every span full
    * together share that span instead of each mapping one. */

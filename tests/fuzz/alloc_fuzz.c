@@ -120,14 +120,14 @@ static void order(int j, int i) {
 
 static size_t pick_size(uint8_t a, uint8_t b) {
   switch (a & 7) {
-    case 0: return b;                              /* 0..255, including 0 */
-    case 1: return 256 + (size_t)b * 61;           /* small classes */
-    case 2: return (size_t)b << 10;                /* up to 255 KiB */
-    case 3: return ((size_t)b << 12) + (a >> 3);   /* up to 1 MiB, odd sizes */
-    case 4: return ((size_t)1 << 20) + ((size_t)b << 14); /* just above the small limit */
-    case 5: return ((size_t)(b % 24) + 1) << 20;   /* large, MiB multiples */
-    case 6: return (size_t)1 << (b % 21);          /* powers of two */
-    default: return 4096;
+  case 0: return b;                                     /* 0..255, including 0 */
+  case 1: return 256 + (size_t)b * 61;                  /* small classes */
+  case 2: return (size_t)b << 10;                       /* up to 255 KiB */
+  case 3: return ((size_t)b << 12) + (a >> 3);          /* up to 1 MiB, odd sizes */
+  case 4: return ((size_t)1 << 20) + ((size_t)b << 14); /* just above the small limit */
+  case 5: return ((size_t)(b % 24) + 1) << 20;          /* large, MiB multiples */
+  case 6: return (size_t)1 << (b % 21);                 /* powers of two */
+  default: return 4096;
   }
 }
 
@@ -139,61 +139,61 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
   while (at < n) {
     uint8_t op = NEXT();
     switch (op % 9) {
-      case 0:
-      case 1: { /* alloc */
-        uint8_t a = NEXT(), b = NEXT(), k = NEXT() % NSTREAMS;
-        if (nlive == MAXLIVE) break;
-        size_t size = pick_size(a, b);
-        uint64_t *p = magpie_malloc_async(size, streams[k]);
-        if (p == NULL) fuzz_fail("allocation failed on a 4 GiB device");
-        live[nlive] = (blk){p, magpie_usable_size(p), k};
-        if (live[nlive].size < size || live[nlive].size < 256) fuzz_fail("usable size smaller than requested");
-        enqueue_use(&live[nlive++], tag++);
-        break;
-      }
-      case 2: /* free on its stream */
-        if (nlive > 0) free_block(NEXT() % nlive);
-        break;
-      case 3: { /* hand-off */
-        uint8_t i = NEXT(), j = NEXT() % NSTREAMS;
-        if (nlive == 0) break;
-        blk *b = &live[i % nlive];
-        order(j, b->stream);
-        b->stream = j;
-        enqueue_use(b, tag++);
-        break;
-      }
-      case 4: /* another use */
-        if (nlive > 0) enqueue_use(&live[NEXT() % nlive], tag++);
-        break;
-      case 5: { /* free from another (short-lived) thread */
-        if (nlive == 0) break;
-        int i = NEXT() % nlive;
-        pthread_t t;
-        void *rc;
-        if (pthread_create(&t, NULL, free_thread, &live[i]) != 0) break;
-        pthread_join(t, &rc);
-        if ((intptr_t)rc != MAGPIE_OK) fuzz_fail("free from another thread");
-        live[i] = live[--nlive];
-        break;
-      }
-      case 6: { /* destroy and re-create a stream */
-        int k = NEXT() % NSTREAMS, to = (k + 1) % NSTREAMS;
-        for (int i = 0; i < nlive; i++)
-          if (live[i].stream == k) {
-            order(to, k);
-            live[i].stream = to;
-          }
-        if (magpie_sim_stream_destroy(streams[k]) != MAGPIE_OK) fuzz_fail("stream destroy");
-        if ((streams[k] = magpie_sim_stream_create()) == NULL) fuzz_fail("stream create");
-        break;
-      }
-      case 7: /* the host waits for a stream */
-        if (magpie_sim_stream_synchronize(streams[NEXT() % NSTREAMS]) != MAGPIE_OK) fuzz_fail("synchronize");
-        break;
-      default: /* trim */
-        if (magpie_trim != NULL && magpie_trim(0, (size_t)NEXT() << 20) != MAGPIE_OK) fuzz_fail("trim");
-        break;
+    case 0:
+    case 1: { /* alloc */
+      uint8_t a = NEXT(), b = NEXT(), k = NEXT() % NSTREAMS;
+      if (nlive == MAXLIVE) break;
+      size_t size = pick_size(a, b);
+      uint64_t *p = magpie_malloc_async(size, streams[k]);
+      if (p == NULL) fuzz_fail("allocation failed on a 4 GiB device");
+      live[nlive] = (blk){p, magpie_usable_size(p), k};
+      if (live[nlive].size < size || live[nlive].size < 256) fuzz_fail("usable size smaller than requested");
+      enqueue_use(&live[nlive++], tag++);
+      break;
+    }
+    case 2: /* free on its stream */
+      if (nlive > 0) free_block(NEXT() % nlive);
+      break;
+    case 3: { /* hand-off */
+      uint8_t i = NEXT(), j = NEXT() % NSTREAMS;
+      if (nlive == 0) break;
+      blk *b = &live[i % nlive];
+      order(j, b->stream);
+      b->stream = j;
+      enqueue_use(b, tag++);
+      break;
+    }
+    case 4: /* another use */
+      if (nlive > 0) enqueue_use(&live[NEXT() % nlive], tag++);
+      break;
+    case 5: { /* free from another (short-lived) thread */
+      if (nlive == 0) break;
+      int i = NEXT() % nlive;
+      pthread_t t;
+      void *rc;
+      if (pthread_create(&t, NULL, free_thread, &live[i]) != 0) break;
+      pthread_join(t, &rc);
+      if ((intptr_t)rc != MAGPIE_OK) fuzz_fail("free from another thread");
+      live[i] = live[--nlive];
+      break;
+    }
+    case 6: { /* destroy and re-create a stream */
+      int k = NEXT() % NSTREAMS, to = (k + 1) % NSTREAMS;
+      for (int i = 0; i < nlive; i++)
+        if (live[i].stream == k) {
+          order(to, k);
+          live[i].stream = to;
+        }
+      if (magpie_sim_stream_destroy(streams[k]) != MAGPIE_OK) fuzz_fail("stream destroy");
+      if ((streams[k] = magpie_sim_stream_create()) == NULL) fuzz_fail("stream create");
+      break;
+    }
+    case 7: /* the host waits for a stream */
+      if (magpie_sim_stream_synchronize(streams[NEXT() % NSTREAMS]) != MAGPIE_OK) fuzz_fail("synchronize");
+      break;
+    default: /* trim */
+      if (magpie_trim != NULL && magpie_trim(0, (size_t)NEXT() << 20) != MAGPIE_OK) fuzz_fail("trim");
+      break;
     }
     check_invariants();
   }

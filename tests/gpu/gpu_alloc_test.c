@@ -55,8 +55,7 @@ static int group_setup(void **state) {
   host_status = w.status; /* its own cache line */
   dev_flag = w.dev_flag;
   dev_status = w.dev_status;
-  printf("device 0: %s, driver %d, magpie %s\n", env.name, env.driver_version,
-         magpie_version());
+  printf("device 0: %s, driver %d, magpie %s\n", env.name, env.driver_version, magpie_version());
   return 0;
 }
 
@@ -66,12 +65,13 @@ static void print_stats(const char *when) {
     printf("  stats (%s): unavailable: %s\n", when, magpie_last_error_message());
     return;
   }
-  printf("  stats (%s): in use %zu B, reserved %zu B, slabs %llu, depot exchanges %llu, "
-         "events %llu, cross-stream %llu, same-stream %llu, limbo %llu\n",
-         when, st.in_use_bytes, st.reserved_bytes, (unsigned long long)st.slab_count,
-         (unsigned long long)st.depot_exchanges, (unsigned long long)st.events_recorded,
-         (unsigned long long)st.cross_stream_migrations,
-         (unsigned long long)st.same_stream_reuses, (unsigned long long)st.limbo_magazines);
+  printf(
+      "  stats (%s): in use %zu B, reserved %zu B, slabs %llu, depot exchanges %llu, "
+      "events %llu, cross-stream %llu, same-stream %llu, limbo %llu\n",
+      when, st.in_use_bytes, st.reserved_bytes, (unsigned long long)st.slab_count,
+      (unsigned long long)st.depot_exchanges, (unsigned long long)st.events_recorded,
+      (unsigned long long)st.cross_stream_migrations, (unsigned long long)st.same_stream_reuses,
+      (unsigned long long)st.limbo_magazines);
 }
 
 /* --- the hold kernel --------------------------------------------------- */
@@ -80,27 +80,22 @@ static void print_stats(const char *when) {
 static void hold_start(CUstream s, void *block, size_t bytes, uint64_t tag) {
   atomic_store(host_flag, 0);
   atomic_store(host_status, 0);
-  GPU_CHECK(gpu_hold(&env, s, dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, tag,
-                     hold_timeout_ns(), dev_status));
+  GPU_CHECK(gpu_hold(&env, s, dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, tag, hold_timeout_ns(), dev_status));
   uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
   while (atomic_load(host_status) != 3)
-    if (gpu_now_ns() > deadline)
-      fail_msg("the hold kernel did not start within 10 s");
+    if (gpu_now_ns() > deadline) fail_msg("the hold kernel did not start within 10 s");
 }
 
 /* The kernel must still be holding: otherwise the checks proved nothing. */
 static void hold_still_running(void) {
   int st = atomic_load(host_status);
-  if (st != 3)
-    fail_msg("the hold kernel stopped (status %d) before the checks ended", st);
+  if (st != 3) fail_msg("the hold kernel stopped (status %d) before the checks ended", st);
 }
 
 static void hold_release(CUstream s_or_null) {
   atomic_store(host_flag, 1);
-  if (s_or_null != NULL)
-    GPU_CHECK(cudrv.stream_synchronize(s_or_null));
-  else
-    GPU_CHECK(cudrv.ctx_synchronize());
+  if (s_or_null != NULL) GPU_CHECK(cudrv.stream_synchronize(s_or_null));
+  else GPU_CHECK(cudrv.ctx_synchronize());
   assert_int_equal(atomic_load(host_status), 1);
 }
 
@@ -134,13 +129,10 @@ static int set_overlaps(const ptr_set *s, void *p) {
   size_t lo = 0, hi = s->n;
   while (lo < hi) {
     size_t mid = (lo + hi) / 2;
-    if (s->v[mid] < q)
-      lo = mid + 1;
-    else
-      hi = mid;
+    if (s->v[mid] < q) lo = mid + 1;
+    else hi = mid;
   }
-  if (lo < s->n && s->v[lo] - q < s->block)
-    return 1;
+  if (lo < s->n && s->v[lo] - q < s->block) return 1;
   return lo > 0 && q - s->v[lo - 1] < s->block;
 }
 
@@ -149,19 +141,15 @@ static int set_overlaps(const ptr_set *s, void *p) {
 static long churn(CUstream s, const ptr_set *forbidden, size_t n, int rounds, long *failures) {
   void **v = calloc(n, sizeof *v);
   long bad = 0;
-  if (v == NULL)
-    return -1;
+  if (v == NULL) return -1;
   for (int r = 0; r < rounds; r++) {
     for (size_t i = 0; i < n; i++) {
       v[i] = magpie_malloc_async(forbidden->block, s);
-      if (v[i] == NULL)
-        ++*failures;
-      else if (set_overlaps(forbidden, v[i]))
-        bad++;
+      if (v[i] == NULL) ++*failures;
+      else if (set_overlaps(forbidden, v[i])) bad++;
     }
     for (size_t i = 0; i < n; i++)
-      if (v[i] != NULL && magpie_free_async(v[i], s) != MAGPIE_OK)
-        ++*failures;
+      if (v[i] != NULL && magpie_free_async(v[i], s) != MAGPIE_OK) ++*failures;
   }
   free(v);
   return bad;
@@ -179,8 +167,7 @@ typedef struct churn_job {
 static void *churn_thread(void *arg) {
   churn_job *j = arg;
   CUstream c;
-  if (gpu_env_bind(&env) != CUDA_SUCCESS ||
-      cudrv.stream_create(&c, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+  if (gpu_env_bind(&env) != CUDA_SUCCESS || cudrv.stream_create(&c, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
     j->setup_failed = 1;
     return NULL;
   }
@@ -214,8 +201,8 @@ static void held_free_and_churn(CUstream a, CUstream b, void *p, ptr_set *forbid
     set_add(forbidden, mine[i]);
   }
   set_seal(forbidden);
-  printf("  same-stream reuse on A of the held block: %s; %zu blocks freed on A while held\n",
-         p_again ? "yes" : "no", forbidden->n);
+  printf("  same-stream reuse on A of the held block: %s; %zu blocks freed on A while held\n", p_again ? "yes" : "no",
+         forbidden->n);
 
   long failures = 0;
   long bad = churn(b, forbidden, CHURN_N, 3, &failures);
@@ -225,9 +212,10 @@ static void held_free_and_churn(CUstream a, CUstream b, void *p, ptr_set *forbid
   assert_int_equal(pthread_join(t, NULL), 0);
   hold_still_running();
   print_stats("while held");
-  printf("  other streams: %ld + %ld blocks overlapping held ones (0 expected), %ld + %ld "
-         "failed calls\n",
-         bad, job.bad, failures, job.failures);
+  printf(
+      "  other streams: %ld + %ld blocks overlapping held ones (0 expected), %ld + %ld "
+      "failed calls\n",
+      bad, job.bad, failures, job.failures);
   assert_false(job.setup_failed);
   assert_int_equal(failures + job.failures, 0);
   assert_int_equal(bad, 0);
@@ -254,10 +242,8 @@ static void test_cross_stream(void **state) {
     assert_non_null(got[tries]);
     seen = got[tries] == p;
   }
-  for (long i = 0; i < tries; i++)
-    assert_int_equal(magpie_free_async(got[i], b), MAGPIE_OK);
-  printf("  after A completed, B got the held block: %s (%ld allocations)\n",
-         seen ? "yes" : "no", tries);
+  for (long i = 0; i < tries; i++) assert_int_equal(magpie_free_async(got[i], b), MAGPIE_OK);
+  printf("  after A completed, B got the held block: %s (%ld allocations)\n", seen ? "yes" : "no", tries);
   GPU_CHECK(cudrv.stream_synchronize(b));
   GPU_CHECK(cudrv.stream_destroy(a));
   GPU_CHECK(cudrv.stream_destroy(b));
@@ -272,8 +258,9 @@ static void test_destroyed_stream(void **state) {
    * runs, so every check here would stall until the kernel's time limit.
    * The scenario runs unsanitised in the plain suite. */
   if (getenv("MAGPIE_GPU_UNDER_SANITIZER") != NULL) {
-    printf("  skipped under compute-sanitizer (it serialises driver calls behind the reaper's "
-           "device synchronize)\n");
+    printf(
+        "  skipped under compute-sanitizer (it serialises driver calls behind the reaper's "
+        "device synchronize)\n");
     skip();
   }
   CUstream a, b;
@@ -314,8 +301,7 @@ static void test_stamps(void **state) {
   char why[512] = "";
   int rc = gpu_stamp_test_run(&env, why, sizeof why);
   print_stats("after stamps");
-  if (rc != 0)
-    fail_msg("%s", why);
+  if (rc != 0) fail_msg("%s", why);
 }
 
 /* After a failed check the hold kernel may still spin: stop it so the next

@@ -42,8 +42,7 @@ static const backend_ops *be;
 
 static int group_setup(void **state) {
   (void)state;
-  if (gpu_env_init(&env) != 0)
-    return -1;
+  if (gpu_env_init(&env) != 0) return -1;
   be = backend_cuda();
   int rc = be->init();
   if (rc != MAGPIE_OK) {
@@ -97,8 +96,8 @@ static void test_init_and_info(void **state) {
   assert_int_equal(be->vmm_supported(0, &sup), MAGPIE_OK);
   size_t g = 0;
   assert_int_equal(be->granularity(0, &g), MAGPIE_OK);
-  printf("  devices %d, memory %.1f GiB free of %.1f GiB, vmm %d, granularity %zu\n", n,
-         fr / 1073741824.0, total / 1073741824.0, sup, g);
+  printf("  devices %d, memory %.1f GiB free of %.1f GiB, vmm %d, granularity %zu\n", n, fr / 1073741824.0,
+         total / 1073741824.0, sup, g);
   assert_true(g != 0 && (g & (g - 1)) == 0);
   const char *vmm_env = getenv("MAGPIE_CUDA_VMM");
   if (strstr(env.name, "H200") || strstr(env.name, "H100")) {
@@ -114,8 +113,7 @@ static void test_vmm_map_kernel(void **state) {
   int sup = 0;
   size_t g = 0;
   assert_int_equal(be->vmm_supported(0, &sup), MAGPIE_OK);
-  if (!sup)
-    skip();
+  if (!sup) skip();
   assert_int_equal(be->granularity(0, &g), MAGPIE_OK);
   uintptr_t base = 0;
   assert_int_equal(be->reserve(0, 16 * g, &base), MAGPIE_OK);
@@ -206,17 +204,16 @@ static void test_events(void **state) {
 /* --- threads ----------------------------------------------------------- */
 
 typedef struct ids_job {
-  int bind;            /* make env's context current first */
+  int bind; /* make env's context current first */
   int rc_null, rc_legacy, rc_ptds, rc_dev;
   uint64_t id_null, id_legacy, id_ptds;
   int dev;
-  int ctx_after;       /* env's context current after the calls */
+  int ctx_after; /* env's context current after the calls */
 } ids_job;
 
 static void *ids_thread(void *arg) {
   ids_job *j = arg;
-  if (j->bind && gpu_env_bind(&env) != CUDA_SUCCESS)
-    return NULL;
+  if (j->bind && gpu_env_bind(&env) != CUDA_SUCCESS) return NULL;
   j->rc_null = be->stream_id(NULL, &j->id_null);
   j->rc_legacy = be->stream_id(CU_STREAM_LEGACY, &j->id_legacy);
   j->rc_ptds = be->stream_id(CU_STREAM_PER_THREAD, &j->id_ptds);
@@ -247,8 +244,7 @@ static void test_stream_ids(void **state) {
     assert_int_equal(be->stream_id(s[i], &id[i]), MAGPIE_OK);
     assert_int_equal(be->stream_id(s[i], &again), MAGPIE_OK);
     assert_true(again == id[i]);
-    for (int k = 0; k < i; k++)
-      assert_true(id[k] != id[i]);
+    for (int k = 0; k < i; k++) assert_true(id[k] != id[i]);
   }
 
   ids_job main_ids = {.bind = 1}, other = {.bind = 1}, bare = {.bind = 0};
@@ -265,26 +261,24 @@ static void test_stream_ids(void **state) {
     /* A thread without a context gets device 0's primary one, as with the
      * runtime (bare.ctx_after: see the probe for whether the driver or the
      * backend's retry did it). */
-    if (all[i]->bind)
-      assert_true(all[i]->ctx_after);
+    if (all[i]->bind) assert_true(all[i]->ctx_after);
     /* The legacy stream is one per context, shared by all threads... */
     assert_true(all[i]->id_legacy == main_ids.id_legacy);
     assert_true(all[i]->id_null == main_ids.id_null);
     /* ...the per-thread stream is not. */
     assert_true(all[i]->id_ptds != all[i]->id_legacy);
-    for (int k = 0; k < N; k++)
-      assert_true(all[i]->id_ptds != id[k] && all[i]->id_legacy != id[k]);
+    for (int k = 0; k < N; k++) assert_true(all[i]->id_ptds != id[k] && all[i]->id_legacy != id[k]);
   }
   assert_true(other.id_ptds != main_ids.id_ptds);
   assert_true(bare.id_ptds != main_ids.id_ptds && bare.id_ptds != other.id_ptds);
   printf("  unbound thread: device 0's primary context current after stream_id(0): %s\n",
          bare.ctx_after ? "yes" : "no");
-  printf("  ids: streams %llu %llu %llu; null %llu legacy %llu; per-thread %llu / %llu / %llu"
-         " (threads: main, bound, unbound)\n",
-         (unsigned long long)id[0], (unsigned long long)id[1], (unsigned long long)id[2],
-         (unsigned long long)main_ids.id_null, (unsigned long long)main_ids.id_legacy,
-         (unsigned long long)main_ids.id_ptds, (unsigned long long)other.id_ptds,
-         (unsigned long long)bare.id_ptds);
+  printf(
+      "  ids: streams %llu %llu %llu; null %llu legacy %llu; per-thread %llu / %llu / %llu"
+      " (threads: main, bound, unbound)\n",
+      (unsigned long long)id[0], (unsigned long long)id[1], (unsigned long long)id[2],
+      (unsigned long long)main_ids.id_null, (unsigned long long)main_ids.id_legacy,
+      (unsigned long long)main_ids.id_ptds, (unsigned long long)other.id_ptds, (unsigned long long)bare.id_ptds);
 
   /* Ids are never reused, even when handle values are. */
   static uint64_t ids[CYCLES + N];
@@ -295,17 +289,13 @@ static void test_stream_ids(void **state) {
     GPU_CHECK(cudrv.stream_create(&t, CU_STREAM_NON_BLOCKING));
     assert_int_equal(be->stream_id(t, &ids[i]), MAGPIE_OK);
     handles[i] = (uintptr_t)t;
-    for (int k = 0; k < i && !reused; k++)
-      reused += handles[k] == handles[i];
+    for (int k = 0; k < i && !reused; k++) reused += handles[k] == handles[i];
     GPU_CHECK(cudrv.stream_destroy(t));
   }
-  for (int i = 0; i < N; i++)
-    ids[CYCLES + i] = id[i];
+  for (int i = 0; i < N; i++) ids[CYCLES + i] = id[i];
   qsort(ids, CYCLES + N, sizeof ids[0], cmp_u64);
-  for (int i = 1; i < CYCLES + N; i++)
-    assert_true(ids[i] != ids[i - 1]);
-  printf("  %d create/destroy cycles: handle values reused: %s; ids all distinct\n", CYCLES,
-         reused ? "yes" : "no");
+  for (int i = 1; i < CYCLES + N; i++) assert_true(ids[i] != ids[i - 1]);
+  printf("  %d create/destroy cycles: handle values reused: %s; ids all distinct\n", CYCLES, reused ? "yes" : "no");
 
   for (int i = 0; i < N; i++) {
     int dev = -1;
@@ -326,30 +316,24 @@ static void test_stream_ids(void **state) {
  * indented, and returns its wait status (-1 if it could not run). */
 static int run_child(const char *arg, const char *extra_env, int timeout_s) {
   int fds[2];
-  if (pipe(fds) != 0)
-    return -1;
+  if (pipe(fds) != 0) return -1;
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
   posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
   posix_spawn_file_actions_addclose(&fa, fds[0]);
   size_t n = 0;
-  while (environ[n])
-    n++;
+  while (environ[n]) n++;
   char **envp = calloc(n + 2, sizeof *envp);
-  if (envp == NULL)
-    return -1;
+  if (envp == NULL) return -1;
   /* extra_env replaces the variable it sets, if the environment has it. */
   size_t m = 0, name_len = extra_env ? strcspn(extra_env, "=") + 1 : 0;
   for (size_t i = 0; i < n; i++)
-    if (!extra_env || strncmp(environ[i], extra_env, name_len) != 0)
-      envp[m++] = environ[i];
-  if (extra_env)
-    envp[m++] = (char *)extra_env;
+    if (!extra_env || strncmp(environ[i], extra_env, name_len) != 0) envp[m++] = environ[i];
+  if (extra_env) envp[m++] = (char *)extra_env;
   char self[4096];
   ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
-  if (len <= 0)
-    return -1;
+  if (len <= 0) return -1;
   self[len] = '\0';
   char *argv[] = {self, (char *)arg, NULL};
   pid_t pid;
@@ -369,8 +353,7 @@ static int run_child(const char *arg, const char *extra_env, int timeout_s) {
     int r = poll(&p, 1, 1000);
     if (r > 0) {
       ssize_t got = read(fds[0], buf, sizeof buf);
-      if (got <= 0)
-        break;
+      if (got <= 0) break;
       fwrite(buf, 1, (size_t)got, stdout);
     } else if (r < 0 && errno != EINTR) {
       break;
@@ -384,8 +367,7 @@ static int run_child(const char *arg, const char *extra_env, int timeout_s) {
   close(fds[0]);
   fflush(stdout);
   int status = 0;
-  if (waitpid(pid, &status, 0) != pid)
-    return -1;
+  if (waitpid(pid, &status, 0) != pid) return -1;
   return status;
 }
 
@@ -394,10 +376,9 @@ static void test_probe(void **state) {
   int status = run_child("--probe", NULL, 120);
   assert_true(status != -1);
   if (WIFSIGNALED(status))
-    printf("probe: the probe process was killed by signal %d (%s) at the step above\n",
-           WTERMSIG(status), strsignal(WTERMSIG(status)));
-  else
-    printf("probe: the probe process exited with status %d\n", WEXITSTATUS(status));
+    printf("probe: the probe process was killed by signal %d (%s) at the step above\n", WTERMSIG(status),
+           strsignal(WTERMSIG(status)));
+  else printf("probe: the probe process exited with status %d\n", WEXITSTATUS(status));
 }
 
 static void test_vmm_env_off(void **state) {
@@ -417,8 +398,7 @@ static int vmm_off_main(void) {
     return 1;
   }
   printf("  MAGPIE_CUDA_VMM=0: vmm_supported reports %d\n", sup);
-  if (sup != 0)
-    return 1;
+  if (sup != 0) return 1;
   if (b->mem_alloc(0, 2 * MIB, &p) != MAGPIE_OK || b->mem_free(0, p, 2 * MIB) != MAGPIE_OK) {
     printf("  vmm-off: mem_alloc/mem_free failed: %s\n", backend_error_detail());
     return 1;
@@ -430,11 +410,9 @@ static int vmm_off_main(void) {
 int gpu_probe_main(const gpu_env *e); /* gpu_probe.c */
 
 int main(int argc, char **argv) {
-  if (argc > 1 && strcmp(argv[1], "--vmm-off") == 0)
-    return vmm_off_main();
+  if (argc > 1 && strcmp(argv[1], "--vmm-off") == 0) return vmm_off_main();
   if (argc > 1 && strcmp(argv[1], "--probe") == 0) {
-    if (gpu_env_init(&env) != 0)
-      return 1;
+    if (gpu_env_init(&env) != 0) return 1;
     return gpu_probe_main(&env);
   }
   const struct CMUnitTest tests[] = {

@@ -41,16 +41,17 @@ static CUdeviceptr dev_flag, dev_status, dev_bad;
 static void print_stats(const char *when) {
   magpie_stats st;
   if (magpie_stats_get(0, &st) != MAGPIE_OK) return;
-  printf("  [%s] in use %zu, reserved %zu (thread %zu, depot %zu, pending %zu, large free %zu, overhead %zu); "
-         "ladder reclaim %llu slabs %llu threads %llu wait %llu unmap %llu failed %llu; stolen %llu flushed %llu; "
-         "stream waits %llu; slabs released %llu; large unmapped %llu\n",
-         when, st.in_use_bytes, st.reserved_bytes, st.thread_cached_bytes, st.depot_bytes, st.epoch_pending_bytes,
-         st.large_free_bytes, st.overhead_bytes, (unsigned long long)st.ladder_steps[0],
-         (unsigned long long)st.ladder_steps[1], (unsigned long long)st.ladder_steps[2],
-         (unsigned long long)st.ladder_steps[3], (unsigned long long)st.ladder_steps[4],
-         (unsigned long long)st.ladder_steps[5], (unsigned long long)st.threads_stolen,
-         (unsigned long long)st.threads_flushed, (unsigned long long)st.stream_waits,
-         (unsigned long long)st.slabs_released, (unsigned long long)st.large_bytes_unmapped);
+  printf(
+      "  [%s] in use %zu, reserved %zu (thread %zu, depot %zu, pending %zu, large free %zu, overhead %zu); "
+      "ladder reclaim %llu slabs %llu threads %llu wait %llu unmap %llu failed %llu; stolen %llu flushed %llu; "
+      "stream waits %llu; slabs released %llu; large unmapped %llu\n",
+      when, st.in_use_bytes, st.reserved_bytes, st.thread_cached_bytes, st.depot_bytes, st.epoch_pending_bytes,
+      st.large_free_bytes, st.overhead_bytes, (unsigned long long)st.ladder_steps[0],
+      (unsigned long long)st.ladder_steps[1], (unsigned long long)st.ladder_steps[2],
+      (unsigned long long)st.ladder_steps[3], (unsigned long long)st.ladder_steps[4],
+      (unsigned long long)st.ladder_steps[5], (unsigned long long)st.threads_stolen,
+      (unsigned long long)st.threads_flushed, (unsigned long long)st.stream_waits,
+      (unsigned long long)st.slabs_released, (unsigned long long)st.large_bytes_unmapped);
   fflush(stdout);
 }
 
@@ -219,8 +220,7 @@ static void test_stream_wait_reuse(void **state) {
   GPU_CHECK(cudrv.stream_synchronize(b));
   atomic_store(host_flag, 0);
   atomic_store(host_status, 0);
-  GPU_CHECK(gpu_hold(&env, a, dev_flag, (CUdeviceptr)(uintptr_t)p, bs / 8, 0xA0A0, 20ull * 1000000000ull,
-                     dev_status));
+  GPU_CHECK(gpu_hold(&env, a, dev_flag, (CUdeviceptr)(uintptr_t)p, bs / 8, 0xA0A0, 20ull * 1000000000ull, dev_status));
   while (atomic_load(host_status) != 3) {
   }
   assert_int_equal(magpie_free_async(p, (cudaStream_t)a), MAGPIE_OK);

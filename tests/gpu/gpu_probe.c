@@ -43,8 +43,7 @@ static void *bare_thread(void *arg) {
   (void)arg;
   CUcontext cur = NULL;
   CUresult r = cudrv.ctx_get_current(&cur);
-  say("thread with no current context: cuCtxGetCurrent -> %s, context: %s", gpu_err(r),
-      ctx_name(cur));
+  say("thread with no current context: cuCtxGetCurrent -> %s, context: %s", gpu_err(r), ctx_name(cur));
   struct {
     CUstream s;
     const char *name;
@@ -53,8 +52,7 @@ static void *bare_thread(void *arg) {
                   {CU_STREAM_PER_THREAD, "CU_STREAM_PER_THREAD"}};
   for (int i = 0; i < 3; i++) {
     unsigned long long id = raw_id(specials[i].s, &r);
-    say("thread with no current context: cuStreamGetId(%s) -> %s, id %llu", specials[i].name,
-        gpu_err(r), id);
+    say("thread with no current context: cuStreamGetId(%s) -> %s, id %llu", specials[i].name, gpu_err(r), id);
   }
   uint64_t bid = 0;
   int rc = pbe->stream_id(NULL, &bid);
@@ -99,13 +97,11 @@ static void timings(void) {
   }
   double direct = ns_per_call(t0, N);
   t0 = gpu_now_ns();
-  for (long i = 0; i < M; i++)
-    pbe->event_record(ev, s);
+  for (long i = 0; i < M; i++) pbe->event_record(ev, s);
   double record = ns_per_call(t0, M);
   cudrv.stream_synchronize(s);
   t0 = gpu_now_ns();
-  for (long i = 0; i < M; i++)
-    sink += (uint64_t)pbe->event_query(ev);
+  for (long i = 0; i < M; i++) sink += (uint64_t)pbe->event_query(ev);
   double query = ns_per_call(t0, M);
   say("host ns per call: backend stream_id(stream) %.1f, stream_id(0) %.1f, cuStreamGetId "
       "direct %.1f, event_record (idle stream) %.1f, event_query (completed) %.1f [%llu]",
@@ -128,27 +124,23 @@ int gpu_probe_main(const gpu_env *e) {
 
   /* A. Special handles in a thread with no current context. */
   pthread_t t;
-  if (pthread_create(&t, NULL, bare_thread, NULL) == 0)
-    pthread_join(t, NULL);
+  if (pthread_create(&t, NULL, bare_thread, NULL) == 0) pthread_join(t, NULL);
 
   /* B. Special handles with the primary context current. */
-  unsigned long long n0 = raw_id(NULL, &r), nl = raw_id(CU_STREAM_LEGACY, &r),
-                     np = raw_id(CU_STREAM_PER_THREAD, &r);
+  unsigned long long n0 = raw_id(NULL, &r), nl = raw_id(CU_STREAM_LEGACY, &r), np = raw_id(CU_STREAM_PER_THREAD, &r);
   say("main thread, primary context current: id(0) %llu, id(CU_STREAM_LEGACY) %llu, "
       "id(CU_STREAM_PER_THREAD) %llu; 0 and legacy %s",
       n0, nl, np, n0 == nl ? "are the same stream" : "differ");
 
   /* C. Handle reuse after destroying an idle stream. */
   CUstream s1, extra[64];
-  if (cudrv.stream_create(&s1, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
-    return 1;
+  if (cudrv.stream_create(&s1, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return 1;
   unsigned long long id1 = raw_id(s1, &r);
   r = cudrv.stream_destroy(s1);
   say("idle stream %p (id %llu) destroyed -> %s", (void *)s1, id1, gpu_err(r));
   int k, reused = 0;
   for (k = 0; k < 64 && !reused; k++) {
-    if (cudrv.stream_create(&extra[k], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
-      break;
+    if (cudrv.stream_create(&extra[k], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) break;
     reused = extra[k] == s1;
   }
   if (reused) {
@@ -159,8 +151,7 @@ int gpu_probe_main(const gpu_env *e) {
   } else {
     say("handle value %p not reused by %d new streams", (void *)s1, k);
   }
-  for (int i = 0; i < k; i++)
-    cudrv.stream_destroy(extra[i]);
+  for (int i = 0; i < k; i++) cudrv.stream_destroy(extra[i]);
 
   /* D. Destroying a stream with work pending; a stream reusing its handle. */
   CUstream s2, s3;
@@ -177,8 +168,7 @@ int gpu_probe_main(const gpu_env *e) {
   say("stream %p (id %llu) destroyed with 300 ms of work pending -> %s; its event then "
       "queries %s",
       (void *)s2, id2, gpu_err(r), gpu_err(q2));
-  if (cudrv.stream_create(&s3, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS)
-    return 1;
+  if (cudrv.stream_create(&s3, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return 1;
   unsigned long long id3 = raw_id(s3, &r);
   cudrv.event_record(ev3, s3);
   CUresult q3 = cudrv.event_query(ev3);
@@ -201,21 +191,17 @@ int gpu_probe_main(const gpu_env *e) {
     return 1;
   unsigned long long id4 = raw_id(s4, &r), id5 = raw_id(s5, &r);
   cudrv.stream_destroy(s4);
-  say("querying destroyed idle stream %p (id %llu), not reused, with cuStreamGetId...",
-      (void *)s4, id4);
+  say("querying destroyed idle stream %p (id %llu), not reused, with cuStreamGetId...", (void *)s4, id4);
   unsigned long long got = raw_id(s4, &r);
-  say("  -> %s, id %llu (%s)", gpu_err(r), got,
-      r != CUDA_SUCCESS ? "error" : got == id4 ? "SAME id" : "other id");
+  say("  -> %s, id %llu (%s)", gpu_err(r), got, r != CUDA_SUCCESS ? "error" : got == id4 ? "SAME id" : "other id");
   uint64_t bid = 0;
   int rc = pbe->stream_id(s4, &bid);
   say("  backend stream_id on it -> %d (%s)", rc, rc == MAGPIE_OK ? "ok" : backend_error_detail());
   gpu_delay(e, s5, 300u * 1000 * 1000);
   cudrv.stream_destroy(s5);
-  say("querying stream %p (id %llu) destroyed with work pending, with cuStreamGetId...",
-      (void *)s5, id5);
+  say("querying stream %p (id %llu) destroyed with work pending, with cuStreamGetId...", (void *)s5, id5);
   got = raw_id(s5, &r);
-  say("  -> %s, id %llu (%s)", gpu_err(r), got,
-      r != CUDA_SUCCESS ? "error" : got == id5 ? "SAME id" : "other id");
+  say("  -> %s, id %llu (%s)", gpu_err(r), got, r != CUDA_SUCCESS ? "error" : got == id5 ? "SAME id" : "other id");
   CUresult rs = cudrv.ctx_synchronize();
   got = raw_id(s5, &r);
   say("  after cuCtxSynchronize (%s): -> %s, id %llu", gpu_err(rs), gpu_err(r), got);

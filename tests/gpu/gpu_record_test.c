@@ -46,8 +46,8 @@ static uint64_t hold_timeout_ns(void) {
 static void hold_start(CUstream s, void *block, size_t bytes) {
   atomic_store(host_flag, 0);
   atomic_store(host_status, 0);
-  GPU_CHECK(gpu_hold(&env, s, dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, 0x5eedull, hold_timeout_ns(),
-                     dev_status));
+  GPU_CHECK(
+      gpu_hold(&env, s, dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, 0x5eedull, hold_timeout_ns(), dev_status));
   uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
   while (atomic_load(host_status) != 3)
     if (gpu_now_ns() > deadline) fail_msg("the hold kernel did not start within 10 s");
@@ -89,9 +89,10 @@ static void run_case(size_t size, int n, int record) {
   long on_c = record ? churn(c, size, n, p) : 0;
   int still = atomic_load(host_status) == 3;
   hold_release(b);
-  printf("  %zu-byte blocks, %s: the held block handed out %ld times on the freeing stream, %ld on another "
-         "(kernel still running during the checks: %s)\n",
-         size, record ? "recorded" : "not recorded (control)", on_a, on_c, still ? "yes" : "no");
+  printf(
+      "  %zu-byte blocks, %s: the held block handed out %ld times on the freeing stream, %ld on another "
+      "(kernel still running during the checks: %s)\n",
+      size, record ? "recorded" : "not recorded (control)", on_a, on_c, still ? "yes" : "no");
   if (record) {
     assert_true(still);
     assert_int_equal(on_a, 0);

@@ -60,13 +60,13 @@ __attribute__((format(printf, 1, 2))) static void note_error(const char *fmt, ..
   va_end(ap);
 }
 
-#define S_TRY(call)                                  \
-  do {                                               \
-    CUresult s_rc = (call);                          \
-    if (s_rc != CUDA_SUCCESS) {                      \
-      note_error("%s: %s", #call, gpu_err(s_rc));    \
-      return -1;                                     \
-    }                                                \
+#define S_TRY(call)                               \
+  do {                                            \
+    CUresult s_rc = (call);                       \
+    if (s_rc != CUDA_SUCCESS) {                   \
+      note_error("%s: %s", #call, gpu_err(s_rc)); \
+      return -1;                                  \
+    }                                             \
   } while (0)
 
 /* One batch's arrays (host-mapped pinned memory) and its completion event. */
@@ -250,17 +250,18 @@ static void test_soak(void **state) {
   GPU_CHECK(cudrv.ctx_synchronize());
   GPU_CHECK(cudrv.mem_get_info(&free1, &total1));
   long long grew = (long long)free0 - (long long)free1;
-  print_message("soak: %llu allocator operations in %.1f s (%.1f M/s), %d threads, %d streams, %llu batches, "
-                "%llu hand-offs, %llu streams re-created, %llu large blocks\n",
-                (unsigned long long)atomic_load(&total_ops), secs, (double)atomic_load(&total_ops) / secs / 1e6,
-                THREADS, THREADS * STREAMS, (unsigned long long)atomic_load(&batches_done),
-                (unsigned long long)atomic_load(&handoffs_done), (unsigned long long)atomic_load(&streams_churned),
-                (unsigned long long)atomic_load(&large_blocks));
-  print_message("soak: wrong words %lu; in use %zu; reserved %zu (peak %zu); device memory used grew by %lld; "
-                "events %llu, cross-stream migrations %llu, limbo %llu\n",
-                bad, st.in_use_bytes, st.reserved_bytes, st.peak_reserved_bytes, grew,
-                (unsigned long long)st.events_recorded, (unsigned long long)st.cross_stream_migrations,
-                (unsigned long long)st.limbo_magazines);
+  print_message(
+      "soak: %llu allocator operations in %.1f s (%.1f M/s), %d threads, %d streams, %llu batches, "
+      "%llu hand-offs, %llu streams re-created, %llu large blocks\n",
+      (unsigned long long)atomic_load(&total_ops), secs, (double)atomic_load(&total_ops) / secs / 1e6, THREADS,
+      THREADS * STREAMS, (unsigned long long)atomic_load(&batches_done),
+      (unsigned long long)atomic_load(&handoffs_done), (unsigned long long)atomic_load(&streams_churned),
+      (unsigned long long)atomic_load(&large_blocks));
+  print_message(
+      "soak: wrong words %lu; in use %zu; reserved %zu (peak %zu); device memory used grew by %lld; "
+      "events %llu, cross-stream migrations %llu, limbo %llu\n",
+      bad, st.in_use_bytes, st.reserved_bytes, st.peak_reserved_bytes, grew, (unsigned long long)st.events_recorded,
+      (unsigned long long)st.cross_stream_migrations, (unsigned long long)st.limbo_magazines);
   if (atomic_load(&errors)) print_error("first error: %s\n", first_error);
   assert_int_equal(atomic_load(&errors), 0);
   assert_int_equal(bad, 0);

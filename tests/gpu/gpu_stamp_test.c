@@ -60,21 +60,20 @@ static char first_error[256];
 
 __attribute__((format(printf, 1, 2))) static void note_error(const char *fmt, ...) {
   atomic_fetch_add_explicit(&errors, 1, memory_order_relaxed);
-  if (atomic_flag_test_and_set(&first_error_taken))
-    return;
+  if (atomic_flag_test_and_set(&first_error_taken)) return;
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(first_error, sizeof first_error, fmt, ap);
   va_end(ap);
 }
 
-#define W_TRY(call)                                          \
-  do {                                                       \
-    CUresult w_rc = (call);                                  \
-    if (w_rc != CUDA_SUCCESS) {                              \
-      note_error("%s: %s", #call, gpu_err(w_rc));            \
-      return -1;                                             \
-    }                                                        \
+#define W_TRY(call)                               \
+  do {                                            \
+    CUresult w_rc = (call);                       \
+    if (w_rc != CUDA_SUCCESS) {                   \
+      note_error("%s: %s", #call, gpu_err(w_rc)); \
+      return -1;                                  \
+    }                                             \
   } while (0)
 
 typedef struct worker {
@@ -110,8 +109,7 @@ static int mailbox_post(worker *w, slot *sl) {
     sent = 1;
   }
   pthread_mutex_unlock(&mailbox.lock);
-  if (!sent)
-    W_TRY(cudrv.event_destroy(ev));
+  if (!sent) W_TRY(cudrv.event_destroy(ev));
   return sent;
 }
 
@@ -161,8 +159,7 @@ static int retire(worker *w, slot *sl) {
     w->handoffs++;
   } else if (r == 1) {
     int sent = mailbox_post(w, sl);
-    if (sent < 0)
-      return -1;
+    if (sent < 0) return -1;
     if (sent) {
       sl->p = NULL;
       w->sent++;
@@ -200,8 +197,7 @@ static int fill(worker *w, slot *sl) {
 /* Destroys stream 0 with its blocks' last uses pending, and replaces it. */
 static int recycle(worker *w) {
   for (int i = 0; i < SLOTS; i++)
-    if (w->slots[i].p != NULL && w->slots[i].stream == 0 && finish(w, &w->slots[i]) != 0)
-      return -1;
+    if (w->slots[i].p != NULL && w->slots[i].stream == 0 && finish(w, &w->slots[i]) != 0) return -1;
   W_TRY(cudrv.stream_destroy(w->s[0]));
   W_TRY(cudrv.stream_create(&w->s[0], CU_STREAM_NON_BLOCKING));
   w->recycles++;
@@ -210,20 +206,15 @@ static int recycle(worker *w) {
 
 static int work(worker *w) {
   W_TRY(gpu_env_bind(w->env));
-  for (int k = 0; k < STREAMS; k++)
-    W_TRY(cudrv.stream_create(&w->s[k], CU_STREAM_NON_BLOCKING));
+  for (int k = 0; k < STREAMS; k++) W_TRY(cudrv.stream_create(&w->s[k], CU_STREAM_NON_BLOCKING));
   for (int it = 0; it < ITERS; it++) {
     slot *sl = &w->slots[rnd(w) % SLOTS];
-    if (sl->p != NULL && retire(w, sl) != 0)
-      return -1;
-    if (fill(w, sl) != 0)
-      return -1;
-    if (it % RECYCLE_EVERY == RECYCLE_EVERY - 1 && recycle(w) != 0)
-      return -1;
+    if (sl->p != NULL && retire(w, sl) != 0) return -1;
+    if (fill(w, sl) != 0) return -1;
+    if (it % RECYCLE_EVERY == RECYCLE_EVERY - 1 && recycle(w) != 0) return -1;
   }
   for (int i = 0; i < SLOTS; i++)
-    if (w->slots[i].p != NULL && finish(w, &w->slots[i]) != 0)
-      return -1;
+    if (w->slots[i].p != NULL && finish(w, &w->slots[i]) != 0) return -1;
   for (int k = 0; k < STREAMS; k++) {
     W_TRY(cudrv.stream_synchronize(w->s[k]));
     W_TRY(cudrv.stream_destroy(w->s[k]));
@@ -261,8 +252,7 @@ int gpu_stamp_test_run(const gpu_env *e, char *why, size_t why_len) {
   pthread_t t[THREADS];
   CUdeviceptr bad;
   CUresult r = cudrv.mem_alloc(&bad, THREADS * sizeof(unsigned int));
-  if (r == CUDA_SUCCESS)
-    r = cudrv.memset_d32(bad, 0, THREADS);
+  if (r == CUDA_SUCCESS) r = cudrv.memset_d32(bad, 0, THREADS);
   if (r != CUDA_SUCCESS) {
     snprintf(why, why_len, "counters: %s", gpu_err(r));
     return -1;
@@ -270,23 +260,20 @@ int gpu_stamp_test_run(const gpu_env *e, char *why, size_t why_len) {
   uint64_t t0 = gpu_now_ns();
   int started = 0;
   for (int i = 0; i < THREADS; i++) {
-    ws[i] = (worker){.id = i, .env = e, .rng = 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1),
-                     .bad = bad + i * sizeof(unsigned int)};
+    ws[i] = (worker){
+        .id = i, .env = e, .rng = 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1), .bad = bad + i * sizeof(unsigned int)};
     if (pthread_create(&t[i], NULL, worker_main, &ws[i]) != 0) {
       note_error("pthread_create failed");
       break;
     }
     started++;
   }
-  for (int i = 0; i < started; i++)
-    pthread_join(t[i], NULL);
+  for (int i = 0; i < started; i++) pthread_join(t[i], NULL);
   int drained = drain(e, bad);
   unsigned int counts[THREADS] = {0};
   r = cudrv.ctx_synchronize();
-  if (r == CUDA_SUCCESS)
-    r = cudrv.memcpy_dtoh(counts, bad, sizeof counts);
-  if (r != CUDA_SUCCESS)
-    note_error("reading the counters: %s", gpu_err(r));
+  if (r == CUDA_SUCCESS) r = cudrv.memcpy_dtoh(counts, bad, sizeof counts);
+  if (r != CUDA_SUCCESS) note_error("reading the counters: %s", gpu_err(r));
   cudrv.mem_free(bad);
 
   long allocs = 0, handoffs = 0, sent = 0, taken = 0, recycles = 0;
@@ -299,19 +286,17 @@ int gpu_stamp_test_run(const gpu_env *e, char *why, size_t why_len) {
     recycles += ws[i].recycles;
     mismatches += counts[i];
   }
-  printf("  stamps: %d threads, %ld allocations, %ld stream hand-offs, %ld thread hand-offs "
-         "(%ld taken, %d drained), %ld streams re-created, %.2f s; mismatching words: %lu\n",
-         THREADS, allocs, handoffs, sent, taken, drained, recycles,
-         (gpu_now_ns() - t0) / 1e9, mismatches);
+  printf(
+      "  stamps: %d threads, %ld allocations, %ld stream hand-offs, %ld thread hand-offs "
+      "(%ld taken, %d drained), %ld streams re-created, %.2f s; mismatching words: %lu\n",
+      THREADS, allocs, handoffs, sent, taken, drained, recycles, (gpu_now_ns() - t0) / 1e9, mismatches);
   long nerr = atomic_load(&errors);
   if (nerr != 0) {
     snprintf(why, why_len, "%ld error(s); first: %s", nerr, first_error);
     return -1;
   }
   if (mismatches != 0) {
-    snprintf(why, why_len,
-             "%lu words did not hold their owner's tag: a block was reused while in use",
-             mismatches);
+    snprintf(why, why_len, "%lu words did not hold their owner's tag: a block was reused while in use", mismatches);
     return -1;
   }
   return 0;

@@ -26,13 +26,13 @@ uint64_t gpu_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-#define GPU_UTIL_TRY(call)                                              \
-  do {                                                                  \
-    CUresult try_rc = (call);                                           \
-    if (try_rc != CUDA_SUCCESS) {                                       \
+#define GPU_UTIL_TRY(call)                                               \
+  do {                                                                   \
+    CUresult try_rc = (call);                                            \
+    if (try_rc != CUDA_SUCCESS) {                                        \
       fprintf(stderr, "gpu_env_init: %s: %s\n", #call, gpu_err(try_rc)); \
-      return -1;                                                        \
-    }                                                                   \
+      return -1;                                                         \
+    }                                                                    \
   } while (0)
 
 int gpu_env_init(gpu_env *env) {
@@ -77,22 +77,21 @@ static unsigned int gpu_blocks(size_t words) {
   return b == 0 ? 1 : b > 1024 ? 1024 : (unsigned int)b;
 }
 
-CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
-                      unsigned int seed) {
+CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, unsigned int seed) {
   unsigned long long n = words;
   void *args[] = {&p, &n, &seed};
   return cudrv.launch_kernel(env->fill_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
-CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
-                       unsigned int seed, CUdeviceptr bad) {
+CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, unsigned int seed,
+                       CUdeviceptr bad) {
   unsigned long long n = words;
   void *args[] = {&p, &n, &seed, &bad};
   return cudrv.launch_kernel(env->check_u32, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
-CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block,
-                  size_t words, uint64_t tag, uint64_t timeout_ns, CUdeviceptr status) {
+CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block, size_t words, uint64_t tag,
+                  uint64_t timeout_ns, CUdeviceptr status) {
   unsigned long long n = words, t = tag, to = timeout_ns;
   void *args[] = {&flag, &block, &n, &t, &to, &status};
   return cudrv.launch_kernel(env->hold, 1, 1, 1, 256, 1, 1, 0, s, args, NULL);
@@ -104,12 +103,11 @@ CUresult gpu_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, 
   return cudrv.launch_kernel(env->stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
-CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
-                         uint64_t expect, uint64_t tag, int restamp, CUdeviceptr bad) {
+CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, uint64_t expect, uint64_t tag,
+                         int restamp, CUdeviceptr bad) {
   unsigned long long n = words, e = expect, t = tag;
   void *args[] = {&p, &n, &e, &t, &restamp, &bad};
-  return cudrv.launch_kernel(env->check_stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args,
-                        NULL);
+  return cudrv.launch_kernel(env->check_stamp, gpu_blocks(words), 1, 1, 256, 1, 1, 0, s, args, NULL);
 }
 
 CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns) {

@@ -37,26 +37,23 @@ const char *gpu_err(CUresult r);
 
 /* Fails the running cmocka test when call does not return CUDA_SUCCESS
  * (main test thread only: cmocka's failures do not cross threads). */
-#define GPU_CHECK(call)                                                  \
-  do {                                                                   \
-    CUresult gpu_check_rc = (call);                                      \
-    if (gpu_check_rc != CUDA_SUCCESS)                                    \
-      fail_msg("%s: %s", #call, gpu_err(gpu_check_rc));                  \
+#define GPU_CHECK(call)                                                                 \
+  do {                                                                                  \
+    CUresult gpu_check_rc = (call);                                                     \
+    if (gpu_check_rc != CUDA_SUCCESS) fail_msg("%s: %s", #call, gpu_err(gpu_check_rc)); \
   } while (0)
 
 /* Launches (asynchronous; the result is the launch's). */
-CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
-                      unsigned int seed);
-CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
-                       unsigned int seed, CUdeviceptr bad);
+CUresult gpu_fill_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, unsigned int seed);
+CUresult gpu_check_u32(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, unsigned int seed, CUdeviceptr bad);
 /* One block writing tag over the block until *flag != 0 or timeout_ns;
  * flag and status are device pointers of host-mapped memory. */
-CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block,
-                  size_t words, uint64_t tag, uint64_t timeout_ns, CUdeviceptr status);
+CUresult gpu_hold(const gpu_env *env, CUstream s, CUdeviceptr flag, CUdeviceptr block, size_t words, uint64_t tag,
+                  uint64_t timeout_ns, CUdeviceptr status);
 CUresult gpu_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, uint64_t tag);
 /* Counts words != expect into *bad, then writes tag if restamp. */
-CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words,
-                         uint64_t expect, uint64_t tag, int restamp, CUdeviceptr bad);
+CUresult gpu_check_stamp(const gpu_env *env, CUstream s, CUdeviceptr p, size_t words, uint64_t expect, uint64_t tag,
+                         int restamp, CUdeviceptr bad);
 CUresult gpu_delay(const gpu_env *env, CUstream s, uint64_t ns);
 /* Batches of n blocks: ptrs, tags and words are device pointers of
  * host-mapped arrays (read when the kernel runs). Stamp writes each block's

@@ -28,21 +28,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(call)                                                                   \
-  do {                                                                                \
-    cudaError_t e_ = (call);                                                          \
-    if (e_ != cudaSuccess) {                                                          \
+#define CHECK(call)                                                                          \
+  do {                                                                                       \
+    cudaError_t e_ = (call);                                                                 \
+    if (e_ != cudaSuccess) {                                                                 \
       fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(2);                                                                        \
-    }                                                                                 \
+      exit(2);                                                                               \
+    }                                                                                        \
   } while (0)
-#define CHECK_DRV(call)                                                           \
-  do {                                                                            \
-    CUresult r_ = (call);                                                         \
-    if (r_ != CUDA_SUCCESS) {                                                     \
+#define CHECK_DRV(call)                                                                \
+  do {                                                                                 \
+    CUresult r_ = (call);                                                              \
+    if (r_ != CUDA_SUCCESS) {                                                          \
       fprintf(stderr, "%s:%d: %s: CUresult %d\n", __FILE__, __LINE__, #call, (int)r_); \
-      exit(2);                                                                    \
-    }                                                                             \
+      exit(2);                                                                         \
+    }                                                                                  \
   } while (0)
 
 static unsigned long long *bad_counter; // device: mismatches seen by checks

@@ -47,14 +47,12 @@ static const unsigned NODES = 3; // indices 1..3 (0 = none)
 
 template <bool Tagged>
 struct stack_model : rl::test_suite<stack_model<Tagged>, 3> {
-  rl::atomic<unsigned long long> head;   // (tag << 32) | index
-  rl::atomic<unsigned> next[NODES + 1];  // registry_link.next
-  rl::var<int> payload[NODES + 1];        // the node's contents
-  rl::atomic<int> owner[NODES + 1];      // checking only: who holds it
+  rl::atomic<unsigned long long> head;  // (tag << 32) | index
+  rl::atomic<unsigned> next[NODES + 1]; // registry_link.next
+  rl::var<int> payload[NODES + 1];      // the node's contents
+  rl::atomic<int> owner[NODES + 1];     // checking only: who holds it
 
-  static unsigned long long make(unsigned long long tag, unsigned idx) {
-    return Tagged ? ((tag << 32) | idx) : idx;
-  }
+  static unsigned long long make(unsigned long long tag, unsigned idx) { return Tagged ? ((tag << 32) | idx) : idx; }
 
   void before() {
     // Stack 1 -> 2 -> 3.
@@ -80,9 +78,7 @@ struct stack_model : rl::test_suite<stack_model<Tagged>, 3> {
       unsigned top = (unsigned)old;
       if (top == 0) return 0;
       unsigned nx = next[top]($).load(rl::mo_relaxed);
-      if (head($).compare_exchange_weak(old, make((old >> 32) + 1, nx), rl::mo_acq_rel,
-                                        rl::mo_acquire))
-        return top;
+      if (head($).compare_exchange_weak(old, make((old >> 32) + 1, nx), rl::mo_acq_rel, rl::mo_acquire)) return top;
     }
   }
 
@@ -91,7 +87,7 @@ struct stack_model : rl::test_suite<stack_model<Tagged>, 3> {
       unsigned n = pop();
       if (n == 0) continue;
       int prev = owner[n]($).exchange((int)t + 1, rl::mo_relaxed);
-      RL_ASSERT(prev == 0); // never held twice
+      RL_ASSERT(prev == 0);   // never held twice
       payload[n]($) = (int)t; // plain write: a race here is a bug
       owner[n]($).store(0, rl::mo_relaxed);
       push(n);
@@ -117,9 +113,9 @@ struct stack_model : rl::test_suite<stack_model<Tagged>, 3> {
 
 template <bool AcquireQuery>
 struct epoch_model : rl::test_suite<epoch_model<AcquireQuery>, 3> {
-  rl::atomic<int> ev[3];            // event seq -> completed (cuEventQuery)
+  rl::atomic<int> ev[3];               // event seq -> completed (cuEventQuery)
   rl::atomic<unsigned long long> done; // stream_rec.done
-  rl::var<int> block[3];             // device memory of two blocks
+  rl::var<int> block[3];               // device memory of two blocks
 
   void before() {
     ev[1]($).store(0, rl::mo_relaxed);
@@ -149,18 +145,18 @@ struct epoch_model : rl::test_suite<epoch_model<AcquireQuery>, 3> {
 
   void thread(unsigned t) {
     switch (t) {
-      case 0: // the stream: uses of blocks 1 and 2, each sealed by an event
-        block[1]($) = 1;
-        ev[1]($).store(1, rl::mo_release);
-        block[2]($) = 2;
-        ev[2]($).store(1, rl::mo_release);
-        break;
-      case 1: // reuses block 2 through ticket 2 (raising done to 2)
-        if (ready(2)) block[2]($) = 20;
-        break;
-      case 2: // reuses block 1 through ticket 1 (maybe vouched by done = 2)
-        if (ready(1)) block[1]($) = 10;
-        break;
+    case 0: // the stream: uses of blocks 1 and 2, each sealed by an event
+      block[1]($) = 1;
+      ev[1]($).store(1, rl::mo_release);
+      block[2]($) = 2;
+      ev[2]($).store(1, rl::mo_release);
+      break;
+    case 1: // reuses block 2 through ticket 2 (raising done to 2)
+      if (ready(2)) block[2]($) = 20;
+      break;
+    case 2: // reuses block 1 through ticket 1 (maybe vouched by done = 2)
+      if (ready(1)) block[1]($) = 10;
+      break;
     }
   }
 };
@@ -173,7 +169,11 @@ static bool run(const char *name, bool expect_pass, rl::scheduler_type_e sched, 
   p.search_type = sched;
   p.iteration_count = iterations;
   p.output_history = false;
-  std::printf("=== %s (%s, %s)\n", name, sched == rl::sched_full ? "full search" : sched == rl::sched_bound ? "every schedule within the context bound" : "random schedules", expect_pass ? "must pass" : "negative control: must fail");
+  std::printf("=== %s (%s, %s)\n", name,
+              sched == rl::sched_full    ? "full search"
+              : sched == rl::sched_bound ? "every schedule within the context bound"
+                                         : "random schedules",
+              expect_pass ? "must pass" : "negative control: must fail");
   std::fflush(stdout);
   bool ok = rl::simulate<Model>(p);
   bool good = ok == expect_pass;
