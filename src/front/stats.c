@@ -131,7 +131,6 @@ MAGPIE_API int magpie_stats_get(int device, magpie_stats *out) {
   return MAGPIE_OK;
 }
 
-MAGPIE_API size_t magpie_size_class_size(unsigned i) {
-  return i < SIZECLASS_COUNT ? globals.sizeclass_table[i].size : 0;
-}
+/* From the formula, not the table: answers before set-up too. */
+MAGPIE_API size_t magpie_size_class_size(unsigned i) { return i < SIZECLASS_COUNT ? sizeclass_size_calc(i) : 0; }
 _Static_assert(SIZECLASS_COUNT <= MAGPIE_STATS_CLASSES, "magpie_stats has room for every size class");

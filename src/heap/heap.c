@@ -54,7 +54,7 @@ static heap *heap_create(int device) {
   /* Virtual range: four times the device (room for fragmentation of the
    * range itself), at least 4 GiB, at most 1 TiB. Reserving costs no
    * memory. */
-  size_t hint = total * 4;
+  size_t hint = total > SIZE_MAX / 4 ? SIZE_MAX : total * 4; /* no wrap for a huge device */
   if (hint < ((size_t)4 << 30)) hint = (size_t)4 << 30;
   if (hint > ((size_t)1 << 40)) hint = (size_t)1 << 40;
   rc = region_init(&h->region, device, ops, hint);
