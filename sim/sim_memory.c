@@ -75,6 +75,13 @@ int sim_memory_configure(char *detail, size_t detail_len) {
                v);
       return MAGPIE_ERR_CONFIG;
     }
+    if (bytes < SIM_GRANULARITY) {
+      snprintf(detail, detail_len,
+               "MAGPIE_SIM_MEMORY=\"%s\" is below the simulated device's mapping granularity of %zu bytes "
+               "(%zu MiB): give at least that much",
+               v, (size_t)SIM_GRANULARITY, (size_t)SIM_GRANULARITY >> 20);
+      return MAGPIE_ERR_CONFIG;
+    }
     capacity = (size_t)bytes;
   }
   v = getenv("MAGPIE_SIM_VMM");

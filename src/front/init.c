@@ -148,8 +148,8 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   if (cfg != NULL) {
     c = *cfg;
     if (c.magazine_bytes == 0) c.magazine_bytes = (size_t)1 << 20;
-    if (c.backend < MAGPIE_BACKEND_AUTO || c.backend > MAGPIE_BACKEND_SIM)
-      rc = error_set(MAGPIE_ERR_CONFIG, "magpie_init: backend %d is not one of AUTO (0), CUDA (1), SIM (2)", c.backend);
+    /* What needs no device is checked before the backend starts. */
+    rc = options_check(&c, 0, "magpie_init");
   } else {
     magpie_config_default(&c);
     rc = options_from_env(&c);
@@ -163,6 +163,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   }
   size_t gran = (size_t)2 << 20;
   if (rc == MAGPIE_OK && ops->granularity(0, &gran) != MAGPIE_OK) gran = (size_t)2 << 20;
+  if (rc == MAGPIE_OK) rc = options_check(&c, region_unit(gran), cfg != NULL ? "magpie_init" : "MAGPIE_CONF");
   if (rc != MAGPIE_OK) {
     globals.global_err = rc;
     snprintf(globals.global_msg, sizeof globals.global_msg, "%s", magpie_last_error_message());

@@ -9,4 +9,14 @@ int options_from_env(magpie_config *cfg);
 /* Parse one "key=value,key=value" string over cfg (options.c). */
 int options_parse(magpie_config *cfg, const char *conf);
 
+/* Accepted ranges (options.c, README). */
+#define OPTIONS_MAGAZINE_MIN ((size_t)256)
+#define OPTIONS_MAGAZINE_MAX ((size_t)64 << 20)
+#define OPTIONS_SLOW_CALL_MS_MAX 3600000u
+
+/* Check cfg whatever it came from (origin: "MAGPIE_CONF" or
+ * "magpie_init", for the message); unit: the device's mapping unit.
+ * MAGPIE_OK, or MAGPIE_ERR_CONFIG naming the key and its accepted range. */
+int options_check(const magpie_config *cfg, size_t unit, const char *origin);
+
 #endif /* MAGPIE_INIT_H */

@@ -28,6 +28,8 @@
 #include "front/init.h"
 
 static int options_size(const char *v, size_t *out) {
+  /* Digits first: strtoull would take "-1" as 2^64 - 1. */
+  if (!isdigit((unsigned char)*v)) return 0;
   char *end = NULL;
   errno = 0;
   unsigned long long n = strtoull(v, &end, 10);
@@ -93,15 +95,14 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
   if (strcmp(key, "backend") == 0) ok = options_backend(val, &cfg->backend);
   else if (strcmp(key, "check") == 0) ok = options_bool(val, &cfg->check);
   else if (strcmp(key, "verbose") == 0) ok = options_bool(val, &cfg->verbose);
-  else if (strcmp(key, "magazine_bytes") == 0)
-    ok = options_size(val, &cfg->magazine_bytes) && cfg->magazine_bytes >= 256;
+  else if (strcmp(key, "magazine_bytes") == 0) ok = options_size(val, &cfg->magazine_bytes);
   else if (strcmp(key, "limit") == 0) ok = options_limit(val, &cfg->limit, &cfg->limit_percent);
   else if (strcmp(key, "release_threshold") == 0) ok = options_size(val, &cfg->release_threshold);
   else if (strcmp(key, "check_streams") == 0) ok = options_bool(val, &cfg->check_streams);
   else if (strcmp(key, "reuse_wait") == 0) ok = options_bool(val, &cfg->reuse_wait);
   else if (strcmp(key, "slow_call_ms") == 0) {
     size_t ms = 0;
-    ok = options_size(val, &ms) && ms <= 3600000;
+    ok = options_size(val, &ms) && ms <= OPTIONS_SLOW_CALL_MS_MAX;
     cfg->slow_call_ms = (unsigned)ms;
   } else
     return error_set(MAGPIE_ERR_CONFIG,
@@ -125,8 +126,10 @@ int options_parse(magpie_config *cfg, const char *conf) {
     if (eq == NULL) return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_CONF: '%s' is not key=value", item);
     *eq = '\0';
     char *val = eq + 1;
+    /* Spaces around keys and values are ignored, before and after alike. */
     for (char *e = eq - 1; e >= item && isspace((unsigned char)*e); e--) *e = '\0';
     while (isspace((unsigned char)*val)) val++;
+    for (char *e = val + strlen(val); e > val && isspace((unsigned char)e[-1]); e--) e[-1] = '\0';
     int rc = options_set(cfg, item, val);
     if (rc != MAGPIE_OK) return rc;
   }
@@ -142,5 +145,36 @@ int options_from_env(magpie_config *cfg) {
   const char *b = getenv("MAGPIE_BACKEND");
   if (b != NULL && *b != '\0' && !options_backend(b, &cfg->backend))
     return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_BACKEND='%s': expected auto, cuda or sim", b);
+  return MAGPIE_OK;
+}
+
+/* The one check of a configuration, from MAGPIE_CONF or from magpie_init
+ * (origin names which in the message); unit is the device's mapping unit,
+ * known once the backend is up. */
+int options_check(const magpie_config *c, size_t unit, const char *origin) {
+  const int *flags[] = {&c->check, &c->verbose, &c->check_streams, &c->reuse_wait};
+  const char *names[] = {"check", "verbose", "check_streams", "reuse_wait"};
+  for (unsigned i = 0; i < sizeof flags / sizeof flags[0]; i++)
+    if (*flags[i] != 0 && *flags[i] != 1)
+      return error_set(MAGPIE_ERR_CONFIG, "%s: %s=%d: expected 0 or 1", origin, names[i], *flags[i]);
+  if (c->backend < MAGPIE_BACKEND_AUTO || c->backend > MAGPIE_BACKEND_SIM)
+    return error_set(MAGPIE_ERR_CONFIG, "%s: backend=%d: expected auto (0), cuda (1) or sim (2)", origin, c->backend);
+  if (c->magazine_bytes < OPTIONS_MAGAZINE_MIN || c->magazine_bytes > OPTIONS_MAGAZINE_MAX)
+    return error_set(MAGPIE_ERR_CONFIG, "%s: magazine_bytes=%zu: expected %zu (256 bytes) to %zu (64 MiB)", origin,
+                     c->magazine_bytes, OPTIONS_MAGAZINE_MIN, OPTIONS_MAGAZINE_MAX);
+  if (c->limit_percent > 100)
+    return error_set(MAGPIE_ERR_CONFIG, "%s: limit_percent=%u: expected 1 to 100 (0: no limit)", origin,
+                     c->limit_percent);
+  if (c->limit != 0 && c->limit_percent != 0)
+    return error_set(MAGPIE_ERR_CONFIG, "%s: limit=%zu and limit_percent=%u: set one of them", origin, c->limit,
+                     c->limit_percent);
+  if (c->limit != 0 && c->limit < unit)
+    return error_set(MAGPIE_ERR_CONFIG,
+                     "%s: limit=%zu is below the %zu bytes (%zu MiB) in which magpie maps device memory; "
+                     "give at least that much (0: no limit)",
+                     origin, c->limit, unit, unit >> 20);
+  if (c->slow_call_ms > OPTIONS_SLOW_CALL_MS_MAX)
+    return error_set(MAGPIE_ERR_CONFIG, "%s: slow_call_ms=%u: expected 0 to %u", origin, c->slow_call_ms,
+                     OPTIONS_SLOW_CALL_MS_MAX);
   return MAGPIE_OK;
 }
