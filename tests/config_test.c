@@ -127,7 +127,7 @@ static void test_magpie_init_checked_alike(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_negative_sizes_rejected),    cmocka_unit_test(test_spaces_alike_before_and_after),
+      cmocka_unit_test(test_negative_sizes_rejected),      cmocka_unit_test(test_spaces_alike_before_and_after),
       cmocka_unit_test(test_limit_below_the_mapping_unit), cmocka_unit_test(test_magazine_bytes_range),
       cmocka_unit_test(test_sim_memory_below_granularity), cmocka_unit_test(test_magpie_init_checked_alike),
   };
