@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -97,9 +98,77 @@ static void test_observe_while_running(void **state) {
          (unsigned long long)st.threads_stolen, (unsigned long long)st.threads_flushed);
 }
 
+/* Trims in other threads while snapshots are written: a snapshot wrote a
+ * slab's fields after dropping the lock that keeps slabs from being given
+ * back, and a descriptor released and reused for another class meanwhile
+ * (51 blocks where the state array had room for 19) crashed the writer.
+ * Each slab in each snapshot must describe one class consistently. */
+#define TRIMMERS 3
+
+static void *trimmer(void *arg) {
+  uint64_t seed = 0x7A11ull * (uint64_t)((intptr_t)arg + 3);
+  cudaStream_t s = magpie_sim_stream_create();
+  void *p[64];
+  while (!atomic_load(&stop)) {
+    for (int i = 0; i < 64; i++) {
+      unsigned cls = (unsigned)(rng(&seed) % 40);
+      p[i] = magpie_malloc_async(magpie_size_class_size(cls), s);
+      assert_non_null(p[i]);
+    }
+    for (int i = 0; i < 64; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+    magpie_sim_stream_synchronize(s);
+    assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  }
+  magpie_sim_stream_destroy(s);
+  return NULL;
+}
+
+static void check_snapshot_slabs(const jm *snap) {
+  const jm *segs = jm_get(snap, "segments");
+  assert_non_null(segs);
+  for (size_t i = 0; i < segs->n; i++) {
+    const jm *sg = segs->kids[i];
+    if (strcmp(jm_str(sg, "kind"), "slab") != 0) continue;
+    unsigned long long bs = jm_num(sg, "block_size"), nb = jm_num(sg, "blocks");
+    assert_int_equal(bs, magpie_size_class_size((unsigned)jm_num(sg, "class")));
+    assert_true(nb * bs <= jm_num(sg, "size"));
+    const jm *runs = jm_get(sg, "runs");
+    unsigned long long sum = 0;
+    for (size_t r = 0; runs && r < runs->n; r++) sum += runs->kids[r]->kids[1]->num;
+    assert_int_equal(sum, nb);
+  }
+}
+
+static void test_snapshot_while_others_trim(void **state) {
+  (void)state;
+  atomic_store(&stop, 0);
+  pthread_t t[TRIMMERS];
+  for (intptr_t i = 0; i < TRIMMERS; i++) assert_int_equal(pthread_create(&t[i], NULL, trimmer, (void *)i), 0);
+  struct timespec t0, now;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int snaps = 0;
+  do {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    assert_int_equal(magpie_snapshot_json(0, f), MAGPIE_OK);
+    fclose(f);
+    const jm *snap = jm_parse(buf);
+    assert_non_null(snap);
+    check_snapshot_slabs(snap);
+    free(buf);
+    snaps++;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+  } while (now.tv_sec - t0.tv_sec < 2);
+  atomic_store(&stop, 1);
+  for (int i = 0; i < TRIMMERS; i++) pthread_join(t[i], NULL);
+  printf("  %d snapshots taken while %d threads trimmed\n", snaps, TRIMMERS);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_observe_while_running),
+      cmocka_unit_test(test_snapshot_while_others_trim),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -37,10 +37,16 @@
 enum { SNAP_IN_USE = 0, SNAP_THREAD, SNAP_DEPOT, SNAP_PENDING, SNAP_LIMBO, SNAP_UNUSED };
 static const char *const snap_names[] = {"in_use", "thread", "depot", "pending", "limbo", "unused"};
 
-/* Per slab being described: block states and, for pending blocks, the
- * stream each waits on. */
+/* Per slab being described: its fields, copied under the reclaim lock (a
+ * descriptor may be given back and reused for another class once the lock
+ * is dropped, while the snapshot is being written), its block states and,
+ * for pending blocks, the stream each waits on. s is only compared after
+ * the lock is dropped, never followed. */
 typedef struct snap_slab {
-  slab *s;
+  const slab *s;
+  uintptr_t base;
+  size_t size, bsize, overhead;
+  uint32_t cls, nblocks;
   uint8_t *state;
   uint64_t *stream;
 } snap_slab;
@@ -99,14 +105,13 @@ static int snap_cmp(const void *a, const void *b) {
 }
 
 static void snap_write_slab(FILE *out, const snap_slab *ss) {
-  const slab *s = ss->s;
   fprintf(out,
           "{\"kind\":\"slab\",\"base\":%llu,\"size\":%zu,\"class\":%u,\"block_size\":%zu,\"blocks\":%u,"
           "\"overhead\":%zu,\"runs\":[",
-          (unsigned long long)s->base, s->size, s->cls, s->bsize, s->nblocks, slab_overhead(s));
-  for (uint32_t i = 0; i < s->nblocks;) {
+          (unsigned long long)ss->base, ss->size, ss->cls, ss->bsize, ss->nblocks, ss->overhead);
+  for (uint32_t i = 0; i < ss->nblocks;) {
     uint32_t j = i + 1;
-    while (j < s->nblocks && ss->state[j] == ss->state[i] &&
+    while (j < ss->nblocks && ss->state[j] == ss->state[i] &&
            (ss->state[i] != SNAP_PENDING || ss->stream[j] == ss->stream[i]))
       j++;
     fprintf(out, "%s[\"%s\",%u", i ? "," : "", snap_names[ss->state[i]], j - i);
@@ -164,7 +169,13 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out) {
   cx.slabs = cx.n ? meta_alloc(cx.n * sizeof *cx.slabs) : NULL;
   size_t k = 0;
   for (slab *s = h->slabs.list; s && cx.slabs; s = s->lnext, k++) {
-    cx.slabs[k].s = s;
+    cx.slabs[k] = (snap_slab){.s = s,
+                              .base = s->base,
+                              .size = s->size,
+                              .bsize = s->bsize,
+                              .overhead = slab_overhead(s),
+                              .cls = s->cls,
+                              .nblocks = s->nblocks};
     cx.slabs[k].state = meta_alloc(s->nblocks);
     cx.slabs[k].stream = meta_alloc((size_t)s->nblocks * sizeof(uint64_t));
     /* Zeroed: in_use until found in a magazine. Blocks no magazine took
