@@ -82,6 +82,12 @@ MAGPIE_API cudaStream_t magpie_sim_stream_create(void);
 /* Pending work still runs, as with cudaStreamDestroy. */
 MAGPIE_API int magpie_sim_stream_destroy(cudaStream_t s);
 MAGPIE_API int magpie_sim_launch(cudaStream_t s, void (*fn)(void *), void *arg);
+/* Launches a stream holds before they run. A launch onto a full queue
+ * blocks the calling thread until the stream has run one, as a CUDA host
+ * thread blocks when a stream's command queue is full; a host that runs
+ * ahead of its streams is held back instead of growing the queue without
+ * bound. */
+#define MAGPIE_SIM_QUEUE_DEPTH 1024u
 /* Later work on waiter starts after everything enqueued on waited so far. */
 MAGPIE_API int magpie_sim_stream_wait(cudaStream_t waiter, cudaStream_t waited);
 MAGPIE_API int magpie_sim_stream_synchronize(cudaStream_t s);

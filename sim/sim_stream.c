@@ -105,6 +105,13 @@ struct sim_stream {
    * ThreadSanitizer (see the top of this file). */
   _Atomic uint32_t wake;
   struct sim_node *exit_node; /* preallocated so destroy cannot fail */
+  /* Launches enqueued and not yet run, at most MAGPIE_SIM_QUEUE_DEPTH:
+   * raised by launching threads (CAS, relaxed) before their push, lowered
+   * by the worker (relaxed) after the launch ran; also the futex word a
+   * launching thread sleeps on while the queue is full, as a CUDA host
+   * thread blocks when a stream's queue is full. Orders nothing: the queue
+   * itself carries the work's happens-before edges. */
+  _Atomic uint32_t launches;
   /* The stream-order checker's state: host threads only, under the
    * checker's lock (sim_check.c); the worker never touches it. */
   struct sim_check_stream *chk;
@@ -298,9 +305,14 @@ static struct sim_node *sim_stream_pop(struct sim_stream *s) {
 }
 
 /* Runs one node's work; returns 1 for EXIT. */
-static int sim_stream_run(struct sim_node *n) {
+static int sim_stream_run(struct sim_stream *s, struct sim_node *n) {
   switch (n->kind) {
-  case SIM_NODE_CLOSURE: n->fn(n->arg); return 0;
+  case SIM_NODE_CLOSURE:
+    n->fn(n->arg);
+    /* A slot of the queue is free: wake launchers waiting for one. */
+    if (atomic_fetch_sub_explicit(&s->launches, 1, memory_order_relaxed) >= MAGPIE_SIM_QUEUE_DEPTH)
+      sim_futex_wake_all(&s->launches);
+    return 0;
   case SIM_NODE_MARKER:
     sim_event_cell_complete(n->cell);
     sim_event_cell_unref(n->cell);
@@ -327,7 +339,7 @@ static void sim_stream_finish(struct sim_stream *s) {
   while (atomic_load_explicit(&e->pins, memory_order_acquire) != 0)
     sched_yield(); /* a pin lasts one push: a few instructions */
   struct sim_node *n;
-  while ((n = sim_stream_pop(s)) != NULL) sim_stream_run(n);
+  while ((n = sim_stream_pop(s)) != NULL) sim_stream_run(s, n);
   atomic_fetch_add_explicit(&sim_devices[s->device].retired, 1, memory_order_release);
   free(s->head);
   free(s);
@@ -340,7 +352,7 @@ static void *sim_stream_worker(void *arg) {
     sim_stream_sleep(s);
     struct sim_node *n;
     while ((n = sim_stream_pop(s)) != NULL)
-      if (sim_stream_run(n)) exiting = 1;
+      if (sim_stream_run(s, n)) exiting = 1;
   }
   sim_stream_finish(s);
   return NULL;
@@ -628,7 +640,20 @@ int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg) {
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;
   sim_check_launch(s);
-  return sim_stream_enqueue(s, SIM_NODE_CLOSURE, fn, arg, NULL);
+  /* A full queue blocks the launching thread until the stream ran one. */
+  uint32_t n = atomic_load_explicit(&s->launches, memory_order_relaxed);
+  for (;;) {
+    if (n >= MAGPIE_SIM_QUEUE_DEPTH) {
+      sim_futex_wait(&s->launches, n); /* returns once the count moved */
+      n = atomic_load_explicit(&s->launches, memory_order_relaxed);
+    } else if (atomic_compare_exchange_weak_explicit(&s->launches, &n, n + 1, memory_order_relaxed,
+                                                     memory_order_relaxed)) {
+      break;
+    }
+  }
+  rc = sim_stream_enqueue(s, SIM_NODE_CLOSURE, fn, arg, NULL);
+  if (rc != MAGPIE_OK) atomic_fetch_sub_explicit(&s->launches, 1, memory_order_relaxed);
+  return rc;
 }
 
 int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited) {

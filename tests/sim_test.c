@@ -494,6 +494,50 @@ static void test_churn_with_device_synchronize(void **state) {
   assert_int_equal(atomic_load(&c.ran), atomic_load(&c.launched));
 }
 
+/* The launch queue is bounded: with the stream held by a closure waiting at
+ * a gate, a thread launching more blocks once MAGPIE_SIM_QUEUE_DEPTH
+ * launches wait, and goes on when the stream runs them. Unbounded, a host
+ * running ahead grew the queue by ~550 MB/s until the process was killed. */
+struct launcher {
+  cudaStream_t s;
+  atomic_int launched;
+  atomic_int ran;
+};
+
+static void count_run(void *arg) { atomic_fetch_add(&((struct launcher *)arg)->ran, 1); }
+
+static void *launch_many(void *arg) {
+  struct launcher *l = arg;
+  for (unsigned i = 0; i < 2 * MAGPIE_SIM_QUEUE_DEPTH; i++) {
+    if (magpie_sim_launch(l->s, count_run, l) != MAGPIE_OK) break;
+    atomic_fetch_add(&l->launched, 1);
+  }
+  return NULL;
+}
+
+static void test_launch_queue_bounded(void **state) {
+  (void)state;
+  struct launcher l = {.s = magpie_sim_stream_create()};
+  assert_non_null(l.s);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(l.s, gated_run, &g), MAGPIE_OK); /* holds the stream */
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, launch_many, &l), 0);
+  /* Until the gate opens the launcher gets DEPTH - 1 more in, then blocks. */
+  for (int i = 0; i < 200 && atomic_load(&l.launched) < (int)MAGPIE_SIM_QUEUE_DEPTH - 1; i++) sleep_ms(5);
+  sleep_ms(100);
+  assert_int_equal(atomic_load(&l.launched), (int)MAGPIE_SIM_QUEUE_DEPTH - 1);
+  assert_int_equal(atomic_load(&l.ran), 0);
+  sem_post(&g.gate);
+  pthread_join(t, NULL);
+  assert_int_equal(magpie_sim_stream_synchronize(l.s), MAGPIE_OK);
+  assert_int_equal(atomic_load(&l.launched), 2 * (int)MAGPIE_SIM_QUEUE_DEPTH);
+  assert_int_equal(atomic_load(&l.ran), 2 * (int)MAGPIE_SIM_QUEUE_DEPTH);
+  assert_int_equal(magpie_sim_stream_destroy(l.s), MAGPIE_OK);
+  gated_fini(&g);
+}
+
 int main(void) {
   /* Before the simulator's first use: it reads the environment once. */
   setenv("MAGPIE_SIM_DEVICES", "3", 1);
@@ -516,6 +560,7 @@ int main(void) {
       cmocka_unit_test(test_stream_wait_event_orders_work),
       cmocka_unit_test(test_many_producers_one_stream),
       cmocka_unit_test(test_churn_with_device_synchronize),
+      cmocka_unit_test(test_launch_queue_bounded),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
