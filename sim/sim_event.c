@@ -215,6 +215,7 @@ static int sim_event_lock(magpie_sim_event e) {
 }
 
 int sim_event_destroy(magpie_sim_event e) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   int rc = sim_event_lock(e);
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c = e->cell;
@@ -230,6 +231,7 @@ int sim_event_destroy(magpie_sim_event e) {
 }
 
 int sim_event_record(magpie_sim_event e, cudaStream_t h) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   struct sim_stream *s;
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;
@@ -262,6 +264,7 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
 }
 
 int sim_event_query(magpie_sim_event e) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   int rc = sim_event_lock(e);
   if (rc != MAGPIE_OK) return rc;
   /* Never recorded: complete, as in CUDA. */
@@ -284,6 +287,7 @@ static int sim_event_take_cell(magpie_sim_event e, struct sim_cell **out) {
 }
 
 int sim_event_synchronize(magpie_sim_event e) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   struct sim_cell *c;
   int rc = sim_event_take_cell(e, &c);
   if (rc != MAGPIE_OK || c == NULL) return rc;
@@ -294,6 +298,7 @@ int sim_event_synchronize(magpie_sim_event e) {
 }
 
 int sim_event_stream_wait(cudaStream_t h, magpie_sim_event e) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   struct sim_stream *s;
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;

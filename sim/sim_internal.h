@@ -87,6 +87,9 @@ int sim_public_result(const char *fn, int rc);
  * MAGPIE_OK, or MAGPIE_ERR_CONFIG with the offending variable in the detail
  * on every call if a variable was malformed. */
 int sim_init(void);
+/* MAGPIE_OK, or MAGPIE_ERR_NO_DEVICE (detail set) in a child forked after
+ * the simulator started: nothing of it may be used there. */
+int sim_usable(void);
 /* Number of simulated devices (valid after sim_init succeeded). */
 int sim_device_count(void);
 /* sim_init, then: is `device` one of the simulated devices? MAGPIE_OK or

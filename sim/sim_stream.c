@@ -196,6 +196,22 @@ static int sim_ndevices = 1;
 
 static void sim_stream_thread_exit(void *arg);
 
+/* fork(): the simulated device cannot be used in a child forked after it
+ * started, as CUDA cannot: its streams are threads of the parent, which
+ * the child does not have, so work pushed there would never run and a
+ * synchronisation would wait forever. Set once by the child handler (the
+ * child's only thread); read plainly by every entry point of the child. */
+static int sim_forked;
+
+static void sim_atfork_child(void) { sim_forked = 1; }
+
+int sim_usable(void) {
+  if (!sim_forked) return MAGPIE_OK;
+  return sim_fail(MAGPIE_ERR_NO_DEVICE,
+                  "the simulated device started in the parent process before fork(); a forked child cannot use "
+                  "it (as with CUDA): its streams are the parent's threads");
+}
+
 int sim_parse_size(const char *text, int allow_suffix, uint64_t *out) {
   const char *p = text;
   uint64_t v = 0;
@@ -247,9 +263,11 @@ static void sim_init_once(void) {
     return;
   }
   sim_event_start_reaper();
+  pthread_atfork(NULL, NULL, sim_atfork_child);
 }
 
 int sim_init(void) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   pthread_once(&sim_once, sim_init_once);
   if (sim_init_status != MAGPIE_OK) return sim_fail(sim_init_status, "%s", sim_init_detail);
   return MAGPIE_OK;
@@ -503,6 +521,7 @@ static int sim_stream_is_special(cudaStream_t h) {
 }
 
 int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
+  if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot != NULL) {
     if (atomic_load_explicit(&slot->id, memory_order_acquire) != 0) {

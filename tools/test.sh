@@ -44,7 +44,10 @@ for config in "" debug tsan asan; do
   if [ -z "$config" ] || [ "$config" = debug ]; then
     bazel test ${config:+--config=$config} //... "$@"
   else
-    bazel test --config="$config" "$@" -- //... -//tests/model:all
+    # TSan: not the tests tagged no_tsan (tests/BUILD says why).
+    filter=()
+    [ "$config" = tsan ] && filter=(--test_tag_filters=-no_tsan)
+    bazel test --config="$config" "${filter[@]}" "$@" -- //... -//tests/model:all
   fi
   rc=$?
   if [ "$rc" -ne 0 ]; then

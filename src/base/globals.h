@@ -131,12 +131,18 @@ typedef struct global_vars {
   const struct backend_ops *global_backend;
   int global_err;
   char global_msg[512];
+  /* Set once, in a child of fork() (init.c's child handler, the child's
+   * only thread); magpie stays unusable there. init_atfork: the handlers
+   * are registered (under init_lock). */
+  int forked;
+  int init_atfork;
   /* tcache.c: the thread-exit key (made once); the list of live caches and
    * the live bytes of retired ones, under tcache_list_lock (taken alone);
    * whether idle threads' magazines may be taken (set once at set-up); the
    * out-of-memory description (set once at set-up). */
   pthread_once_t tcache_key_once;
   pthread_key_t tcache_key;
+  int tcache_key_made;
   pthread_mutex_t tcache_list_lock;
   struct tcache *tcache_list;
   int64_t tcache_retired_live[MAGPIE_MAX_DEVICES];

@@ -126,12 +126,39 @@ static int init_pick_backend(int kind, const backend_ops **out) {
 }
 
 static void init_verbose_atexit(void) {
+  if (globals.forked) return; /* the parent's heaps are not this process's */
   for (int d = 0; d < HEAP_MAX_DEVICES; d++)
     if (heap_peek(d) != NULL) stats_print(d, stderr);
 }
 
+/* fork(): a child of a process in which magpie started cannot use it, as a
+ * child cannot use the CUDA context its parent made: the device memory,
+ * streams and events it would use are the parent's (the simulated
+ * device's streams are the parent's threads). The handler runs in the
+ * child's only thread: every later call fails with MAGPIE_ERR_NO_DEVICE
+ * and this message, and the child exits without waiting for threads it
+ * does not have. The parent is not touched. */
+#define INIT_FORK_MESSAGE                                                                                     \
+  "magpie started in the parent process before fork(); a forked child cannot use it (as CUDA cannot be used " \
+  "in a child forked after it started): exec a new program (or use spawn) to allocate in another process"
+
+static void init_atfork_child(void) {
+  globals.forked = 1;
+  pthread_mutex_init(&globals.init_lock, NULL);
+  globals.global_err = MAGPIE_ERR_NO_DEVICE;
+  snprintf(globals.global_msg, sizeof globals.global_msg, "%s", INIT_FORK_MESSAGE);
+  atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
+  tcache_after_fork_child();
+  heap_after_fork_child();
+}
+
 int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   pthread_mutex_lock(&globals.init_lock);
+  if (globals.forked) {
+    pthread_mutex_unlock(&globals.init_lock);
+    return error_set(MAGPIE_ERR_NO_DEVICE, "%s", INIT_FORK_MESSAGE);
+  }
+  if (!globals.init_atfork) globals.init_atfork = pthread_atfork(NULL, NULL, init_atfork_child) == 0;
   int state = atomic_load_relaxed(&globals.global_state_v);
   if (state == GLOBAL_READY) {
     pthread_mutex_unlock(&globals.init_lock);

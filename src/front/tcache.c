@@ -32,7 +32,9 @@ static int tcache_barrier(void) {
   return globals.tcache_can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
 }
 
-static void tcache_key_create(void) { pthread_key_create(&globals.tcache_key, tcache_destroy); }
+static void tcache_key_create(void) {
+  globals.tcache_key_made = pthread_key_create(&globals.tcache_key, tcache_destroy) == 0;
+}
 
 static void tcache_slot_clear(tslot *ts) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
@@ -93,6 +95,11 @@ static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
   ts->cap[c] = (uint8_t)cap;
   ts->mark[c] = now;
   return cap;
+}
+
+void tcache_after_fork_child(void) {
+  tcache_tls = NULL;
+  if (globals.tcache_key_made) pthread_setspecific(globals.tcache_key, NULL);
 }
 
 static tcache *tcache_create(void) {

@@ -235,6 +235,11 @@ int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded)
 typedef void (*tcache_describe_fn)(heap *h, char *buf, size_t n);
 void tcache_set_describe(tcache_describe_fn fn);
 
+/* In a child of fork() (its only thread): the forking thread's cache
+ * belongs to the parent's heaps; drop it, so every call takes the slow
+ * path and its set-up check. */
+void tcache_after_fork_child(void);
+
 /* Set up give-back from idle threads (membarrier registration). */
 void tcache_module_init(void);
 

@@ -335,6 +335,19 @@ static void *heap_reaper_main(void *arg) {
   return NULL;
 }
 
+void heap_after_fork_child(void) {
+  /* The child has no maintenance thread: the parent's may have held its
+   * lock or been busy at the fork. Fresh lock and conditions; stopped, so
+   * the exit handler returns at once and nothing starts another. */
+  pthread_mutex_init(&globals.reaper_lock, NULL);
+  pthread_cond_init(&globals.reaper_cv, NULL);
+  pthread_cond_init(&globals.reaper_idle_cv, NULL);
+  globals.reaper_started = 0;
+  globals.reaper_busy = 0;
+  globals.reaper_work = 0;
+  globals.reaper_stop = 1;
+}
+
 /* At exit: let a round under way finish, then keep the thread off the
  * driver for good (what limbo still holds is the process's last memory). */
 static void heap_reaper_atexit(void) {

@@ -117,6 +117,10 @@ void heap_note_cached(heap *h);
  * path by the reaper thread. */
 void heap_limbo_put(heap *h, magazine *m);
 
+/* In a child of fork() (its only thread): forget the parent's maintenance
+ * thread, so that exit does not wait for it. */
+void heap_after_fork_child(void);
+
 /* Add a thread's unpublished in-use delta and raise the peak. */
 void heap_publish_in_use(heap *h, int64_t delta);
 
