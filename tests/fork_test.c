@@ -80,8 +80,8 @@ static void *large_user(void *arg) {
 static int child_main(cudaStream_t parent_stream, void *parent_block) {
   int bad = 0;
   void *p = magpie_malloc_async(100, parent_stream);
-  bad |= p != NULL || magpie_last_error() != MAGPIE_ERR_NO_DEVICE ||
-         strstr(magpie_last_error_message(), "fork") == NULL;
+  bad |=
+      p != NULL || magpie_last_error() != MAGPIE_ERR_NO_DEVICE || strstr(magpie_last_error_message(), "fork") == NULL;
   bad |= magpie_malloc(1000) != NULL;
   bad |= magpie_free_async(parent_block, parent_stream) != MAGPIE_ERR_NO_DEVICE;
   bad |= magpie_trim(0, 0) != MAGPIE_ERR_NO_DEVICE;

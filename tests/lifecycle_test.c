@@ -8,7 +8,10 @@
 #include <stdint.h>
 
 #include <cmocka.h>
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "magpie.h"
 #include "magpie_sim.h"
@@ -37,9 +40,63 @@ static void test_size_class_size_before_init(void **state) {
   assert_int_equal(magpie_sim_stream_destroy(s), MAGPIE_OK);
 }
 
+/* The statistics identity holds as soon as exiting threads are joined
+ * (their caches go to limbo in their exit destructor), with their streams'
+ * work still pending and before the maintenance thread drained anything,
+ * and at every moment after. */
+static void slow(void *arg) {
+  (void)arg;
+  struct timespec t = {0, 50 * 1000 * 1000};
+  nanosleep(&t, NULL);
+}
+
+static void *churn(void *arg) {
+  unsigned seed = (unsigned)(uintptr_t)arg;
+  cudaStream_t s = magpie_sim_stream_create();
+  void *p[64];
+  for (int r = 0; r < 20; r++) {
+    for (int i = 0; i < 64; i++) {
+      size_t n = r % 5 == 0 ? MiB + (size_t)(rand_r(&seed) % (2 * MiB)) : 256 + (size_t)(rand_r(&seed) % 100000);
+      p[i] = magpie_malloc_async(n, s);
+      assert_non_null(p[i]);
+    }
+    for (int i = 0; i < 64; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  }
+  magpie_sim_launch(s, slow, NULL);
+  magpie_sim_stream_destroy(s);
+  return NULL;
+}
+
+static void assert_identity(void) {
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  size_t sum = st.in_use_bytes + st.thread_cached_bytes + st.depot_bytes + st.epoch_pending_bytes +
+               st.large_free_bytes + st.overhead_bytes;
+  if (sum != st.reserved_bytes)
+    fail_msg("reserved %zu != in_use %zu + thread %zu + depot %zu + pending %zu + large free %zu + overhead %zu",
+             st.reserved_bytes, st.in_use_bytes, st.thread_cached_bytes, st.depot_bytes, st.epoch_pending_bytes,
+             st.large_free_bytes, st.overhead_bytes);
+  assert_int_equal(st.in_use_bytes, 0);
+}
+
+static void test_stats_exact_after_threads_joined(void **state) {
+  (void)state;
+  pthread_t t[6];
+  for (uintptr_t i = 0; i < 6; i++) assert_int_equal(pthread_create(&t[i], NULL, churn, (void *)(i + 1)), 0);
+  for (int i = 0; i < 6; i++) pthread_join(t[i], NULL);
+  for (int k = 0; k < 10; k++) {
+    assert_identity();
+    struct timespec d = {0, 15 * 1000 * 1000};
+    nanosleep(&d, NULL);
+  }
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_identity();
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_size_class_size_before_init),
+      cmocka_unit_test(test_stats_exact_after_threads_joined),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
