@@ -93,10 +93,61 @@ static void test_stats_exact_after_threads_joined(void **state) {
   assert_identity();
 }
 
+/* A free on a destroyed stream (README, "Decisions where CUDA leaves
+ * room"): reported where magpie asks the driver (a thread with no slot for
+ * the handle, a large block), not where a thread's slot matches the handle
+ * without a driver call; either way the block is neither lost nor reused
+ * while its stream could still use it, and nothing stays in use. */
+struct foreign_free {
+  void *p;
+  cudaStream_t s;
+  int rc;
+};
+
+static void *free_elsewhere(void *arg) {
+  struct foreign_free *f = arg;
+  f->rc = magpie_free_async(f->p, f->s);
+  return NULL;
+}
+
+static int free_in_new_thread(void *p, cudaStream_t s) {
+  struct foreign_free f = {p, s, -1};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, free_elsewhere, &f), 0);
+  pthread_join(t, NULL);
+  return f.rc;
+}
+
+static void test_free_on_destroyed_stream(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
+  void *small = magpie_malloc_async(1000, a), *small2 = magpie_malloc_async(1000, a);
+  void *big = magpie_malloc_async(3 * MiB, a);
+  assert_non_null(small);
+  assert_non_null(small2);
+  assert_non_null(big);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+  /* Asked: a thread with no slot for the handle, and a large block. */
+  assert_int_equal(free_in_new_thread(small, a), MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_free_async(big, a), MAGPIE_ERR_INVALID_STREAM);
+  /* Still allocated: freeable on a valid stream. */
+  assert_int_equal(magpie_free_async(small, b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(big, b), MAGPIE_OK);
+  /* Not asked: this thread's slot for a matches by handle. */
+  assert_int_equal(magpie_free_async(small2, a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(b), MAGPIE_OK);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.in_use_bytes, 0);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_size_class_size_before_init),
       cmocka_unit_test(test_stats_exact_after_threads_joined),
+      cmocka_unit_test(test_free_on_destroyed_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
