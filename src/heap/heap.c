@@ -124,6 +124,7 @@ int heap_relieve(heap *h, enum heap_step step) {
   size_t got = 0;
   switch (step) {
   case HEAP_STEP_RECLAIM:
+    record_poll(&h->records, h->depots, &h->large); /* parked blocks whose streams completed */
     for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_reclaim(&h->depots[c]);
     got += large_reclaim(&h->large);
     break;
@@ -135,6 +136,7 @@ int heap_relieve(heap *h, enum heap_step step) {
     /* Blocking, off the fast path: every pending magazine and free large
      * block, and limbo (whose streams are gone: a device synchronisation
      * is the only wait that covers them). Then slabs may have emptied. */
+    got += record_wait(&h->records, h->depots, &h->large); /* parked blocks: their streams */
     for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_wait_pending(&h->depots[c]);
     got += large_wait(&h->large);
     if (stack_count(&h->limbo) > 0 || atomic_load_acquire(&h->reaping) > 0) {

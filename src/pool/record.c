@@ -178,11 +178,26 @@ static int record_entry_ready(const record_entry *e) {
   return 1;
 }
 
-void record_poll(record_table *t, depot *depots, large_cache *lc) {
-  if (likely(atomic_load_relaxed(&t->parked_count) == 0)) return;
+/* Pressure: block until every ticket of e completed (event waits). */
+static void record_entry_wait(const record_entry *e) {
+  for (unsigned i = 0; i < e->ntickets; i++) epoch_wait(&e->tickets[i]);
+}
+
+/* record_poll and record_wait: hand back what is ready; with wait, first
+ * wait for every parked entry's tickets (and take the lock even when
+ * another thread holds it for a moment). Returns bytes handed back. */
+static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, int wait);
+
+void record_poll(record_table *t, depot *depots, large_cache *lc) { record_hand_back(t, depots, lc, 0); }
+
+size_t record_wait(record_table *t, depot *depots, large_cache *lc) { return record_hand_back(t, depots, lc, 1); }
+
+static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, int wait) {
+  if (likely(atomic_load_relaxed(&t->parked_count) == 0)) return 0;
   /* Another thread polling (or recording) now: leave it to a later slow
    * path rather than wait here. */
-  if (pthread_mutex_trylock(&t->lock) != 0) return;
+  if (wait) pthread_mutex_lock(&t->lock);
+  else if (pthread_mutex_trylock(&t->lock) != 0) return 0;
   record_entry *chain = t->parked;
   t->parked = NULL;
   pthread_mutex_unlock(&t->lock);
@@ -193,8 +208,10 @@ void record_poll(record_table *t, depot *depots, large_cache *lc) {
   magazine *filled[RECORD_POLL_FILLED];  /* full ones; the rest wait for the next poll */
   unsigned nfilled = 0;
   record_entry *ready = NULL, *keep = NULL;
+  size_t back = 0;
   for (record_entry *e = chain, *next; e != NULL; e = next) {
     next = e->pnext;
+    if (wait) record_entry_wait(e);
     int ok = record_entry_ready(e);
     slab *sl = e->slab;
     if (ok && sl->cls != SLAB_LARGE) {
@@ -236,6 +253,7 @@ void record_poll(record_table *t, depot *depots, large_cache *lc) {
   for (record_entry *e = ready, *next; e != NULL; e = next) {
     next = e->pnext;
     if (e->slab->cls != SLAB_LARGE) {
+      back += e->bytes;
       record_tickets_release(e->tickets, e->ntickets);
       meta_free(e->tickets);
       meta_free(e);
@@ -246,6 +264,7 @@ void record_poll(record_table *t, depot *depots, large_cache *lc) {
      * stream. */
     size_t bsize = 0;
     if (large_free(lc, e->ptr, &e->tickets[0], &bsize) == MAGPIE_OK) {
+      back += e->bytes;
       record_tickets_release(e->tickets + 1, e->ntickets - 1);
       meta_free(e->tickets);
       meta_free(e);
@@ -266,6 +285,7 @@ void record_poll(record_table *t, depot *depots, large_cache *lc) {
   for (unsigned i = 0; i < nfilled; i++) depot_put(&depots[filled[i]->cls], filled[i]);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
     if (mags[c] != NULL) depot_put(&depots[c], mags[c]);
+  return back;
 }
 
 size_t record_pending_bytes(const record_table *t) { return atomic_load_relaxed(&t->parked_bytes); }

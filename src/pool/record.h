@@ -72,6 +72,10 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
  * most one event query per pending ticket. Called from the heap's refill
  * slow paths; a relaxed check when nothing is parked. */
 void record_poll(record_table *t, depot *depots, large_cache *lc);
+/* Pressure: wait (blocking on events, off every fast path) until every
+ * parked block's streams completed, then hand them all back as
+ * record_poll does. Returns bytes handed back. */
+size_t record_wait(record_table *t, depot *depots, large_cache *lc);
 
 /* Bytes parked (freed, waiting for recorded streams) in t. */
 size_t record_pending_bytes(const record_table *t);
