@@ -49,6 +49,11 @@ void depot_totals_get(depot *depots, unsigned n, depot_totals *out) {
 
 size_t depot_magazine_bytes(const magazine *m) { return (size_t)m->count * globals.sizeclass_table[m->cls].size; }
 
+/* depot_counted: a magazine's bytes are added to its stack's counter before
+ * the push that publishes it (release), and taken off after the pop that
+ * acquired it, so in the counter's modification order every subtraction
+ * follows its addition and a subtraction never finds less than it
+ * removes. Debug builds check it where bytes leave a counter. */
 void depot_put(depot *d, magazine *m) {
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->count > 0); /* the depot holds no empties (magazine_put_empty does) */
@@ -62,7 +67,8 @@ void depot_put(depot *d, magazine *m) {
 static void depot_pending_to_full(depot *d, magazine *m) {
   int64_t b = (int64_t)depot_magazine_bytes(m);
   epoch_ticket_release(&m->ticket);
-  atomic_sub_relaxed(&d->pending_bytes, b);
+  int64_t was = atomic_sub_relaxed(&d->pending_bytes, b);
+  MAGPIE_ASSERT(was >= b); /* counted when it was put (depot_counted) */
   atomic_add_relaxed(&d->ready_bytes, b);
   stack_push(&d->full, &globals.magazine_registry, &m->link);
 }
@@ -107,7 +113,8 @@ static magazine *depot_hand_over(depot *d, magazine *m, enum epoch_state st) {
                                               : &d->stream_waits,
                      1);
   epoch_ticket_release(&m->ticket);
-  atomic_sub_relaxed(&d->pending_bytes, (int64_t)depot_magazine_bytes(m));
+  int64_t b = (int64_t)depot_magazine_bytes(m), was = atomic_sub_relaxed(&d->pending_bytes, b);
+  MAGPIE_ASSERT(was >= b); /* counted when it was put (depot_counted) */
   atomic_add_relaxed(&d->exchanges, 1);
   return m;
 }
@@ -158,7 +165,8 @@ magazine *depot_take(depot *d, uint64_t stream_id) {
       MAGAZINE_ASSERT_VALID(m);
       MAGPIE_ASSERT(m->ticket.rec == NULL); /* full holds unsealed magazines only */
       atomic_add_relaxed(&d->exchanges, 1);
-      atomic_sub_relaxed(&d->ready_bytes, (int64_t)depot_magazine_bytes(m));
+      int64_t b = (int64_t)depot_magazine_bytes(m), was = atomic_sub_relaxed(&d->ready_bytes, b);
+      MAGPIE_ASSERT(was >= b); /* counted when it was put (depot_counted) */
       return m;
     }
     int tries = 0;
