@@ -145,8 +145,7 @@ static void init_verbose_atexit(void) {
 static void init_atfork_child(void) {
   globals.forked = 1;
   pthread_mutex_init(&globals.init_lock, NULL);
-  globals.global_err = MAGPIE_ERR_NO_DEVICE;
-  snprintf(globals.global_msg, sizeof globals.global_msg, "%s", INIT_FORK_MESSAGE);
+  /* Not READY: every call takes the slow path, whose forked check answers. */
   atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
   tcache_after_fork_child();
   heap_after_fork_child();

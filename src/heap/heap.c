@@ -340,11 +340,11 @@ static void *heap_reaper_main(void *arg) {
 void heap_after_fork_child(void) {
   /* The child has no maintenance thread: the parent's may have held its
    * lock or been busy at the fork. Fresh lock and conditions; stopped, so
-   * the exit handler returns at once and nothing starts another. */
+   * the exit handler returns at once; reaper_started stays as inherited,
+   * so nothing starts another. */
   pthread_mutex_init(&globals.reaper_lock, NULL);
   pthread_cond_init(&globals.reaper_cv, NULL);
   pthread_cond_init(&globals.reaper_idle_cv, NULL);
-  globals.reaper_started = 0;
   globals.reaper_busy = 0;
   globals.reaper_work = 0;
   globals.reaper_stop = 1;
