@@ -31,7 +31,8 @@
 #include "base/globals.h"
 #include "device/cuda_driver.h"
 
-#define CUDA_MAX_DEVICES 64
+/* The device arrays are globals.cuda_devices and cuda_ctx (base/globals.h). */
+#define CUDA_MAX_DEVICES MAGPIE_MAX_DEVICES
 
 enum { CUDA_STATE_UNINIT = 0, CUDA_STATE_READY = 1, CUDA_STATE_FAILED = 2 };
 

@@ -3,8 +3,9 @@
 
 #include "base/globals.h"
 
-/* The attached observer: stored (release) at set-up before observe_on can
- * follow its switch; loaded (acquire) by the hooks. */
+/* The attached observer and the switch are globals.observe_hooks and
+ * observe_on: stored (release) at set-up before the switch can follow the
+ * observer; loaded (acquire) by the hooks. */
 
 void observe_install(const backend_ops *ops, int on) {
   backend_observer *o = ops->observer;
