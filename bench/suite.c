@@ -105,6 +105,17 @@ size_t suite_mixed_size(uint64_t r, size_t min, size_t max) {
   return min << (r % (uint64_t)(span + 1));
 }
 
+size_t suite_spread_size(uint64_t r, size_t min, size_t max) {
+  int span = 0;
+  while ((min << (span + 1)) < max) span++;
+  size_t base = min << ((r & 0xffffffffu) % (uint64_t)(span + 1));
+  return base + (size_t)((r >> 32) % base); /* 2^e + U[0, 2^e) */
+}
+
+size_t suite_size_pick(const suite_opts *o, uint64_t r) {
+  return o->mix_spread ? suite_spread_size(r, o->mix_min, o->mix_max) : suite_mixed_size(r, o->mix_min, o->mix_max);
+}
+
 static size_t parse_size(const char *s) {
   char *end;
   double v = strtod(s, &end);
@@ -123,7 +134,7 @@ static size_t parse_size(const char *s) {
 static void usage(void) {
   fprintf(stderr,
           "usage: magpie_bench [options]\n"
-          "  -w LIST            workloads to run, e.g. 1,2,5 (default 1,2,3,4,5)\n"
+          "  -w LIST            workloads to run, e.g. 1,2,5 (default 1,2,3,4,5,6)\n"
           "  --csv FILE         write every figure as CSV (workload,allocator,x,metric,value)\n"
           "  --torch SHIM.so    PyTorch's allocator through bench/torch_shim.cpp (built by run_gpu.sh)\n"
           "  --allocs LIST      allocators to run (magpie,cudaMalloc,cudaMallocAsync,pytorch,noop)\n"
@@ -132,11 +143,13 @@ static void usage(void) {
           " 1 latency:   --lat-sizes MIN,MAX (256,64m)  --lat-pairs N (200000)\n"
           " 2 scaling:   --threads LIST (1,2,4,8,16)  --seconds S (0.5)  --window N (64)\n"
           "              --mix MIN,MAX (256,64k: sizes of workloads 2 and 4)\n"
+          "              --spread (sizes 2^e + U[0, 2^e) for 2^e in MIN..MAX/2, not powers of 2 alone)\n"
           " 3 pipeline:  --pipe THREADS,STREAMS (8,32)  --pipe-seconds S (1)  --pipe-temps N (4)\n"
           "              --pipe-handoff N (every 4 steps)  --pipe-sizes MIN,MAX (4k,1m)  --pipe-rounds N (3)\n"
           " 4 crossfree: --cross-pairs N (4)  --cross-seconds S (1)\n"
           " 5 trace:     --trace THREADS,STREAMS_PER_THREAD,REQUESTS (4,2,400)\n"
-          "              --trace-hidden N (4096)  --trace-layers N (8)\n");
+          "              --trace-hidden N (4096)  --trace-layers N (8)\n"
+          " 6 streams:   --rot-streams LIST (1,32,33,256,4096)  --rot-rounds N (100)  --rot-blocks N (8)\n");
   exit(2);
 }
 
@@ -175,8 +188,12 @@ int main(int argc, char **argv) {
       .trace_requests = 400,
       .trace_hidden = 4096,
       .trace_layers = 8,
+      .rot_streams = {1, 32, 33, 256, 4096},
+      .rot_points = 5,
+      .rot_rounds = 100,
+      .rot_blocks = 8,
   };
-  int run[6] = {0, 1, 1, 1, 1, 1};
+  int run[7] = {0, 1, 1, 1, 1, 1, 1};
   const char *csv_path = NULL, *torch = NULL, *allocs = NULL;
   size_t arena = 0;
   enum {
@@ -191,6 +208,7 @@ int main(int argc, char **argv) {
     O_SECONDS,
     O_WINDOW,
     O_MIX,
+    O_SPREAD,
     O_PIPE,
     O_PSEC,
     O_PTEMPS,
@@ -201,7 +219,10 @@ int main(int argc, char **argv) {
     O_CSEC,
     O_TRACE,
     O_THIDDEN,
-    O_TLAYERS
+    O_TLAYERS,
+    O_RSTREAMS,
+    O_RROUNDS,
+    O_RBLOCKS
   };
   static const struct option longs[] = {{"csv", 1, 0, O_CSV},
                                         {"torch", 1, 0, O_TORCH},
@@ -214,6 +235,7 @@ int main(int argc, char **argv) {
                                         {"seconds", 1, 0, O_SECONDS},
                                         {"window", 1, 0, O_WINDOW},
                                         {"mix", 1, 0, O_MIX},
+                                        {"spread", 0, 0, O_SPREAD},
                                         {"pipe", 1, 0, O_PIPE},
                                         {"pipe-seconds", 1, 0, O_PSEC},
                                         {"pipe-temps", 1, 0, O_PTEMPS},
@@ -225,6 +247,9 @@ int main(int argc, char **argv) {
                                         {"trace", 1, 0, O_TRACE},
                                         {"trace-hidden", 1, 0, O_THIDDEN},
                                         {"trace-layers", 1, 0, O_TLAYERS},
+                                        {"rot-streams", 1, 0, O_RSTREAMS},
+                                        {"rot-rounds", 1, 0, O_RROUNDS},
+                                        {"rot-blocks", 1, 0, O_RBLOCKS},
                                         {"help", 0, 0, 'h'},
                                         {0, 0, 0, 0}};
   int c;
@@ -233,7 +258,7 @@ int main(int argc, char **argv) {
     case 'w': {
       memset(run, 0, sizeof run);
       for (const char *p = optarg; *p; p++) {
-        if (*p >= '1' && *p <= '5') run[*p - '0'] = 1;
+        if (*p >= '1' && *p <= '6') run[*p - '0'] = 1;
         else if (*p != ',') usage();
       }
       break;
@@ -263,6 +288,7 @@ int main(int argc, char **argv) {
     case O_MIX:
       if (parse_pair(optarg, &o.mix_min, &o.mix_max)) usage();
       break;
+    case O_SPREAD: o.mix_spread = 1; break;
     case O_PIPE:
       if (sscanf(optarg, "%d,%d", &o.pipe_threads, &o.pipe_streams) != 2) usage();
       break;
@@ -280,13 +306,27 @@ int main(int argc, char **argv) {
       break;
     case O_THIDDEN: o.trace_hidden = parse_size(optarg); break;
     case O_TLAYERS: o.trace_layers = atoi(optarg); break;
+    case O_RSTREAMS: {
+      o.rot_points = 0;
+      for (char *p = optarg; *p && o.rot_points < 16;) {
+        int n = (int)strtol(p, &p, 10);
+        if (n < 1 || n > 65536) usage();
+        o.rot_streams[o.rot_points++] = n;
+        if (*p == ',') p++;
+        else if (*p) usage();
+      }
+      break;
+    }
+    case O_RROUNDS: o.rot_rounds = atoi(optarg); break;
+    case O_RBLOCKS: o.rot_blocks = atoi(optarg); break;
     default: usage();
     }
   }
   if (optind != argc || o.lat_pairs < 1 || o.scale_seconds <= 0 || o.scale_window < 1 || o.pipe_threads < 1 ||
       o.pipe_streams < o.pipe_threads || o.pipe_temps < 1 || o.pipe_temps > 4 || o.pipe_handoff_every < 1 ||
       o.pipe_rounds < 1 || o.pipe_rounds > 16 || o.pipe_seconds <= 0 || o.cross_pairs < 1 || o.cross_seconds <= 0 ||
-      o.trace_threads < 1 || o.trace_streams < 1 || o.trace_requests < 1 || o.trace_hidden < 64 || o.trace_layers < 1)
+      o.trace_threads < 1 || o.trace_streams < 1 || o.trace_requests < 1 || o.trace_hidden < 64 || o.trace_layers < 1 ||
+      o.rot_points < 1 || o.rot_rounds < 1 || o.rot_blocks < 1)
     usage();
 
   if (bench_dev_init() != 0) return 1;
@@ -334,6 +374,7 @@ int main(int argc, char **argv) {
   if (run[2]) workload_scaling(&o);
   if (run[3]) workload_pipeline(&o);
   if (run[4]) workload_crossfree(&o);
+  if (run[6]) workload_streams(&o);
 
   bench_device_sync();
   uint64_t errs = bench_dev_errors();

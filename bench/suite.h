@@ -22,6 +22,7 @@ typedef struct suite_opts {
   double scale_seconds;
   int scale_window;
   size_t mix_min, mix_max; /* mixed sizes, powers of 2 */
+  int mix_spread;          /* 1: 2^e + U[0, 2^e) rather than 2^e */
   /* 3: pipeline */
   int pipe_threads, pipe_streams, pipe_temps, pipe_handoff_every, pipe_rounds;
   double pipe_seconds;
@@ -33,6 +34,9 @@ typedef struct suite_opts {
   int trace_threads, trace_streams, trace_requests;
   size_t trace_hidden; /* model width: scales every block of the trace */
   int trace_layers;
+  /* 6: many streams, one thread */
+  int rot_streams[16], rot_points;
+  int rot_rounds, rot_blocks;
 } suite_opts;
 
 /* One CSV row (no-op without --csv). */
@@ -47,6 +51,10 @@ void suite_pin(int i);
 const char *suite_size_name(size_t bytes, char *buf, size_t n);
 /* Mixed sizes: a power of two from min to max, uniformly over exponents. */
 size_t suite_mixed_size(uint64_t r, size_t min, size_t max);
+/* 2^e + U[0, 2^e), 2^e a power of 2 from min to below max, from r. */
+size_t suite_spread_size(uint64_t r, size_t min, size_t max);
+/* A mixed size as the options ask (--mix, --spread). */
+size_t suite_size_pick(const suite_opts *o, uint64_t r);
 
 /* magpie's statistics as one line (and CSV rows): where its reserved
  * memory sits, for reading a figure, not a measurement of its own. */
@@ -59,6 +67,7 @@ void workload_latency(const suite_opts *o);
 void workload_scaling(const suite_opts *o);
 void workload_pipeline(const suite_opts *o);
 void workload_crossfree(const suite_opts *o);
+void workload_streams(const suite_opts *o);
 void workload_trace(const suite_opts *o);
 
 #endif

@@ -49,7 +49,7 @@ static void *producer(void *arg) {
   double end = suite_now() + p->o->cross_seconds;
   for (;;) {
     for (int k = 0; k < 256; k++) {
-      size_t size = suite_mixed_size(suite_rand(&seed), p->o->mix_min, p->o->mix_max);
+      size_t size = suite_size_pick(p->o, suite_rand(&seed));
       void *b = p->a->alloc(size, p->stream);
       if (b == NULL) continue;
       while (tail - head == RING) {

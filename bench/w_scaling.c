@@ -46,7 +46,7 @@ static void *worker_main(void *arg) {
         cur -= sz[i];
         ops++;
       }
-      sz[i] = suite_mixed_size(r >> 32, o->mix_min, o->mix_max);
+      sz[i] = suite_size_pick(o, suite_rand(&seed));
       live[i] = w->a->alloc(sz[i], w->stream);
       if (live[i]) {
         cur += sz[i];
@@ -103,10 +103,10 @@ void workload_scaling(const suite_opts *o) {
     if ((streams[i] = bench_stream_create()) == NULL) return;
   char lo[32], hi[32];
   printf(
-      "\n== 2 scaling: each thread on its own stream, window %d live blocks of %s-%s, random frees, %.2f s "
+      "\n== 2 scaling: each thread on its own stream, window %d live blocks of %s%s-%s, random frees, %.2f s "
       "per point\n",
-      o->scale_window, suite_size_name(o->mix_min, lo, sizeof lo), suite_size_name(o->mix_max, hi, sizeof hi),
-      o->scale_seconds);
+      o->scale_window, o->mix_spread ? "2^e+U[0,2^e) over " : "", suite_size_name(o->mix_min, lo, sizeof lo),
+      suite_size_name(o->mix_max, hi, sizeof hi), o->scale_seconds);
   suite_magpie_peak_note();
   printf("%7s %-16s %12s %9s %11s %14s\n", "threads", "allocator", "Mops/s", "x 1 thr", "magpie/x", "reserved/peaks");
   double base[BA_COUNT] = {0}, mp16 = 0, mp1 = 0, ratio16 = 0;

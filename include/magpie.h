@@ -179,6 +179,9 @@ typedef struct magpie_stats {
    * running (each costs a driver call; see bench/README.md). */
   uint64_t event_queries;
   uint64_t event_queries_pending;
+  /* Device-wide synchronisations magpie made (draining limbo: blocks of
+   * streams it can no longer order against). None on a steady path. */
+  uint64_t device_syncs;
 } magpie_stats;
 
 MAGPIE_API int magpie_stats_get(int device, magpie_stats *out);

@@ -320,9 +320,10 @@ static void test_memory_pressure(void **state) {
   fake_set_current_device(0);
 }
 
-/* Small classes' slabs are chunks of shared granules: the first slabs of
- * four small classes on a fresh device map one granule between them; when
- * their blocks are back and the slabs given back, it is unmapped. */
+/* Slabs are runs of chunks of shared granules: the first slabs of four
+ * small classes and two larger ones on a fresh device map one granule
+ * between them; when their blocks are back and the slabs given back, it is
+ * unmapped. */
 static void test_small_classes_share_a_granule(void **state) {
   (void)state;
   fake_set_current_device(2);
@@ -348,8 +349,23 @@ static void test_small_classes_share_a_granule(void **state) {
     assert_true((uintptr_t)p[i] >= sl[i]->base && (uintptr_t)p[i] < sl[i]->base + SPAN_CHUNK);
     for (int j = 0; j < i; j++) assert_true(sl[j]->base != sl[i]->base);
   }
-  /* Larger classes keep slabs of whole granules. */
-  assert_true(globals.sizeclass_table[sizeclass_of(65536)].slab_size >= ((size_t)2 << 20));
+  /* Larger classes' slabs are runs of chunks of the same granules: a
+   * 64 KiB block (a one-chunk slab) and a 512 KiB one (two chunks) come
+   * from the first granule too (4 + 1 + 2 of its 8 chunks). */
+  const size_t bigger[] = {65536, (size_t)512 << 10};
+  void *q[2];
+  for (int i = 0; i < 2; i++) {
+    const sizeclass_info *ci = &globals.sizeclass_table[sizeclass_of(bigger[i])];
+    assert_int_equal(ci->slab_size, (size_t)ci->chunks * SPAN_CHUNK);
+    assert_true(ci->blocks >= 1 && ci->blocks <= 4);
+    assert_non_null(q[i] = magpie_malloc_async(bigger[i], s));
+    slab *qs = pagemap_lookup((uintptr_t)q[i]);
+    assert_non_null(qs);
+    assert_ptr_equal(qs->span, sl[0]->span);
+  }
+  fake_get_counters(&c1);
+  assert_int_equal(c1.mapped_bytes[2] - c0.mapped_bytes[2], (size_t)2 << 20);
+  for (int i = 0; i < 2; i++) assert_int_equal(magpie_free_async(q[i], s), MAGPIE_OK);
   for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   fake_stream_complete(s);
   assert_int_equal(magpie_trim(2, 0), MAGPIE_OK);

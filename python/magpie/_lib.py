@@ -56,6 +56,7 @@ class Stats(ctypes.Structure):
         ("class_misses", ctypes.c_uint64 * 64),
         ("event_queries", ctypes.c_uint64),
         ("event_queries_pending", ctypes.c_uint64),
+        ("device_syncs", ctypes.c_uint64),
     ]
 
     def as_dict(self):

@@ -4,15 +4,34 @@
 
 #include "base/globals.h"
 
-int sizeclass_chunked(size_t size, size_t granularity) {
+/* Slabs are runs of chunks of a shared granule when the granularity is 2
+ * to 64 chunks: one chunk where it holds SIZECLASS_CHUNK_MIN_BLOCKS blocks,
+ * else the fewest chunks whose tail (what no block fits in) is at most an
+ * eighth of the run, else the run of the least tail. Few chunks mean few
+ * blocks per slab: a class with one block live pins its slab, and slabs
+ * of whole granules (2-8 MiB for classes of 40 KiB-1 MiB) made one thread
+ * of the mixed 256 B-2 MiB workload hold 4.5 times its peak live bytes on
+ * the simulated device; with runs (at most four blocks above 256 KiB),
+ * see bench/HISTORY.md. */
+unsigned sizeclass_chunks(size_t size, size_t granularity) {
   size_t n = granularity / SIZECLASS_CHUNK;
-  return granularity % SIZECLASS_CHUNK == 0 && n >= 2 && n <= 64 &&
-         size * SIZECLASS_CHUNK_MIN_BLOCKS <= SIZECLASS_CHUNK;
+  if (granularity % SIZECLASS_CHUNK != 0 || n < 2 || n > 64) return 0;
+  if (size * SIZECLASS_CHUNK_MIN_BLOCKS <= SIZECLASS_CHUNK) return 1;
+  size_t first = (size + SIZECLASS_CHUNK - 1) / SIZECLASS_CHUNK, best = 0, best_waste = 0;
+  for (size_t k = first; k <= n; k++) {
+    size_t run = k * SIZECLASS_CHUNK, waste = run % size;
+    if (waste * 8 <= run) return (unsigned)k;
+    /* waste/run < best_waste/(best * CHUNK), cross-multiplied */
+    if (best == 0 || waste * best < best_waste * k) {
+      best = k;
+      best_waste = waste;
+    }
+  }
+  return (unsigned)best;
 }
 
 /* Slab of one to four granules, whichever wastes the least tail (ties to
- * the smaller). Classes of up to 32 KiB take one chunk of a shared granule
- * instead (span.h). */
+ * the smaller): where the granularity cannot be cut into chunks. */
 static size_t sizeclass_pick_slab(size_t size, size_t granularity) {
   size_t best = granularity;
   size_t best_waste_num = granularity % size, best_den = granularity;
@@ -51,8 +70,8 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     sizeclass_info *ci = &globals.sizeclass_table[c];
     ci->size = sizeclass_size_calc(c);
-    ci->chunked = (uint32_t)sizeclass_chunked(ci->size, granularity);
-    ci->slab_size = ci->chunked ? SIZECLASS_CHUNK : sizeclass_pick_slab(ci->size, granularity);
+    ci->chunks = sizeclass_chunks(ci->size, granularity);
+    ci->slab_size = ci->chunks ? ci->chunks * SIZECLASS_CHUNK : sizeclass_pick_slab(ci->size, granularity);
     ci->blocks = (uint32_t)(ci->slab_size / ci->size);
     size_t cap = magazine_bytes / ci->size;
     if (cap < 2) cap = 2;

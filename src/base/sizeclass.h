@@ -37,8 +37,9 @@ static inline size_t sizeclass_size_calc(unsigned c) {
 /* The table itself is globals.sizeclass_table (base/globals.h), filled once
  * by sizeclass_init. */
 
-/* Do slabs of blocks of `size` come from chunks, for this granularity? */
-int sizeclass_chunked(size_t size, size_t granularity);
+/* Chunks per slab of blocks of `size` for this granularity (slabs are runs
+ * of span chunks), or 0 when slabs are whole granules. */
+unsigned sizeclass_chunks(size_t size, size_t granularity);
 
 /* magazine_bytes: target bytes per magazine; granularity: slab unit. */
 void sizeclass_init(size_t magazine_bytes, size_t granularity);

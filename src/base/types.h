@@ -58,9 +58,10 @@ typedef struct stack {
 /* Most blocks one magazine holds (pool/magazine.h sizes its slots by it). */
 #define SIZECLASS_MAG_MAX 64
 
-/* Chunks: small classes' slabs are chunks of this many bytes cut from a
- * shared granule (pool/span.h), when a chunk holds at least
- * SIZECLASS_CHUNK_MIN_BLOCKS of their blocks (blocks up to 32 KiB). On the
+/* Chunks: slabs are runs of chunks of this many bytes cut from shared
+ * granules (pool/span.h): one chunk for classes of which it holds at least
+ * SIZECLASS_CHUNK_MIN_BLOCKS blocks (up to 32 KiB), the fewest chunks that
+ * waste at most an eighth for larger ones (sizeclass.c). On the
  * H200, workload 2 at sixteen threads held 1.34-1.41 times its threads'
  * peaks with 16 here (blocks up to 16 KiB, 465-478 M ops/s), 1.27 with 8
  * (387-409 M ops/s; the run to run spread of that figure is about as
@@ -72,11 +73,11 @@ typedef struct stack {
 /* Per-class tables, filled once by sizeclass_init(). */
 typedef struct sizeclass_info {
   size_t size;      /* block bytes */
-  size_t slab_size; /* bytes of one slab: a granularity multiple, or one chunk (span.h) */
+  size_t slab_size; /* bytes of one slab: chunks * SIZECLASS_CHUNK, or a granularity multiple */
   uint32_t blocks;  /* blocks per slab */
   uint32_t mag_cap; /* blocks per magazine to start with (slabs carve these) */
   uint32_t mag_max; /* most blocks per magazine (magazine_bytes / size) */
-  uint32_t chunked; /* 1: a slab is one span chunk (span.h); 0: whole granules */
+  uint32_t chunks;  /* a slab is this many contiguous chunks of a span (span.h); 0: whole granules */
   uint64_t magic;   /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
 } sizeclass_info;
 

@@ -62,6 +62,7 @@ void stats_collect(heap *h, magpie_stats *out) {
   out->stream_waits = atomic_load_relaxed(&h->large.stream_waits) + dt.stream_waits;
   out->threads_flushed = atomic_load_relaxed(&h->stat_threads_flushed);
   out->threads_stolen = atomic_load_relaxed(&h->stat_threads_stolen);
+  out->device_syncs = atomic_load_relaxed(&h->stat_device_syncs);
   for (unsigned i = 0; i < HEAP_STEP_COUNT && i < MAGPIE_STATS_LADDER; i++)
     out->ladder_steps[i] = atomic_load_relaxed(&h->stat_ladder[i]);
   tcache_class_counts(h, out->class_hits, out->class_misses);
@@ -86,26 +87,28 @@ void stats_print(int device, FILE *out) {
   if (h == NULL) return;
   magpie_stats s;
   stats_collect(h, &s);
-  fprintf(out,
-          "magpie device %d: in use %zu B (peak %zu), reserved %zu B (peak %zu), cached %zu B\n"
-          "  cached by layer: thread magazines %zu, depot %zu, waiting on streams %zu, free large %zu, "
-          "overhead %zu\n"
-          "  slabs %llu (released %llu), large segments %llu (mapped %zu B, unmapped %llu B), limit %zu B\n"
-          "  depot exchanges %llu, events %llu (queried %llu, %llu of those pending), cross-stream migrations "
-          "%llu, same-stream reuses %llu, limbo %llu, stream waits %llu, threads flushed %llu, stolen %llu\n"
-          "  out-of-memory ladder: reclaim %llu, slabs %llu, threads %llu, wait %llu, unmap %llu, failed %llu\n",
-          device, s.in_use_bytes, s.peak_in_use_bytes, s.reserved_bytes, s.peak_reserved_bytes, s.cached_bytes,
-          s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes, s.large_free_bytes, s.overhead_bytes,
-          (unsigned long long)s.slab_count, (unsigned long long)s.slabs_released,
-          (unsigned long long)s.large_segment_count, s.large_mapped_bytes, (unsigned long long)s.large_bytes_unmapped,
-          s.limit_bytes, (unsigned long long)s.depot_exchanges, (unsigned long long)s.events_recorded,
-          (unsigned long long)s.event_queries, (unsigned long long)s.event_queries_pending,
-          (unsigned long long)s.cross_stream_migrations, (unsigned long long)s.same_stream_reuses,
-          (unsigned long long)s.limbo_magazines, (unsigned long long)s.stream_waits,
-          (unsigned long long)s.threads_flushed, (unsigned long long)s.threads_stolen,
-          (unsigned long long)s.ladder_steps[0], (unsigned long long)s.ladder_steps[1],
-          (unsigned long long)s.ladder_steps[2], (unsigned long long)s.ladder_steps[3],
-          (unsigned long long)s.ladder_steps[4], (unsigned long long)s.ladder_steps[5]);
+  fprintf(
+      out,
+      "magpie device %d: in use %zu B (peak %zu), reserved %zu B (peak %zu), cached %zu B\n"
+      "  cached by layer: thread magazines %zu, depot %zu, waiting on streams %zu, free large %zu, "
+      "overhead %zu\n"
+      "  slabs %llu (released %llu), large segments %llu (mapped %zu B, unmapped %llu B), limit %zu B\n"
+      "  depot exchanges %llu, events %llu (queried %llu, %llu of those pending), cross-stream migrations "
+      "%llu, same-stream reuses %llu, limbo %llu (device syncs %llu), stream waits %llu, threads flushed %llu, stolen "
+      "%llu\n"
+      "  out-of-memory ladder: reclaim %llu, slabs %llu, threads %llu, wait %llu, unmap %llu, failed %llu\n",
+      device, s.in_use_bytes, s.peak_in_use_bytes, s.reserved_bytes, s.peak_reserved_bytes, s.cached_bytes,
+      s.thread_cached_bytes, s.depot_bytes, s.epoch_pending_bytes, s.large_free_bytes, s.overhead_bytes,
+      (unsigned long long)s.slab_count, (unsigned long long)s.slabs_released, (unsigned long long)s.large_segment_count,
+      s.large_mapped_bytes, (unsigned long long)s.large_bytes_unmapped, s.limit_bytes,
+      (unsigned long long)s.depot_exchanges, (unsigned long long)s.events_recorded, (unsigned long long)s.event_queries,
+      (unsigned long long)s.event_queries_pending, (unsigned long long)s.cross_stream_migrations,
+      (unsigned long long)s.same_stream_reuses, (unsigned long long)s.limbo_magazines,
+      (unsigned long long)s.device_syncs, (unsigned long long)s.stream_waits, (unsigned long long)s.threads_flushed,
+      (unsigned long long)s.threads_stolen, (unsigned long long)s.ladder_steps[0],
+      (unsigned long long)s.ladder_steps[1], (unsigned long long)s.ladder_steps[2],
+      (unsigned long long)s.ladder_steps[3], (unsigned long long)s.ladder_steps[4],
+      (unsigned long long)s.ladder_steps[5]);
   backend_timed_print(out);
   fputs("  size class: hits / misses\n", out);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {

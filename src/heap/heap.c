@@ -164,18 +164,49 @@ static int heap_ladder_step(heap *h, unsigned i) {
   return heap_relieve(h, heap_ladder[i]) && heap_ladder[i] != HEAP_STEP_THREADS;
 }
 
+/* Reuse before mapping. A carve that would map a new granule first gives
+ * back the slabs wholly free in the depot (after the epoch queries that
+ * make pending magazines ready), so that their chunks serve the class that
+ * needs memory now: memory moves between classes as their demand shifts,
+ * rather than each class keeping its own high-water mark. Skipped while
+ * the depot holds less than a granule, or less than a granule more than at
+ * the last attempt that gave nothing back (a scan of every depot magazine
+ * that finds nothing, repeated at every growth, would make growth
+ * quadratic). Returns nonzero if anything was given back. */
+static int heap_recycle(heap *h) {
+  depot_totals t;
+  depot_totals_get(h->depots, SIZECLASS_COUNT, &t);
+  int64_t held = t.ready_bytes + t.pending_bytes;
+  size_t cached = held > 0 ? (size_t)held : 0, gran = h->region.gran;
+  if (cached < gran || cached < atomic_load_relaxed(&h->recycle_mark) + gran) return 0;
+  atomic_add_relaxed(&h->stat_recycles, 1);
+  record_poll(&h->records, h->depots, &h->large);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_reclaim(&h->depots[c]);
+  size_t got = slab_release_free(&h->slabs, SIZE_MAX);
+  atomic_store_relaxed(&h->recycle_mark, got ? 0 : cached);
+  return got > 0;
+}
+
 /* Carve a slab of class cls, one thread per class at a time. Threads that
  * found the class empty together would otherwise each map a slab: sixteen
  * threads starting at once on the H200 mapped nine slabs of one class
  * while the first slab's magazines sat unused in the depot. Whoever waited
- * looks at the depot again first. */
+ * looks at the depot again first. A carve that would map recycles first
+ * (heap_recycle). */
 static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
   depot *d = &h->depots[cls];
   pthread_mutex_lock(&d->carve_lock);
   magazine *m = depot_take(d, stream_id);
   int rc = MAGPIE_OK;
-  if (m != NULL) *out = m;
-  else rc = slab_carve(&h->slabs, cls, out);
+  if (m != NULL) {
+    *out = m;
+  } else {
+    rc = slab_carve(&h->slabs, cls, 0, out);
+    if (rc == SLAB_WOULD_MAP) {
+      heap_recycle(h);
+      rc = slab_carve(&h->slabs, cls, 1, out);
+    }
+  }
   pthread_mutex_unlock(&d->carve_lock);
   return rc;
 }
@@ -258,6 +289,7 @@ static void heap_reap(heap *h) {
   atomic_add_relaxed(&h->reaping, 1);
   registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
   if (chain != NULL) {
+    atomic_add_relaxed(&h->stat_device_syncs, 1);
     int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
     for (registry_link *n = chain, *next; n; n = next) {
       next = stack_next(&globals.magazine_registry, n);

@@ -54,16 +54,21 @@ typedef struct heap {
   depot depots[SIZECLASS_COUNT];
   stack limbo;
   large_cache large;
-  span_set spans;                        /* granules shared by small classes' slabs */
+  span_set spans;                        /* granules shared by classes' slabs */
   slab_set slabs;                        /* class slabs, for release and snapshots */
   record_table records;                  /* blocks with record_stream entries */
   _Atomic int64_t stat_in_use_published; /* sum of threads' published live bytes */
   _Atomic size_t stat_peak_in_use;
   _Atomic uint64_t stat_limbo;
+  _Atomic uint64_t stat_device_syncs; /* limbo drains that synchronised the device */
   _Atomic int64_t stat_limbo_bytes;
   _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
   _Atomic uint64_t stat_threads_flushed;
   _Atomic uint64_t stat_threads_stolen;
+  /* Reuse before mapping (heap.c, heap_recycle): attempts, and the depot's
+   * bytes at the last one that gave nothing back (relaxed; a heuristic). */
+  _Atomic uint64_t stat_recycles;
+  _Atomic size_t recycle_mark;
   _Atomic int reaping; /* threads inside heap_reap (release/acquire) */
   /* Per class allocations served by magazines / slow paths, folded in from
    * thread slots when they are retired. */

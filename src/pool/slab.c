@@ -94,19 +94,20 @@ static void slab_link(slab_set *ss, slab *s) {
 
 /* The slab's memory goes back: its chunk to its span, or its granules. */
 static void slab_give_back(slab_set *ss, slab *s) {
-  if (s->span != NULL) span_chunk_put(ss->spans, s->span, s->base);
+  if (s->span != NULL) span_chunk_put(ss->spans, s->span, s->base, (unsigned)(s->size / SPAN_CHUNK));
   else region_unmap(ss->region, s->base, s->size, s->raw, s->raw_size);
   s->span = NULL;
 }
 
-int slab_carve(slab_set *ss, unsigned cls, magazine **out) {
+int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out) {
   const sizeclass_info *ci = &globals.sizeclass_table[cls];
+  if (!may_map && !ci->chunks) return SLAB_WOULD_MAP; /* slabs of whole granules are always mapped */
   slab *s = slab_desc_for((ci->blocks + 63) / 64);
   if (s == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   span *sp = NULL;
   int rc;
-  if (ci->chunked) {
-    rc = span_chunk_get(ss->spans, &s->base, &sp);
+  if (ci->chunks) {
+    rc = span_chunk_get(ss->spans, ci->chunks, may_map, &s->base, &sp);
     s->raw = s->base;
     s->raw_size = ci->slab_size;
   } else {

@@ -8,8 +8,9 @@
  *
  * INVARIANT: base is a multiple of the page-map page; every page of
  *            [base, base+size) maps to this descriptor in the page map while
- *            the memory is mapped. A small class's slab is one chunk of a
- *            span (span != NULL, span.h); others map whole granules.
+ *            the memory is mapped. A class's slab is a run of chunks of a
+ *            span (span != NULL, span.h), or whole granules where the
+ *            granularity cannot be cut into chunks.
  * INVARIANT: for a class slab, block i starts at base + i*bsize, i < nblocks,
  *            and (off * magic) >> 48 == off / bsize for off < size.
  * Descriptors are never returned to the host allocator (a stale lookup reads
@@ -78,7 +79,7 @@ static inline size_t slab_overhead(const slab *s) { return s->raw_size - (size_t
 /* A device's class slabs, and where their memory and blocks go. */
 typedef struct slab_set {
   region *region;            /* maps whole-granule slabs; immutable */
-  span_set *spans;           /* chunks for small classes' slabs; immutable */
+  span_set *spans;           /* chunk runs for classes' slabs; immutable */
   depot *depots;             /* the device's per-class depots; immutable */
   struct heap *owner;        /* stored in each slab (slab.heap); immutable */
   pthread_mutex_t slab_lock; /* guards list */
@@ -92,9 +93,14 @@ typedef struct slab_set {
 } slab_set;
 
 void slab_set_init(slab_set *ss, region *r, span_set *spans, depot *depots, struct heap *owner);
-/* Map a slab of class cls and fill magazines with all its blocks: one is
- * returned, the rest go to the depot as ready. */
-int slab_carve(slab_set *ss, unsigned cls, magazine **out);
+/* slab_carve could not carve without mapping (span.h's SPAN_WOULD_MAP). */
+#define SLAB_WOULD_MAP SPAN_WOULD_MAP
+
+/* Make a slab of class cls (from free chunks of a mapped span, else, if
+ * may_map, from newly mapped memory; else SLAB_WOULD_MAP) and fill
+ * magazines with all its blocks: one is returned, the rest go to the depot
+ * as ready. */
+int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out);
 /* Give back slabs all of whose blocks sit in the depots' ready magazines,
  * until want bytes are unmapped. Returns bytes given back. */
 size_t slab_release_free(slab_set *ss, size_t want);

@@ -1,4 +1,4 @@
-/* Spans: granules shared by the slabs of small classes; see span.h.
+/* Spans: granules shared by the slabs of size classes; see span.h.
  * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock: leaves,
  * one at a time). The only
  * driver call under a lock is a span's map, under span_grow_lock. */
@@ -20,16 +20,27 @@ static uint64_t span_full(const span *sp) {
   return sp->nchunks == 64 ? ~(uint64_t)0 : ((uint64_t)1 << sp->nchunks) - 1;
 }
 
-/* A free chunk of an existing span, or 0. */
-static int span_take_free(span_set *ss, uintptr_t *base, span **out) {
+/* Bits [i, i+n) of a span's mask. */
+static uint64_t span_bits(unsigned i, unsigned n) { return (n == 64 ? ~(uint64_t)0 : ((uint64_t)1 << n) - 1) << i; }
+
+/* The first run of n free chunks in sp, or -1. */
+static int span_find_run(const span *sp, unsigned n) {
+  for (unsigned i = 0; i + n <= sp->nchunks; i++)
+    if ((sp->used & span_bits(i, n)) == 0) return (int)i;
+  return -1;
+}
+
+/* A run of n free chunks of an existing span, or 0. */
+static int span_take_free(span_set *ss, unsigned n, uintptr_t *base, span **out) {
   pthread_mutex_lock(&ss->span_lock);
   for (span *sp = ss->list; sp; sp = sp->next) {
     if (sp->used == span_full(sp)) continue;
     MAGPIE_ASSERT(sp->used != 0); /* INVARIANT (span.h): on the list iff used != 0 */
-    unsigned i = (unsigned)__builtin_ctzll(~sp->used);
-    sp->used |= (uint64_t)1 << i;
+    int i = span_find_run(sp, n);
+    if (i < 0) continue;
+    sp->used |= span_bits((unsigned)i, n);
     pthread_mutex_unlock(&ss->span_lock);
-    region_overhead_add(ss->region, -(int64_t)SPAN_CHUNK);
+    region_overhead_add(ss->region, -(int64_t)(n * SPAN_CHUNK));
     *base = sp->base + (uintptr_t)i * SPAN_CHUNK;
     *out = sp;
     return 1;
@@ -38,8 +49,10 @@ static int span_take_free(span_set *ss, uintptr_t *base, span **out) {
   return 0;
 }
 
-int span_chunk_get(span_set *ss, uintptr_t *base, span **out) {
-  if (span_take_free(ss, base, out)) return MAGPIE_OK;
+int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span **out) {
+  MAGPIE_ASSERT(n >= 1 && (size_t)n * SPAN_CHUNK <= ss->region->gran);
+  if (span_take_free(ss, n, base, out)) return MAGPIE_OK;
+  if (!may_map) return SPAN_WOULD_MAP;
   /* No free chunk: map a granule, one thread at a time. Threads of other
    * classes that ran dry meanwhile wait here and take the new span's
    * spare chunks: on the H200, sixteen threads starting together each
@@ -47,7 +60,7 @@ int span_chunk_get(span_set *ss, uintptr_t *base, span **out) {
    * unused (workload 2 held 1.34-1.41 times its threads' peaks instead of
    * 1.27). */
   pthread_mutex_lock(&ss->span_grow_lock);
-  if (span_take_free(ss, base, out)) {
+  if (span_take_free(ss, n, base, out)) {
     pthread_mutex_unlock(&ss->span_grow_lock);
     return MAGPIE_OK;
   }
@@ -61,10 +74,10 @@ int span_chunk_get(span_set *ss, uintptr_t *base, span **out) {
   }
   sp->size = ss->region->gran;
   sp->nchunks = (unsigned)(sp->size / SPAN_CHUNK);
-  sp->used = 1; /* chunk 0 is the caller's */
-  /* Overhead: every mapped byte but the chunk handed out (fallback
+  sp->used = span_bits(0, n); /* the first n chunks are the caller's */
+  /* Overhead: every mapped byte but the chunks handed out (fallback
    * alignment included). */
-  region_overhead_add(ss->region, (int64_t)(sp->raw_size - SPAN_CHUNK));
+  region_overhead_add(ss->region, (int64_t)(sp->raw_size - n * SPAN_CHUNK));
   pthread_mutex_lock(&ss->span_lock);
   sp->next = ss->list;
   ss->list = sp;
@@ -75,12 +88,14 @@ int span_chunk_get(span_set *ss, uintptr_t *base, span **out) {
   return MAGPIE_OK;
 }
 
-void span_chunk_put(span_set *ss, span *sp, uintptr_t base) {
+void span_chunk_put(span_set *ss, span *sp, uintptr_t base, unsigned n) {
   unsigned i = (unsigned)((base - sp->base) >> SPAN_CHUNK_SHIFT);
-  region_overhead_add(ss->region, (int64_t)SPAN_CHUNK);
+  uint64_t bits = span_bits(i, n);
+  region_overhead_add(ss->region, (int64_t)(n * SPAN_CHUNK));
   pthread_mutex_lock(&ss->span_lock);
-  MAGPIE_ASSERT(i < sp->nchunks && (sp->used >> i & 1)); /* a chunk in use goes back once */
-  sp->used &= ~((uint64_t)1 << i);
+  /* Chunks in use go back once. */
+  MAGPIE_ASSERT(i + n <= sp->nchunks && (sp->used & bits) == bits);
+  sp->used &= ~bits;
   int empty = sp->used == 0;
   if (empty) {
     span **pp = &ss->list;

@@ -1,15 +1,18 @@
 /* Spans: granules (the smallest map, 2 MiB on the H200) cut into chunks of
- * SPAN_CHUNK bytes that serve as the slabs of small size classes, so that
- * several classes share one granule instead of mapping one each (sixteen
- * threads of workload 2 held 8 MiB of four small classes' slabs for under
- * 2 MiB of their blocks).
+ * SPAN_CHUNK bytes. A size class's slab is a run of one or more contiguous
+ * chunks of one span, so that classes share granules instead of mapping
+ * whole ones each (sixteen threads of workload 2 held 8 MiB of four small
+ * classes' slabs for under 2 MiB of their blocks; with slabs of whole
+ * granules for classes above 32 KiB, one thread of the mixed 256 B-2 MiB
+ * workload held 4.5 times its peak live bytes, most of it in carved blocks
+ * of 2-8 MiB slabs no allocation had reached).
  *
  * A span is mapped when no span has a free chunk and unmapped when its
  * last chunk comes back. Mapped chunks no slab uses count as overhead.
  *
  * INVARIANT: used has bit i set iff chunk i (at base + i * SPAN_CHUNK)
- *            belongs to a slab (or is being made one); a span is on its
- *            set's list iff used != 0.
+ *            belongs to a slab (or is being made one); a slab's chunks are
+ *            contiguous bits; a span is on its set's list iff used != 0.
  *
  * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock: leaves,
  * one at a time). A span is
@@ -55,10 +58,17 @@ typedef struct span_set {
 
 void span_set_init(span_set *ss, region *r);
 
-/* A free chunk of ss (mapping a new span if no span has one): its address
- * and span. MAGPIE_ERR_OUT_OF_MEMORY (device or host) otherwise. */
-int span_chunk_get(span_set *ss, uintptr_t *base, span **out);
-/* Give back a chunk; its span is unmapped if no other chunk is in use. */
-void span_chunk_put(span_set *ss, span *sp, uintptr_t base);
+/* What span_chunk_get returns when no span has a free run and may_map is 0
+ * (positive: no error is set; the caller may recycle memory and retry). */
+#define SPAN_WOULD_MAP 1
+
+/* n contiguous free chunks of one span of ss (n * SPAN_CHUNK at most the
+ * granularity): the run's address and span. When no span has such a run,
+ * a new span is mapped if may_map, else SPAN_WOULD_MAP is returned.
+ * MAGPIE_ERR_OUT_OF_MEMORY (device or host) otherwise. */
+int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span **out);
+/* Give back a run of n chunks taken together; the span is unmapped if no
+ * other chunk is in use. */
+void span_chunk_put(span_set *ss, span *sp, uintptr_t base, unsigned n);
 
 #endif /* MAGPIE_SPAN_H */
