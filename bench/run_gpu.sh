@@ -55,7 +55,7 @@ export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
 rc=0
 : > "$out/bench.log"
 echo "workload,allocator,x,metric,value" > "$out/results.csv"
-for w in 5 1 2 3 4; do
+for w in 5 1 2 3 4 6; do
   echo "+ magpie_bench -w $w ${shim:+--torch $shim} $*" | tee -a "$out/bench.log"
   timeout 300 "$here/bin/magpie_bench" -w "$w" --csv "$out/w$w.csv" ${shim:+--torch "$shim"} "$@" 2>&1 |
     tee -a "$out/bench.log"

@@ -1,6 +1,6 @@
 /* Workload 6: many streams, one thread. The thread visits N streams in
  * turn (--rot-streams, a list of N), --rot-rounds times over all of them
- * (more for few streams: at least 409,600 visits are timed, after an
+ * (more for few streams: at least 25,600 visits are timed, after an
  * untimed round);
  * on each visit it allocates --rot-blocks blocks of 4-64 KiB (2^e + U[0,
  * 2^e)) on that stream and frees them there, so at most that many blocks
@@ -40,9 +40,9 @@ static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaSt
   if (is_magpie) magpie_stats_get(0, &s0);
   size_t peak = 0;
   uint64_t ops = 0, visits = 0;
-  /* At least rot_rounds rounds and 409,600 visits (100 rounds of 4,096
+  /* At least rot_rounds rounds and 25,600 visits (100 rounds of 256
    * streams), after one untimed round. */
-  int rounds = o->rot_rounds > 409600 / n ? o->rot_rounds : 409600 / n;
+  int rounds = o->rot_rounds > 25600 / n ? o->rot_rounds : 25600 / n;
   double t0 = 0;
   for (int round = -1; round < rounds; round++) {
     if (round == 0) t0 = suite_now();
@@ -86,9 +86,10 @@ void workload_streams(const suite_opts *o) {
   if (streams == NULL) return;
   for (int i = 0; i < maxn; i++)
     if ((streams[i] = bench_stream_create()) == NULL) return;
-  printf("\n== 6 streams: one thread visits N streams in turn, >= %d rounds; per visit %d blocks of 4KiB-64KiB "
-         "(2^e+U[0,2^e)) allocated, then freed on that stream\n",
-         o->rot_rounds, o->rot_blocks);
+  printf(
+      "\n== 6 streams: one thread visits N streams in turn, >= %d rounds; per visit %d blocks of 4KiB-64KiB "
+      "(2^e+U[0,2^e)) allocated, then freed on that stream\n",
+      o->rot_rounds, o->rot_blocks);
   suite_magpie_peak_note();
   printf("%7s %-16s %10s %9s %14s %9s %12s\n", "streams", "allocator", "Mops/s", "x 1 str", "reserved MiB", "limbo",
          "device syncs");
@@ -120,8 +121,8 @@ void workload_streams(const suite_opts *o) {
                    n);
           snprintf(d, sizeof d, "%.1f MiB, %llu syncs, %.2fx", (double)r.reserved / (1 << 20),
                    (unsigned long long)r.syncs, one[w] > 0 ? r.ops_per_s / one[w] : 0);
-          suite_target("streams", what,
-                       r.reserved <= ((size_t)16 << 20) && r.syncs == 0 && r.ops_per_s * 2 >= one[w], d);
+          suite_target("streams", what, r.reserved <= ((size_t)16 << 20) && r.syncs == 0 && r.ops_per_s * 2 >= one[w],
+                       d);
         }
       }
     }
