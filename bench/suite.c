@@ -106,9 +106,7 @@ size_t suite_mixed_size(uint64_t r, size_t min, size_t max) {
 }
 
 size_t suite_spread_size(uint64_t r, size_t min, size_t max) {
-  int span = 0;
-  while ((min << (span + 1)) < max) span++;
-  size_t base = min << ((r & 0xffffffffu) % (uint64_t)(span + 1));
+  size_t base = suite_mixed_size(r & 0xffffffffu, min, max / 2);
   return base + (size_t)((r >> 32) % base); /* 2^e + U[0, 2^e) */
 }
 

@@ -13,39 +13,34 @@
  * of the mixed 256 B-2 MiB workload hold 4.5 times its peak live bytes on
  * the simulated device; with runs (at most four blocks above 256 KiB),
  * see bench/HISTORY.md. */
-unsigned sizeclass_chunks(size_t size, size_t granularity) {
-  size_t n = granularity / SIZECLASS_CHUNK;
-  if (granularity % SIZECLASS_CHUNK != 0 || n < 2 || n > 64) return 0;
-  if (size * SIZECLASS_CHUNK_MIN_BLOCKS <= SIZECLASS_CHUNK) return 1;
-  size_t first = (size + SIZECLASS_CHUNK - 1) / SIZECLASS_CHUNK, best = 0, best_waste = 0;
-  for (size_t k = first; k <= n; k++) {
-    size_t run = k * SIZECLASS_CHUNK, waste = run % size;
-    if (waste * 8 <= run) return (unsigned)k;
-    /* waste/run < best_waste/(best * CHUNK), cross-multiplied */
+/* The k in kmin..kmax for which k units hold blocks of `size` with the
+ * least tail fraction (ties to the smaller k); with eighth, the first k
+ * whose tail is at most an eighth of its run. */
+static size_t sizeclass_least_tail(size_t size, size_t unit, size_t kmin, size_t kmax, int eighth) {
+  size_t best = 0, best_waste = 0;
+  for (size_t k = kmin; k <= kmax; k++) {
+    size_t run = k * unit, waste = run % size;
+    if (eighth && waste * 8 <= run) return k;
+    /* waste/run < best_waste/(best * unit), cross-multiplied */
     if (best == 0 || waste * best < best_waste * k) {
       best = k;
       best_waste = waste;
     }
   }
-  return (unsigned)best;
+  return best;
+}
+
+unsigned sizeclass_chunks(size_t size, size_t granularity) {
+  size_t n = granularity / SIZECLASS_CHUNK;
+  if (granularity % SIZECLASS_CHUNK != 0 || n < 2 || n > 64) return 0;
+  if (size * SIZECLASS_CHUNK_MIN_BLOCKS <= SIZECLASS_CHUNK) return 1;
+  return (unsigned)sizeclass_least_tail(size, SIZECLASS_CHUNK, (size + SIZECLASS_CHUNK - 1) / SIZECLASS_CHUNK, n, 1);
 }
 
 /* Slab of one to four granules, whichever wastes the least tail (ties to
  * the smaller): where the granularity cannot be cut into chunks. */
 static size_t sizeclass_pick_slab(size_t size, size_t granularity) {
-  size_t best = granularity;
-  size_t best_waste_num = granularity % size, best_den = granularity;
-  for (size_t k = 2; k <= 4; k++) {
-    size_t slab = k * granularity;
-    size_t waste = slab % size;
-    /* waste/slab < best_waste_num/best_den, cross-multiplied */
-    if (waste * best_den < best_waste_num * slab) {
-      best = slab;
-      best_waste_num = waste;
-      best_den = slab;
-    }
-  }
-  return best;
+  return sizeclass_least_tail(size, granularity, 1, 4, 0) * granularity;
 }
 
 /* Largest k <= SIZECLASS_MAG_MAX with k^3 <= v. */

@@ -4,7 +4,8 @@
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_set.slab_lock,
  * slab_desc_lock, registry.grow_lock, span_set.span_grow_lock ->
- * (region.lock, span_set.span_lock), one at a time).
+ * (region.lock, span_set.span_lock), one at a time; and heap_recycle's
+ * record_table.lock and slab_set.reclaim_lock -> slab_set.slab_lock).
  * reaper_lock is a leaf.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
@@ -119,13 +120,21 @@ void heap_note_cached(heap *h) {
   if (h->release_threshold != SIZE_MAX && heap_cached_bytes(h) > h->release_threshold) heap_wake_maintenance();
 }
 
+/* Parked recorded blocks and pending magazines whose streams completed
+ * become ready (queries, no waiting). Returns magazines moved. */
+static size_t heap_reclaim_small(heap *h) {
+  record_poll(&h->records, h->depots, &h->large);
+  size_t got = 0;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_reclaim(&h->depots[c]);
+  return got;
+}
+
 int heap_relieve(heap *h, enum heap_step step) {
   atomic_add_relaxed(&h->stat_ladder[step], 1);
   size_t got = 0;
   switch (step) {
   case HEAP_STEP_RECLAIM:
-    record_poll(&h->records, h->depots, &h->large); /* parked blocks whose streams completed */
-    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_reclaim(&h->depots[c]);
+    got = heap_reclaim_small(h);
     got += large_reclaim(&h->large);
     break;
   case HEAP_STEP_SLABS: got = slab_release_free(&h->slabs, SIZE_MAX); break;
@@ -180,8 +189,7 @@ static int heap_recycle(heap *h) {
   size_t cached = held > 0 ? (size_t)held : 0, gran = h->region.gran;
   if (cached < gran || cached < atomic_load_relaxed(&h->recycle_mark) + gran) return 0;
   atomic_add_relaxed(&h->stat_recycles, 1);
-  record_poll(&h->records, h->depots, &h->large);
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_reclaim(&h->depots[c]);
+  heap_reclaim_small(h);
   size_t got = slab_release_free(&h->slabs, SIZE_MAX);
   atomic_store_relaxed(&h->recycle_mark, got ? 0 : cached);
   return got > 0;

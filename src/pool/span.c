@@ -16,12 +16,10 @@ void span_set_init(span_set *ss, region *r) {
   ss->list = NULL;
 }
 
-static uint64_t span_full(const span *sp) {
-  return sp->nchunks == 64 ? ~(uint64_t)0 : ((uint64_t)1 << sp->nchunks) - 1;
-}
-
 /* Bits [i, i+n) of a span's mask. */
 static uint64_t span_bits(unsigned i, unsigned n) { return (n == 64 ? ~(uint64_t)0 : ((uint64_t)1 << n) - 1) << i; }
+
+static uint64_t span_full(const span *sp) { return span_bits(0, sp->nchunks); }
 
 /* The first run of n free chunks in sp, or -1. */
 static int span_find_run(const span *sp, unsigned n) {
