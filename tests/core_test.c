@@ -321,9 +321,10 @@ static void test_memory_pressure(void **state) {
 }
 
 /* Slabs are runs of chunks of shared granules: the first slabs of four
- * small classes and two larger ones on a fresh device map one granule
- * between them; when their blocks are back and the slabs given back, it is
- * unmapped. */
+ * small classes on a fresh device map one granule between them. Classes
+ * above 32 KiB have no slabs: their blocks are class blocks of a large
+ * segment, whose first granule they share. When every block is back and
+ * trimmed, both granules are unmapped. */
 static void test_small_classes_share_a_granule(void **state) {
   (void)state;
   fake_set_current_device(2);
@@ -349,22 +350,25 @@ static void test_small_classes_share_a_granule(void **state) {
     assert_true((uintptr_t)p[i] >= sl[i]->base && (uintptr_t)p[i] < sl[i]->base + SPAN_CHUNK);
     for (int j = 0; j < i; j++) assert_true(sl[j]->base != sl[i]->base);
   }
-  /* Larger classes' slabs are runs of chunks of the same granules: a
-   * 64 KiB block (a one-chunk slab) and a 512 KiB one (two chunks) come
-   * from the first granule too (4 + 1 + 2 of its 8 chunks). */
+  /* A 64 KiB block (a magazine of four carved) and a 512 KiB one (one)
+   * are class blocks of one segment granule. */
   const size_t bigger[] = {65536, (size_t)512 << 10};
   void *q[2];
   for (int i = 0; i < 2; i++) {
-    const sizeclass_info *ci = &globals.sizeclass_table[sizeclass_of(bigger[i])];
-    assert_int_equal(ci->slab_size, (size_t)ci->chunks * SPAN_CHUNK);
-    assert_true(ci->blocks >= 1 && ci->blocks <= 4);
+    unsigned cls = sizeclass_of(bigger[i]);
+    assert_true(globals.sizeclass_table[cls].seg);
     assert_non_null(q[i] = magpie_malloc_async(bigger[i], s));
     slab *qs = pagemap_lookup((uintptr_t)q[i]);
     assert_non_null(qs);
-    assert_ptr_equal(qs->span, sl[0]->span);
+    assert_int_equal(qs->cls, SLAB_LARGE);
+    assert_int_equal(large_class_of(qs->seg, (uintptr_t)q[i]), (int)cls);
+    assert_int_equal(large_class_of(qs->seg, (uintptr_t)q[i] + LARGE_QUANTUM), -1);
+    size_t bs = 0;
+    assert_int_equal(magpie_block_info(q[i], &bs, NULL), MAGPIE_OK);
+    assert_int_equal(bs, globals.sizeclass_table[cls].size);
   }
   fake_get_counters(&c1);
-  assert_int_equal(c1.mapped_bytes[2] - c0.mapped_bytes[2], (size_t)2 << 20);
+  assert_int_equal(c1.mapped_bytes[2] - c0.mapped_bytes[2], (size_t)4 << 20);
   for (int i = 0; i < 2; i++) assert_int_equal(magpie_free_async(q[i], s), MAGPIE_OK);
   for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   fake_stream_complete(s);

@@ -51,7 +51,13 @@ static void test_sizeclass_magic_division(void **state) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     const sizeclass_info *ci = &globals.sizeclass_table[c];
     assert_true(ci->blocks >= 1 && ci->slab_size < ((size_t)1 << 24));
-    assert_true(ci->mag_cap >= 2 && ci->mag_cap <= 64);
+    assert_true(ci->mag_cap >= (ci->seg ? 1 : 2) && ci->mag_cap <= 64);
+    /* Classes above SIZECLASS_SLAB_MAX are class blocks of the segments,
+     * one magazine of at most SIZECLASS_SEG_MAG_BYTES (or one block). */
+    assert_int_equal(ci->seg, ci->size > SIZECLASS_SLAB_MAX);
+    if (ci->seg)
+      assert_true(ci->mag_max == ci->mag_cap &&
+                  (ci->mag_cap == 1 || ci->mag_cap * ci->size <= SIZECLASS_SEG_MAG_BYTES));
     for (uint64_t off = 0; off < ci->slab_size; off += (ci->slab_size / 4099) | 1) {
       assert_int_equal((off * ci->magic) >> SIZECLASS_MAGIC_SHIFT, off / ci->size);
     }
@@ -314,8 +320,8 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   (void)state;
   heap *h = heap_get(0);
   assert_non_null(h);
-  assert_int_equal(h->reuse_wait, 1);  /* the default */
-  unsigned cls = sizeclass_of(160000); /* a class no other test uses */
+  assert_int_equal(h->reuse_wait, 1); /* the default */
+  unsigned cls = sizeclass_of(20000); /* a slab class no other test uses */
   cudaStream_t a, b;
   uint64_t ida, idb;
   stream_rec *ra = two_streams(h, &a, &b, &ida, &idb);
@@ -381,14 +387,14 @@ static tslot *own_slot(cudaStream_t s) {
  * mag_max; a random walk brings it back. */
 static void test_magazine_capacity_adapts(void **state) {
   (void)state;
-  unsigned cls = sizeclass_of(60000); /* 64 KiB class */
+  unsigned cls = sizeclass_of(30000); /* 32 KiB class, the largest with slabs */
   const sizeclass_info *ci = &globals.sizeclass_table[cls];
-  assert_int_equal(ci->mag_cap, 5); /* cbrt(2^23 / 64 KiB) */
+  assert_int_equal(ci->mag_cap, 6); /* cbrt(2^23 / 32 KiB) */
   assert_true(ci->mag_max > ci->mag_cap);
   cudaStream_t s = fake_stream_create(0);
   enum { N = 256 };
   void *p[N];
-  for (int i = 0; i < N; i++) assert_non_null(p[i] = magpie_malloc_async(60000, s));
+  for (int i = 0; i < N; i++) assert_non_null(p[i] = magpie_malloc_async(30000, s));
   tslot *ts = own_slot(s);
   assert_non_null(ts);
   assert_int_equal(ts->cap[cls], ci->mag_cap);
@@ -404,7 +410,7 @@ static void test_magazine_capacity_adapts(void **state) {
     r ^= r >> 7;
     r ^= r << 17;
     if ((live < N && (r >> 33) % 2 == 0) || live == 0) {
-      assert_non_null(p[live++] = magpie_malloc_async(60000, s));
+      assert_non_null(p[live++] = magpie_malloc_async(30000, s));
     } else {
       assert_int_equal(magpie_free_async(p[--live], s), MAGPIE_OK);
     }

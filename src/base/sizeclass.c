@@ -65,6 +65,7 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     sizeclass_info *ci = &globals.sizeclass_table[c];
     ci->size = sizeclass_size_calc(c);
+    ci->seg = ci->size > SIZECLASS_SLAB_MAX;
     ci->chunks = sizeclass_chunks(ci->size, granularity);
     ci->slab_size = ci->chunks ? ci->chunks * SIZECLASS_CHUNK : sizeclass_pick_slab(ci->size, granularity);
     ci->blocks = (uint32_t)(ci->slab_size / ci->size);
@@ -75,6 +76,15 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
     uint32_t start = sizeclass_icbrt(((size_t)1 << 23) / ci->size);
     if (start < 2) start = 2;
     ci->mag_cap = start < ci->mag_max ? start : ci->mag_max;
+    /* Class blocks: a thread keeps one magazine of a class (tcache.c) of
+     * at most SIZECLASS_SEG_MAG_BYTES, so that what threads cache of the
+     * classes above 32 KiB stays small next to their blocks' sizes. */
+    if (ci->seg) {
+      size_t segcap = SIZECLASS_SEG_MAG_BYTES / ci->size;
+      if (segcap < 1) segcap = 1;
+      if (segcap < ci->mag_cap) ci->mag_cap = (uint32_t)segcap;
+      ci->mag_max = ci->mag_cap;
+    }
     ci->magic = sizeclass_magic(ci->size);
   }
 }

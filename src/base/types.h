@@ -70,6 +70,18 @@ typedef struct stack {
 #define SIZECLASS_CHUNK ((size_t)1 << SIZECLASS_CHUNK_SHIFT)
 #define SIZECLASS_CHUNK_MIN_BLOCKS 8
 
+/* Classes above this have no slabs: their blocks are carved one by one from
+ * the large segments and go back there, coalescing, when the depot gives
+ * them back (pool/large.h, class blocks). Slabs of segregated classes keep
+ * a class's memory until every block of a slab is free: one thread of the
+ * mixed 256 B-2 MiB workload held 3 times its peak live bytes with slabs
+ * up to 1 MiB on the simulated device, against 1.46 with every block above
+ * 32 KiB in segments (bench/HISTORY.md). Up to here a chunk holds at least
+ * SIZECLASS_CHUNK_MIN_BLOCKS blocks. */
+#define SIZECLASS_SLAB_MAX ((size_t)32 << 10)
+/* Most bytes of one magazine of those classes (at least one block). */
+#define SIZECLASS_SEG_MAG_BYTES ((size_t)256 << 10)
+
 /* Per-class tables, filled once by sizeclass_init(). */
 typedef struct sizeclass_info {
   size_t size;      /* block bytes */
@@ -78,6 +90,7 @@ typedef struct sizeclass_info {
   uint32_t mag_cap; /* blocks per magazine to start with (slabs carve these) */
   uint32_t mag_max; /* most blocks per magazine (magazine_bytes / size) */
   uint32_t chunks;  /* a slab is this many contiguous chunks of a span (span.h); 0: whole granules */
+  uint32_t seg;     /* 1: no slabs, class blocks of the large segments (size > SIZECLASS_SLAB_MAX) */
   uint64_t magic;   /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
 } sizeclass_info;
 

@@ -12,6 +12,9 @@
  *       "granule": G, "mapped": [[FIRST_GRANULE, COUNT], ...],
  *       "blocks": [{"base": A, "size": S, "mapped": M,
  *                   "state": "in_use"|"free"|"pending", "stream": ID}]}]}
+ *   A class block of a segment (a block of a size class above 32 KiB,
+ *   pool/large.h) has "class": C and a slab block's state ("in_use",
+ *   "thread", "depot", "pending" with "stream", "limbo").
  * Slab block states, in address order as runs: "in_use" (handed out),
  * "thread" (in a thread's magazine), "depot" (ready for any stream),
  * "pending" (waiting on STREAM_ID's epoch), "limbo" (its stream is gone;
@@ -51,10 +54,57 @@ typedef struct snap_slab {
   uint64_t *stream;
 } snap_slab;
 
+/* A class block of a large segment found in a magazine, and its state. */
+typedef struct snap_cblock {
+  uintptr_t p;
+  uint64_t stream;
+  uint8_t state;
+} snap_cblock;
+
 typedef struct snap_ctx {
   snap_slab *slabs;
   size_t n;
+  /* Class blocks seen in magazines, sorted by address before the large
+   * segments are written (not found there: in use). */
+  snap_cblock *cb;
+  size_t ncb, cbcap;
+  int oom;
 } snap_ctx;
+
+static void snap_note_class_block(snap_ctx *cx, uintptr_t p, int state, uint64_t stream) {
+  if (cx->ncb == cx->cbcap) {
+    size_t cap = cx->cbcap ? 2 * cx->cbcap : 256;
+    snap_cblock *n = meta_alloc(cap * sizeof *n);
+    if (n == NULL) {
+      cx->oom = 1;
+      return;
+    }
+    if (cx->ncb) memcpy(n, cx->cb, cx->ncb * sizeof *n);
+    meta_free(cx->cb);
+    cx->cb = n;
+    cx->cbcap = cap;
+  }
+  cx->cb[cx->ncb++] = (snap_cblock){.p = p, .stream = stream, .state = (uint8_t)state};
+}
+
+static int snap_cblock_cmp(const void *a, const void *b) {
+  uintptr_t x = ((const snap_cblock *)a)->p, y = ((const snap_cblock *)b)->p;
+  return x < y ? -1 : x > y;
+}
+
+/* large_snapshot's question: the state of the class block at p. */
+static const char *snap_class_state(void *ctx, uintptr_t p, uint64_t *stream) {
+  const snap_ctx *cx = ctx;
+  size_t lo = 0, hi = cx->ncb;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    if (cx->cb[mid].p < p) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == cx->ncb || cx->cb[lo].p != p) return "in_use";
+  *stream = cx->cb[lo].stream;
+  return snap_names[cx->cb[lo].state];
+}
 
 static snap_slab *snap_find(snap_ctx *cx, const slab *s) {
   /* slabs is sorted by descriptor address: binary search. */
@@ -71,6 +121,10 @@ static void snap_mark(snap_ctx *cx, const magazine *m, int state, uint64_t strea
   for (uint32_t i = 0; i < m->count; i++) {
     uintptr_t p = (uintptr_t)m->slots[i];
     slab *s = pagemap_lookup(p);
+    if (s != NULL && s->cls == SLAB_LARGE && large_class_of(s->seg, p) >= 0) {
+      snap_note_class_block(cx, p, state, stream);
+      continue;
+    }
     snap_slab *ss = s ? snap_find(cx, s) : NULL;
     uint32_t bi = 0;
     if (ss == NULL || !slab_block_index(s, p, &bi)) continue; /* a slab newer than the snapshot */
@@ -140,6 +194,7 @@ static void snap_free(snap_ctx *cx) {
     meta_free(cx->slabs[i].stream);
   }
   meta_free(cx->slabs);
+  meta_free(cx->cb);
 }
 
 MAGPIE_API int magpie_snapshot_json(int device, FILE *out) {
@@ -197,6 +252,8 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out) {
     }
     snap_mark_stack(&cx, &h->limbo, SNAP_LIMBO);
     stats_collect(h, &st);
+    if (cx.oom) rc = MAGPIE_ERR_OUT_OF_MEMORY;
+    else if (cx.ncb) qsort(cx.cb, cx.ncb, sizeof *cx.cb, snap_cblock_cmp);
   }
   pthread_mutex_unlock(&h->slabs.reclaim_lock);
   if (rc != MAGPIE_OK) {
@@ -213,7 +270,7 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out) {
     snap_write_slab(out, &cx.slabs[i]);
   }
   int first = cx.n == 0;
-  large_snapshot(&h->large, out, &first);
+  large_snapshot(&h->large, out, &first, snap_class_state, &cx);
   fputs("]}\n", out);
   snap_free(&cx);
   if (ferror(out)) return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_snapshot_json: writing failed");

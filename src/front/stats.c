@@ -25,7 +25,10 @@ void stats_collect(heap *h, magpie_stats *out) {
   size_t peak = atomic_load_relaxed(&h->stat_peak_in_use);
   out->peak_in_use_bytes = peak > out->in_use_bytes ? peak : out->in_use_bytes;
   if (out->peak_reserved_bytes < reserved) out->peak_reserved_bytes = reserved;
-  out->large_in_use_bytes = atomic_load_relaxed(&h->large.in_use_bytes);
+  /* Class blocks (pool/large.h) are in use for the large cache, and
+   * counted where they are (threads, depot, in use) like slab blocks. */
+  size_t lu = atomic_load_relaxed(&h->large.in_use_bytes), lc = atomic_load_relaxed(&h->large.class_bytes);
+  out->large_in_use_bytes = lu > lc ? lu - lc : 0;
   /* Blocks parked by record_stream (record.c): freed, not yet back in a
    * pool; the large cache still counts large ones in use. */
   size_t parked_small = 0, parked_large = 0;

@@ -4,8 +4,9 @@
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_set.slab_lock,
  * slab_desc_lock, registry.grow_lock, span_set.span_grow_lock ->
- * (region.lock, span_set.span_lock), one at a time; and heap_recycle's
- * record_table.lock and slab_set.reclaim_lock -> slab_set.slab_lock).
+ * (region.lock, span_set.span_lock), large_cache.lock, one at a time; and
+ * heap_recycle's record_table.lock and slab_set.reclaim_lock ->
+ * (slab_set.slab_lock, large_cache.lock)).
  * reaper_lock is a leaf.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
@@ -129,6 +130,35 @@ static size_t heap_reclaim_small(heap *h) {
   return got;
 }
 
+/* The depot's class blocks go back to their segments (pool/large.h):
+ * every magazine of the classes without slabs, ready ones and pending
+ * ones with their tickets, at most as many as the depot held on entry.
+ * Under slab_set.reclaim_lock, as slab release: snapshots take it to see
+ * the depot whole. Returns the bytes given back. */
+static size_t heap_release_class_blocks(heap *h) {
+  size_t bytes = 0;
+  pthread_mutex_lock(&h->slabs.reclaim_lock);
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    if (!globals.sizeclass_table[c].seg) continue;
+    depot *d = &h->depots[c];
+    depot_scanners_wait(d); /* a sweep's magazines come back first */
+    for (size_t n = stack_count(&d->full) + stack_count(&d->pending); n > 0; n--) {
+      magazine *m = depot_give_up(d);
+      if (m == NULL) break;
+      size_t b = depot_magazine_bytes(m);
+      if (large_class_put(&h->large, m->slots, m->count, &m->ticket) != MAGPIE_OK) {
+        depot_put(d, m); /* out of host memory: later */
+        break;
+      }
+      m->ticket = (epoch_ticket){0}; /* the segments took it over */
+      magazine_put_empty(m);
+      bytes += b;
+    }
+  }
+  pthread_mutex_unlock(&h->slabs.reclaim_lock);
+  return bytes;
+}
+
 int heap_relieve(heap *h, enum heap_step step) {
   atomic_add_relaxed(&h->stat_ladder[step], 1);
   size_t got = 0;
@@ -137,7 +167,10 @@ int heap_relieve(heap *h, enum heap_step step) {
     got = heap_reclaim_small(h);
     got += large_reclaim(&h->large);
     break;
-  case HEAP_STEP_SLABS: got = slab_release_free(&h->slabs, SIZE_MAX); break;
+  case HEAP_STEP_SLABS:
+    got = slab_release_free(&h->slabs, SIZE_MAX);
+    got += heap_release_class_blocks(h);
+    break;
   case HEAP_STEP_THREADS:
     if (globals.heap_threads_reclaim) got = globals.heap_threads_reclaim(h);
     break;
@@ -153,8 +186,16 @@ int heap_relieve(heap *h, enum heap_step step) {
       got++;
     }
     got += slab_release_free(&h->slabs, SIZE_MAX);
+    got += heap_release_class_blocks(h);
     break;
-  case HEAP_STEP_UNMAP: got = large_release(&h->large, SIZE_MAX); break;
+  case HEAP_STEP_UNMAP:
+    /* Another thread's release in flight (the maintenance thread's, above
+     * a release threshold) holds granules this one cannot take: wait it
+     * out, and retry even if this one found nothing left to unmap. */
+    got = atomic_load_acquire(&h->region.releasing) > 0;
+    got += large_release(&h->large, SIZE_MAX);
+    region_releases_wait(&h->region);
+    break;
   default: break;
   }
   return got > 0;
@@ -191,8 +232,37 @@ static int heap_recycle(heap *h) {
   atomic_add_relaxed(&h->stat_recycles, 1);
   heap_reclaim_small(h);
   size_t got = slab_release_free(&h->slabs, SIZE_MAX);
+  got += heap_release_class_blocks(h);
   atomic_store_relaxed(&h->recycle_mark, got ? 0 : cached);
   return got > 0;
+}
+
+/* A magazine of class blocks of class cls from the segments (flags: those
+ * of large_class_carve; LARGE_NO_MAP gives SLAB_WOULD_MAP where only
+ * mapping would serve). */
+static int heap_class_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int flags, magazine **out) {
+  magazine *m = magazine_get_empty(cls);
+  if (m == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+  uint32_t got = 0;
+  int rc = large_class_carve(&h->large, cls, globals.sizeclass_table[cls].size, m->cap, stream_id, stream, flags,
+                             m->slots, &got);
+  if (rc != MAGPIE_OK) {
+    magazine_put_empty(m);
+    return rc == LARGE_WOULD_MAP ? SLAB_WOULD_MAP : rc;
+  }
+  m->count = got;
+  *out = m;
+  return MAGPIE_OK;
+}
+
+/* A slab's worth (or a magazine of class blocks) of class cls, from memory
+ * mapped (may_map 0: else SLAB_WOULD_MAP) or mapped now; pressure: class
+ * blocks may come through a stream wait. */
+static int heap_carve_from(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int may_map, int pressure,
+                           magazine **out) {
+  if (!globals.sizeclass_table[cls].seg) return slab_carve(&h->slabs, cls, may_map, out);
+  int flags = (may_map ? 0 : LARGE_NO_MAP) | (pressure ? LARGE_MAY_WAIT_EVENT : 0);
+  return heap_class_carve(h, cls, stream_id, stream, flags, out);
 }
 
 /* Carve a slab of class cls, one thread per class at a time. Threads that
@@ -201,7 +271,7 @@ static int heap_recycle(heap *h) {
  * while the first slab's magazines sat unused in the depot. Whoever waited
  * looks at the depot again first. A carve that would map recycles first
  * (heap_recycle). */
-static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, magazine **out) {
+static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int pressure, magazine **out) {
   depot *d = &h->depots[cls];
   pthread_mutex_lock(&d->carve_lock);
   magazine *m = depot_take(d, stream_id);
@@ -209,10 +279,10 @@ static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, magazine **out)
   if (m != NULL) {
     *out = m;
   } else {
-    rc = slab_carve(&h->slabs, cls, 0, out);
+    rc = heap_carve_from(h, cls, stream_id, stream, 0, pressure, out);
     if (rc == SLAB_WOULD_MAP) {
       heap_recycle(h);
-      rc = slab_carve(&h->slabs, cls, 1, out);
+      rc = heap_carve_from(h, cls, stream_id, stream, 1, pressure, out);
     }
   }
   pthread_mutex_unlock(&d->carve_lock);
@@ -226,7 +296,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
     *out = m;
     return MAGPIE_OK;
   }
-  int rc = heap_carve(h, cls, stream_id, out);
+  int rc = heap_carve(h, cls, stream_id, stream, 0, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Pressure: order this stream after another stream's free (a stream
    * wait) before any host-side wait. Only under pressure: small refills
@@ -240,7 +310,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
   /* Down the ladder. Nothing here runs on the fast path. */
   for (unsigned i = 0; i < HEAP_LADDER_LEN; i++) {
     if (!heap_ladder_step(h, i)) continue;
-    if ((rc = heap_carve(h, cls, stream_id, out)) != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
+    if ((rc = heap_carve(h, cls, stream_id, stream, 1, out)) != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   }
   atomic_add_relaxed(&h->stat_ladder[HEAP_STEP_FAILED], 1);
   return MAGPIE_ERR_OUT_OF_MEMORY;
@@ -248,7 +318,13 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
 
 int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize) {
   record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
-  int rc = large_alloc(&h->large, size, stream_id, stream, 0, out, bsize);
+  /* Reuse before mapping, as for class carves: class blocks cached in the
+   * depot may free the room (heap_recycle). */
+  int rc = large_alloc(&h->large, size, stream_id, stream, LARGE_NO_MAP, out, bsize);
+  if (rc == LARGE_WOULD_MAP) {
+    heap_recycle(h);
+    rc = large_alloc(&h->large, size, stream_id, stream, 0, out, bsize);
+  }
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Before any host-side wait: reuse a block another stream freed by
    * making this stream wait on the free's event. */

@@ -184,6 +184,20 @@ magazine *depot_take(depot *d, uint64_t stream_id) {
   }
 }
 
+magazine *depot_give_up(depot *d) {
+  magazine *m = (magazine *)stack_pop(&d->full, &globals.magazine_registry);
+  _Atomic int64_t *counter = &d->ready_bytes;
+  if (m == NULL) {
+    m = (magazine *)stack_pop(&d->pending, &globals.magazine_registry);
+    counter = &d->pending_bytes;
+  }
+  if (m == NULL) return NULL;
+  MAGAZINE_ASSERT_VALID(m);
+  int64_t b = (int64_t)depot_magazine_bytes(m), was = atomic_sub_relaxed(counter, b);
+  MAGPIE_ASSERT(was >= b); /* counted when it was put (depot_counted) */
+  return m;
+}
+
 magazine *depot_take_waiting(depot *d, const backend_ops *ops, uint64_t stream_id, cudaStream_t stream) {
   magazine *m = (magazine *)stack_pop(&d->pending, &globals.magazine_registry);
   if (m == NULL) return NULL;
@@ -198,21 +212,32 @@ magazine *depot_take_waiting(depot *d, const backend_ops *ops, uint64_t stream_i
   return depot_hand_over(d, m, st);
 }
 
+void depot_scanners_wait(depot *d) {
+  for (int spin = 0; spin < DEPOT_SCANNERS_SPINS && atomic_load_relaxed(&d->scanners) > 0; spin++) sched_yield();
+}
+
 int depot_wait_pending(depot *d) {
-  atomic_add_relaxed(&d->scanners, 1);
-  registry_link *chain = stack_take_all(&d->pending, &globals.magazine_registry);
-  int moved = 0;
-  for (registry_link *n = chain, *next; n; n = next) {
-    next = stack_next(&globals.magazine_registry, n);
-    magazine *m = (magazine *)n;
-    if (epoch_wait(&m->ticket) == MAGPIE_OK) {
-      depot_pending_to_full(d, m);
-      moved++;
-    } else {
-      stack_push(&d->pending, &globals.magazine_registry, &m->link);
+  int moved = 0, failed = 0;
+  /* Another thread's sweep (the maintenance thread's reclaim) may have the
+   * list out: wait it out, and go again for what it put back pending. */
+  for (int round = 0; round < DEPOT_WAIT_ROUNDS && !failed; round++) {
+    depot_scanners_wait(d);
+    if (stack_count(&d->pending) == 0) break;
+    atomic_add_relaxed(&d->scanners, 1);
+    registry_link *chain = stack_take_all(&d->pending, &globals.magazine_registry);
+    for (registry_link *n = chain, *next; n; n = next) {
+      next = stack_next(&globals.magazine_registry, n);
+      magazine *m = (magazine *)n;
+      if (epoch_wait(&m->ticket) == MAGPIE_OK) {
+        depot_pending_to_full(d, m);
+        moved++;
+      } else {
+        stack_push(&d->pending, &globals.magazine_registry, &m->link);
+        failed = 1; /* the driver failed: leave the rest */
+      }
     }
+    atomic_sub_relaxed(&d->scanners, 1);
   }
-  atomic_sub_relaxed(&d->scanners, 1);
   return moved;
 }
 

@@ -56,8 +56,19 @@ magazine *depot_take(depot *d, uint64_t stream_id);
  * and nothing mapped. NULL if none is pending or the wait cannot be
  * enqueued. The returned magazine carries no ticket. */
 magazine *depot_take_waiting(depot *d, const backend_ops *ops, uint64_t stream_id, cudaStream_t stream);
+/* Wait (yielding, a bounded while) until no other thread has d's pending
+ * list out for a sweep: what it does not take comes back within
+ * microseconds. */
+#define DEPOT_SCANNERS_SPINS 100000
+#define DEPOT_WAIT_ROUNDS 8
+void depot_scanners_wait(depot *d);
+/* A magazine leaving the depot for a lower layer (class blocks going back
+ * to their segments): from full, else from pending with its ticket, which
+ * the caller takes over. NULL when both are empty. */
+magazine *depot_give_up(depot *d);
 /* Pressure: wait for every pending magazine of d (blocking on their
- * events) and move them to full. Returns how many moved. */
+ * events) and move them to full, including those another thread's sweep
+ * had out meanwhile. Returns how many moved. */
 int depot_wait_pending(depot *d);
 /* Pressure: move the pending magazines of d whose epochs completed to full
  * (queries, no waiting). Returns how many moved. */

@@ -69,6 +69,7 @@ typedef struct lblock {
   struct lblock *hnext;         /* hash chain of handed-out blocks */
   lticket *ticket;              /* free: the free's epoch (NULL: ready) */
   int state;
+  uint32_t klass; /* USED: 0 for a large block, cls + 1 for a class block */
 } lblock;
 
 /* Granule states. MAPPING and UNMAPPING belong to one thread working
@@ -82,7 +83,14 @@ typedef struct lseg {
   uintptr_t raw; /* without VMM: what the region allocated */
   size_t raw_size;
   size_t ngran;
-  uint8_t *gran;     /* per granule state (VMM) */
+  uint8_t *gran; /* per granule state (VMM) */
+  /* Per LARGE_QUANTUM unit: cls + 1 at the start of a class block (of
+   * size class cls), else 0; LARGE_CLASS_USED added while a checked-mode
+   * thread holds the block. Written (relaxed) under the lock when a
+   * class block is carved or given back, and by checked-mode marks; read
+   * (relaxed) by frees without the lock: a free of a block is ordered
+   * after the allocation that handed it out, which is after the carve. */
+  _Atomic uint8_t *ucls;
   struct slab *desc; /* page-map descriptor (cls SLAB_LARGE) */
   lblock *first;
   struct lseg *next;
@@ -105,6 +113,7 @@ typedef struct large_cache {
   /* Statistics: written under the lock (relaxed), read without it. */
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
+  _Atomic size_t class_bytes;  /* class blocks (counted in in_use_bytes too) */
   _Atomic uint64_t segments;
   _Atomic uint64_t stream_waits;
   _Atomic uint64_t bytes_unmapped;
@@ -133,6 +142,8 @@ static inline size_t lseg_mapped_in(const lseg *sg, size_t g, uintptr_t a, size_
 
 /* Flags of large_alloc. */
 #define LARGE_MAY_WAIT_EVENT 1 /* pressure: reuse another stream's block via stream_wait_event */
+#define LARGE_NO_MAP 2         /* only mapped memory: else LARGE_WOULD_MAP */
+#define LARGE_WOULD_MAP 1      /* a return value, as SPAN_WOULD_MAP */
 
 void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_mem, int reuse_wait,
                 struct heap *owner);
@@ -146,6 +157,48 @@ int large_lookup(large_cache *c, uintptr_t p, size_t *bsize);
 /* Free the block at p with the ticket sealed on its freeing stream (taken
  * over on success). MAGPIE_ERR_DOUBLE_FREE / MAGPIE_ERR_INVALID_POINTER. */
 int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize);
+
+/* ---- class blocks ----
+ * The size classes above SIZECLASS_SLAB_MAX have no slabs: their blocks
+ * are carved from segments one by one, best fit, like large blocks, then
+ * circulate in magazines like slab blocks (the thread caches and the
+ * depot), and go back to the segments, where they coalesce with their
+ * neighbours, when the depot gives them back (heap.c). Memory so moves
+ * between classes block by block; a slab moves only once all its blocks
+ * are free. A class block is a USED block with klass != 0, in the hash
+ * (for its give-back), and marked in its segment's ucls table, which
+ * frees read without the lock. */
+#define LARGE_CLASS_USED 0x80u
+#define LARGE_CLASS_LIMIT 0x7fu /* classes that fit the table's byte */
+
+/* Up to n class blocks of class cls (bsize bytes, a multiple of
+ * LARGE_QUANTUM) that stream_id may use now, into slots; *got set. flags
+ * as large_alloc's, for the first block only (LARGE_NO_MAP: nothing is
+ * mapped; the rest come from mapped, ready memory). MAGPIE_OK when at
+ * least one was carved. */
+int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, uint64_t stream_id, cudaStream_t stream,
+                      int flags, void **slots, uint32_t *got);
+/* Give n class blocks (free, from a magazine) back to their segments with
+ * the magazine's ticket t (t->rec NULL: ready; else the ticket is taken
+ * over). MAGPIE_ERR_OUT_OF_MEMORY (host) leaves them to the caller. */
+int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t);
+
+/* The size class of the class block starting at p in segment sg, or -1 if
+ * none starts there. No lock (see lseg.ucls). */
+static inline int large_class_of(const lseg *sg, uintptr_t p) {
+  uintptr_t off = p - sg->base;
+  if (off >= sg->size || off % LARGE_QUANTUM != 0) return -1;
+  unsigned v = atomic_load_relaxed(&sg->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
+  return (int)v - 1;
+}
+
+/* Checked mode: mark the class block at p (large_class_of >= 0) handed out
+ * (used) or free; returns 0 if it already was (a double free, for free). */
+static inline int large_class_mark(lseg *sg, uintptr_t p, int used) {
+  _Atomic uint8_t *u = &sg->ucls[(p - sg->base) / LARGE_QUANTUM];
+  if (used) return (atomic_fetch_or_explicit(u, LARGE_CLASS_USED, memory_order_relaxed) & LARGE_CLASS_USED) == 0;
+  return (atomic_fetch_and_explicit(u, (uint8_t)~LARGE_CLASS_USED, memory_order_relaxed) & LARGE_CLASS_USED) != 0;
+}
 
 /* Pressure and trimming. */
 /* Query the events of free blocks still waiting on a stream; merge those
@@ -165,7 +218,10 @@ typedef struct large_account {
 } large_account;
 void large_account_get(large_cache *c, large_account *out);
 
-/* Append the large segments to a snapshot (JSON array elements). */
-void large_snapshot(large_cache *c, FILE *out, int *first);
+/* Append the large segments to a snapshot (JSON array elements). A class
+ * block's state (where it is: "in_use", "thread", ...) comes from
+ * state_of, called under the lock (it must take no magpie lock). */
+typedef const char *(*large_state_fn)(void *ctx, uintptr_t p, uint64_t *stream);
+void large_snapshot(large_cache *c, FILE *out, int *first, large_state_fn state_of, void *ctx);
 
 #endif /* MAGPIE_LARGE_H */

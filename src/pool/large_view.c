@@ -21,7 +21,7 @@ void large_account_get(large_cache *c, large_account *out) {
   pthread_mutex_unlock(&c->lock);
 }
 
-static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f) {
+static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f, large_state_fn state_of, void *ctx) {
   size_t g = c->region->gran;
   fprintf(f, "{\"kind\":\"large_segment\",\"base\":%llu,\"size\":%zu,\"vmm\":%d,\"granule\":%zu,\"mapped\":[",
           (unsigned long long)sg->base, sg->size, sg->vmm, g);
@@ -41,7 +41,13 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f) {
   for (lblock *b = sg->first; b; b = b->next) {
     fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",", (unsigned long long)b->base,
             b->size, lseg_mapped_in(sg, c->region->gran, b->base, b->size));
-    if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
+    if (b->state == LBLOCK_USED && b->klass != 0) {
+      uint64_t stream = 0;
+      const char *st = state_of ? state_of(ctx, b->base, &stream) : "in_use";
+      fprintf(f, "\"state\":\"%s\",\"class\":%u", st, b->klass - 1);
+      if (strcmp(st, "pending") == 0) fprintf(f, ",\"stream\":%llu", (unsigned long long)stream);
+      fputc('}', f);
+    } else if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
     else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
     else
       fprintf(f, "\"state\":\"pending\",\"stream\":%llu,\"seq\":%llu}", (unsigned long long)b->ticket->t.rec->id,
@@ -50,7 +56,7 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f) {
   fputs("]}", f);
 }
 
-void large_snapshot(large_cache *c, FILE *out, int *first) {
+void large_snapshot(large_cache *c, FILE *out, int *first, large_state_fn state_of, void *ctx) {
   char *buf = NULL;
   size_t len = 0;
   FILE *mem = open_memstream(&buf, &len);
@@ -60,7 +66,7 @@ void large_snapshot(large_cache *c, FILE *out, int *first) {
   for (lseg *sg = c->segs; sg; sg = sg->next) {
     if (!*first) fputc(',', mem);
     *first = 0;
-    large_snapshot_seg(c, sg, mem);
+    large_snapshot_seg(c, sg, mem, state_of, ctx);
   }
   pthread_mutex_unlock(&c->lock);
   fclose(mem);

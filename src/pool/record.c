@@ -36,6 +36,7 @@ typedef struct record_entry {
   uintptr_t ptr;
   size_t bytes; /* the block's size */
   slab *slab;
+  unsigned cls; /* the block's size class, SLAB_LARGE for a large block */
   int parked;
   unsigned nrefs, cap;
   record_ref *refs;
@@ -65,13 +66,14 @@ static record_entry **record_find(record_table *t, uintptr_t p) {
 static void record_count(record_table *t, const record_entry *e, int dir) {
   size_t n = atomic_load_relaxed(&t->parked_count), b = atomic_load_relaxed(&t->parked_bytes);
   size_t lb = atomic_load_relaxed(&t->parked_large_bytes);
-  size_t eb = e->slab->cls == SLAB_LARGE ? e->bytes : 0;
+  size_t eb = e->cls == SLAB_LARGE ? e->bytes : 0;
   atomic_store_relaxed(&t->parked_count, dir > 0 ? n + 1 : n - 1);
   atomic_store_relaxed(&t->parked_bytes, dir > 0 ? b + e->bytes : b - e->bytes);
   atomic_store_relaxed(&t->parked_large_bytes, dir > 0 ? lb + eb : lb - eb);
 }
 
-int record_add(record_table *t, slab *sl, uintptr_t p, size_t bytes, stream_rec *rec, cudaStream_t handle) {
+int record_add(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t bytes, stream_rec *rec,
+               cudaStream_t handle) {
   int rc = MAGPIE_OK, dup = 0;
   pthread_mutex_lock(&t->lock);
   record_entry **pp = record_find(t, p);
@@ -85,6 +87,7 @@ int record_add(record_table *t, slab *sl, uintptr_t p, size_t bytes, stream_rec 
     e->ptr = p;
     e->bytes = bytes;
     e->slab = sl;
+    e->cls = cls;
     *pp = e;
     atomic_add_relaxed(&sl->recorded, 1);
   } else if (e->parked) {
@@ -213,9 +216,8 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
     next = e->pnext;
     if (wait) record_entry_wait(e);
     int ok = record_entry_ready(e);
-    slab *sl = e->slab;
-    if (ok && sl->cls != SLAB_LARGE) {
-      magazine **mp = &mags[sl->cls];
+    if (ok && e->cls != SLAB_LARGE) {
+      magazine **mp = &mags[e->cls];
       if (*mp != NULL && (*mp)->count == (*mp)->cap) {
         if (nfilled < RECORD_POLL_FILLED) {
           filled[nfilled++] = *mp;
@@ -224,7 +226,7 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
           ok = 0;
         }
       }
-      if (ok && *mp == NULL && (*mp = magazine_get_empty(sl->cls)) == NULL) ok = 0; /* host memory: later */
+      if (ok && *mp == NULL && (*mp = magazine_get_empty(e->cls)) == NULL) ok = 0; /* host memory: later */
       if (ok) (*mp)->slots[(*mp)->count++] = (void *)e->ptr;
     }
     e->pnext = ok ? ready : keep;
@@ -252,7 +254,7 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
   /* Back to the pools, for any stream: every ticket completed. */
   for (record_entry *e = ready, *next; e != NULL; e = next) {
     next = e->pnext;
-    if (e->slab->cls != SLAB_LARGE) {
+    if (e->cls != SLAB_LARGE) {
       back += e->bytes;
       record_tickets_release(e->tickets, e->ntickets);
       meta_free(e->tickets);

@@ -50,11 +50,13 @@ typedef struct record_table {
 
 void record_table_init(record_table *t);
 
-/* Remember that the block at p (start of a handed-out block of sl, bytes
- * long) is used on stream `handle` (stream_rec of the block's heap). Takes
+/* Remember that the block at p (start of a handed-out block of sl, of size
+ * class cls or SLAB_LARGE, bytes long) is used on stream `handle`
+ * (stream_rec of the block's heap). Takes
  * its own reference to rec. MAGPIE_ERR_INVALID_POINTER if the block is
  * parked (freed). */
-int record_add(record_table *t, slab *sl, uintptr_t p, size_t bytes, stream_rec *rec, cudaStream_t handle);
+int record_add(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t bytes, stream_rec *rec,
+               cudaStream_t handle);
 
 /* Free of a block of sl whose slab has recorded blocks (slab.recorded != 0).
  * If p has recorded streams, seals the freeing stream (frec, handle, id

@@ -101,6 +101,7 @@ static void slab_give_back(slab_set *ss, slab *s) {
 
 int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out) {
   const sizeclass_info *ci = &globals.sizeclass_table[cls];
+  MAGPIE_ASSERT(!ci->seg);                            /* class blocks come from the large segments */
   if (!may_map && !ci->chunks) return SLAB_WOULD_MAP; /* slabs of whole granules are always mapped */
   slab *s = slab_desc_for((ci->blocks + 63) / 64);
   if (s == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
@@ -191,11 +192,12 @@ static void slab_return_chain(slab_set *ss, unsigned cls, registry_link *chain) 
 }
 
 size_t slab_release_free(slab_set *ss, size_t want) {
-  registry_link *chains[SIZECLASS_COUNT];
+  registry_link *chains[SIZECLASS_COUNT] = {0};
   slab *dead = NULL;
   size_t bytes = 0;
   pthread_mutex_lock(&ss->reclaim_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    if (globals.sizeclass_table[c].seg) continue; /* class blocks have no slab (heap.c gives them back) */
     chains[c] = stack_take_all(&ss->depots[c].full, &globals.magazine_registry);
     for (registry_link *n = chains[c]; n; n = stack_next(&globals.magazine_registry, n))
       atomic_sub_relaxed(&ss->depots[c].ready_bytes, (int64_t)depot_magazine_bytes((magazine *)n));

@@ -102,7 +102,8 @@ void slab_set_init(slab_set *ss, region *r, span_set *spans, depot *depots, stru
  * as ready. */
 int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out);
 /* Give back slabs all of whose blocks sit in the depots' ready magazines,
- * until want bytes are unmapped. Returns bytes given back. */
+ * until want bytes are unmapped. Returns bytes given back. Classes without
+ * slabs (sizeclass_info.seg) are left alone. */
 size_t slab_release_free(slab_set *ss, size_t want);
 
 /* Is p the start of a block of s? Sets *index. */
