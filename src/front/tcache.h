@@ -185,17 +185,26 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
 static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaStream_t stream) {
   tslot *ts = tc->last;
   uint32_t c = sl->cls, i;
+  size_t bsize = sl->bsize;
+  if (unlikely(c >= SIZECLASS_COUNT)) {
+    /* A class block of a large segment (pool/large.h): one table read
+     * gives its class; a large block goes to the slow path. */
+    int k = large_class_of(sl->seg, (uintptr_t)ptr);
+    if (k < 0) return 0;
+    c = (uint32_t)k;
+    bsize = globals.sizeclass_table[k].size;
+  } else if (unlikely(!slab_block_index(sl, (uintptr_t)ptr, &i))) {
+    return 0;
+  }
   /* record_stream: slabs with recorded blocks take the slow path
    * (sl->recorded, record.h). */
-  if (unlikely(ts->handle != stream || ts->heap != sl->heap || c >= SIZECLASS_COUNT ||
-               !slab_block_index(sl, (uintptr_t)ptr, &i) || atomic_load_relaxed(&sl->recorded) != 0))
-    return 0;
+  if (unlikely(ts->handle != stream || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0)) return 0;
   magazine *m = ts->cl[c].loaded;
   if (unlikely(m->count >= m->cap)) return 0;
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->cls == c);
   m->slots[m->count++] = ptr;
-  atomic_owner_add_i64(ts->live, -(int64_t)sl->bsize);
+  atomic_owner_add_i64(ts->live, -(int64_t)bsize);
   return 1;
 }
 
