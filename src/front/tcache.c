@@ -149,8 +149,10 @@ static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
   heap_note_cached(ts->heap);
 }
 
-/* Hand a slot's non-empty magazines to limbo (the slot stays). */
-static size_t tcache_slot_empty(tslot *ts) {
+/* Hand a slot's non-empty magazines out (the slot stays): sealed on
+ * *seal_on (a handle the caller just passed, naming the slot's stream) to
+ * the depot, or with seal_on NULL to limbo. Returns their bytes. */
+static size_t tcache_slot_out(tslot *ts, const cudaStream_t *seal_on) {
   size_t bytes = 0;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
@@ -158,13 +160,20 @@ static size_t tcache_slot_empty(tslot *ts) {
       magazine *m = *pair[k];
       if (!magazine_is_real(m) || m->count == 0) continue;
       bytes += depot_magazine_bytes(m);
-      depot_note_thread_out(&ts->heap->depots[m->cls], m); /* before limbo: then it is not ours */
-      heap_limbo_put(ts->heap, m);
+      if (seal_on != NULL) {
+        tcache_seal_to_depot(ts, m, *seal_on);
+      } else {
+        depot_note_thread_out(&ts->heap->depots[m->cls], m); /* before limbo: then it is not ours */
+        heap_limbo_put(ts->heap, m);
+      }
       *pair[k] = &magazine_sentinel;
     }
   }
   return bytes;
 }
+
+/* Hand a slot's non-empty magazines to limbo (the slot stays). */
+static size_t tcache_slot_empty(tslot *ts) { return tcache_slot_out(ts, NULL); }
 
 /* Under pressure (an allocation on cur's stream found no memory), the
  * calling thread gives back what it caches for cur's heap, so that slabs
@@ -179,21 +188,7 @@ static size_t tcache_give_back_own(tcache *tc, tslot *cur, cudaStream_t s) {
   size_t bytes = 0;
   for (int k = 0; k < TCACHE_SLOTS; k++) {
     tslot *ts = &tc->slots[k];
-    if (ts->heap != cur->heap) continue;
-    if (ts != cur) {
-      bytes += tcache_slot_empty(ts);
-      continue;
-    }
-    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-      magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
-      for (int i = 0; i < 2; i++) {
-        magazine *m = *pair[i];
-        if (!magazine_is_real(m) || m->count == 0) continue;
-        bytes += depot_magazine_bytes(m);
-        tcache_seal_to_depot(ts, m, s);
-        *pair[i] = &magazine_sentinel;
-      }
-    }
+    if (ts->heap == cur->heap) bytes += tcache_slot_out(ts, ts == cur ? &s : NULL);
   }
   return bytes;
 }
