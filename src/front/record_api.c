@@ -38,10 +38,8 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
                      ptr, (void *)stream, dev, h->device);
   stream_rec *rec = epoch_stream_acquire(&h->epochs, id);
   if (rec == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_record_stream: out of host memory");
-  unsigned cls = sl->cls;
-  int k = cls == SLAB_LARGE ? large_class_of(sl->seg, (uintptr_t)ptr) : -1;
-  if (k >= 0) cls = (unsigned)k; /* a class block of a segment: freed as its class's blocks are */
-  rc = record_add(&h->records, sl, cls, (uintptr_t)ptr, bytes, rec, stream);
+  /* A class block of a segment is parked and freed as its class's are. */
+  rc = record_add(&h->records, sl, large_block_class(sl, (uintptr_t)ptr), (uintptr_t)ptr, bytes, rec, stream);
   epoch_stream_release(rec); /* the entry took its own reference */
   if (rc == MAGPIE_ERR_INVALID_POINTER) return error_set(rc, "magpie_record_stream(%p): the block is free", ptr);
   if (rc != MAGPIE_OK) return error_set(rc, "magpie_record_stream(%p): out of host memory", ptr);

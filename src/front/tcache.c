@@ -506,15 +506,8 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   }
   /* A class block of a large segment (pool/large.h) is freed as a block
    * of its class. */
-  unsigned c = sl->cls;
-  size_t bsize = sl->bsize;
-  if (c == SLAB_LARGE) {
-    int k = large_class_of(sl->seg, (uintptr_t)p);
-    if (k >= 0) {
-      c = (unsigned)k;
-      bsize = globals.sizeclass_table[k].size;
-    }
-  }
+  unsigned c = large_block_class(sl, (uintptr_t)p);
+  size_t bsize = c == SLAB_LARGE ? sl->bsize : globals.sizeclass_table[c].size;
   uint64_t id = 0;
   if (tc->ops->stream_id(s, &id) != MAGPIE_OK)
     return error_set(MAGPIE_ERR_INVALID_STREAM,
@@ -543,26 +536,15 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   int publish = 0;
   if (ts->cl[c].loaded->count >= ts->cl[c].loaded->cap) {
     magazine *pv = ts->prev[c];
-    if (globals.sizeclass_table[c].seg && magazine_is_real(ts->cl[c].loaded)) {
-      /* Class blocks: the full magazine leaves at once (no second one is
-       * kept), so a thread holds at most one magazine of the class. */
-      magazine *e = magazine_is_real(pv) && pv->count == 0 ? pv : magazine_get_empty(c);
-      if (e == NULL) {
-        if (tc->check) tcache_mark_used(sl, (uintptr_t)p, bi);
-        return error_set(MAGPIE_ERR_OUT_OF_MEMORY,
-                         "magpie_free_async(%p): out of host memory for a magazine; "
-                         "the block stays allocated",
-                         p);
-      }
-      if (e == pv) ts->prev[c] = &magazine_sentinel;
-      tcache_seal_to_depot(ts, ts->cl[c].loaded, s);
-      ts->cl[c].loaded = e;
-      publish = 1;
-    } else if (magazine_is_real(pv) && pv->count == 0) {
+    int pv_empty = magazine_is_real(pv) && pv->count == 0;
+    /* Class blocks: the full magazine leaves at once (no second one is
+     * kept), so a thread holds at most one magazine of the class. */
+    int one = globals.sizeclass_table[c].seg && magazine_is_real(ts->cl[c].loaded);
+    if (pv_empty && !one) {
       ts->prev[c] = ts->cl[c].loaded;
       ts->cl[c].loaded = pv;
     } else {
-      magazine *e = magazine_get_empty(c);
+      magazine *e = pv_empty ? pv : magazine_get_empty(c);
       if (e == NULL) {
         if (tc->check) tcache_mark_used(sl, (uintptr_t)p, bi);
         return error_set(MAGPIE_ERR_OUT_OF_MEMORY,
@@ -570,11 +552,17 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
                          "the block stays allocated",
                          p);
       }
-      e->cap = tcache_next_cap(ts, c);
-      /* The previous magazine is full: it leaves the thread, sealed on the
-       * stream its blocks were freed on (s names it: its id matched). */
-      if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
-      ts->prev[c] = ts->cl[c].loaded;
+      if (one) {
+        if (e == pv) ts->prev[c] = &magazine_sentinel;
+        tcache_seal_to_depot(ts, ts->cl[c].loaded, s);
+      } else {
+        e->cap = tcache_next_cap(ts, c);
+        /* The previous magazine is full: it leaves the thread, sealed on
+         * the stream its blocks were freed on (s names it: its id
+         * matched). */
+        if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
+        ts->prev[c] = ts->cl[c].loaded;
+      }
       ts->cl[c].loaded = e;
       publish = 1;
     }

@@ -589,21 +589,14 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
   return rc == MAGPIE_OK ? MAGPIE_ERR_OUT_OF_MEMORY : rc; /* rounds ran out */
 }
 
-static int large_need(size_t size, size_t *need) {
-  if (size > SIZE_MAX - LARGE_QUANTUM) return MAGPIE_ERR_SIZE_OVERFLOW;
-  *need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
-  return MAGPIE_OK;
-}
-
 int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
                 size_t *bsize) {
-  size_t need = 0;
-  int rc = large_need(size, &need);
-  if (rc != MAGPIE_OK) return rc;
+  if (size > SIZE_MAX - LARGE_QUANTUM) return MAGPIE_ERR_SIZE_OVERFLOW;
+  size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
   lticket *deferred = NULL;
   lblock *u = NULL;
   pthread_mutex_lock(&c->lock);
-  rc = large_alloc_locked(c, need, stream_id, stream, flags, &u, &deferred);
+  int rc = large_alloc_locked(c, need, stream_id, stream, flags, &u, &deferred);
   if (rc == MAGPIE_OK) {
     *out = u->base;
     *bsize = u->size;
@@ -683,10 +676,14 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
   lt->refs = 1;
   lticket *deferred = NULL;
   pthread_mutex_lock(&c->lock);
-  lblock *b = large_hash_find(c, p, 0);
+  lblock *b = large_hash_find(c, p, 1);
   int rc = MAGPIE_OK;
-  if (b != NULL && b->klass != 0) b = NULL; /* a class block: it goes back through magazines */
-  if (b != NULL) large_hash_find(c, p, 1);
+  if (b != NULL && b->klass != 0) {
+    /* A class block goes back through magazines: put its entry back (the
+     * unlink left room, so the insert cannot grow or fail). */
+    large_hash_insert(c, b);
+    b = NULL;
+  }
   if (b == NULL) {
     rc = MAGPIE_ERR_INVALID_POINTER;
     for (lblock *f = c->free; f; f = f->fnext)

@@ -35,6 +35,7 @@
 #include "pool/epoch.h"
 #include "pool/magazine.h"
 #include "pool/region.h"
+#include "pool/slab.h"
 
 struct heap;
 struct slab;
@@ -190,6 +191,14 @@ static inline int large_class_of(const lseg *sg, uintptr_t p) {
   if (off >= sg->size || off % LARGE_QUANTUM != 0) return -1;
   unsigned v = atomic_load_relaxed(&sg->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
   return (int)v - 1;
+}
+
+/* The size class of the block starting at p in sl: sl's class for a slab,
+ * the class block's for a segment, SLAB_LARGE for a large block. */
+static inline unsigned large_block_class(const struct slab *sl, uintptr_t p) {
+  if (sl->cls != SLAB_LARGE) return sl->cls;
+  int k = large_class_of(sl->seg, p);
+  return k >= 0 ? (unsigned)k : SLAB_LARGE;
 }
 
 /* Checked mode: mark the class block at p (large_class_of >= 0) handed out
