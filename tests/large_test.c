@@ -94,6 +94,44 @@ static void test_split_and_coalesce(void **state) {
   check_layers(0);
 }
 
+/* A mapped hole that is ready for every stream joins a block freed next
+ * to it on s: s's next request of their total size takes both at once;
+ * another stream cannot use them until s's work completed. Kept apart,
+ * neither was large enough and the segment grew. */
+static void test_ready_hole_joins_pending_neighbour(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
+  char *a = magpie_malloc_async(4 * MiB, s);
+  char *b = magpie_malloc_async(4 * MiB, s);
+  char *c = magpie_malloc_async(4 * MiB, s);
+  assert_ptr_equal(b, a + 4 * MiB);
+  assert_ptr_equal(c, b + 4 * MiB);
+  /* b freed on t, whose work completes: a ready hole. */
+  assert_int_equal(magpie_free_async(b, t), MAGPIE_OK);
+  fake_stream_complete(t);
+  large_reclaim(&heap_peek(0)->large);
+  /* a freed on s, still running: it waits on s and takes b in. */
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  char *e = magpie_malloc_async(8 * MiB, s);
+  assert_ptr_equal(e, a);
+  memset(e, 5, 8 * MiB);
+  check_layers(0);
+  /* Freed again on s: another stream has the range only after s's work,
+   * through a stream wait. */
+  assert_int_equal(magpie_free_async(e, s), MAGPIE_OK);
+  magpie_stats s0, s1;
+  assert_int_equal(magpie_stats_get(0, &s0), MAGPIE_OK);
+  char *d = magpie_malloc_async(8 * MiB, t);
+  assert_non_null(d);
+  assert_int_equal(magpie_stats_get(0, &s1), MAGPIE_OK);
+  if (d < a + 8 * MiB && d + 8 * MiB > a) assert_int_equal(s1.stream_waits, s0.stream_waits + 1);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(d, t), MAGPIE_OK);
+  fake_stream_complete(s);
+  fake_stream_complete(t);
+  check_layers(0);
+}
+
 static void test_segment_grows_and_shrinks(void **state) {
   (void)state;
   cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
@@ -424,6 +462,7 @@ int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_split_and_coalesce),
+      cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
       cmocka_unit_test(test_segment_grows_and_shrinks),
       cmocka_unit_test(test_trim_waits_for_release_in_flight),
       cmocka_unit_test(test_large_stream_rules),

@@ -131,9 +131,28 @@ static size_t large_unmapped_in(large_cache *c, const lseg *sg, uintptr_t a, siz
 
 /* ---- merging ---- */
 
+/* Is every granule under [a, a+n) of sg mapped? Stops at the first that
+ * is not (a segment's never-used tail spans most of its reserved range). */
+static int large_wholly_mapped(const lseg *sg, size_t g, uintptr_t a, size_t n) {
+  if (!sg->vmm) return 1;
+  for (size_t i = (a - sg->base) / g, last = (a + n - 1 - sg->base) / g; i <= last; i++)
+    if (sg->gran[i] != GRAN_MAPPED) return 0;
+  return 1;
+}
+
 /* Can free neighbours a (lower) and b be one block? Clears completed
- * tickets on the way; on yes, a's ticket is the merged block's. */
-static int large_mergeable(lblock *a, lblock *b, lticket **deferred) {
+ * tickets on the way; on yes, a's ticket is the merged block's.
+ *
+ * A ready block joins a neighbour waiting on a stream when it is wholly
+ * mapped: the merged block waits on that stream (the later ticket covers
+ * both), so its own stream may use the whole of it at once and others
+ * after the stream's seal completes, which usually takes microseconds.
+ * Kept apart, blocks freed on one stream next to holes were too short
+ * for its next large request, and the segments grew instead: one thread
+ * of the mixed 256 B-2 MiB workload on the simulated device held 2.2
+ * times its peak live bytes, 2.0 with the merge. Unmapped ready ranges
+ * (a segment's never-used tail) stay apart, ready for every stream. */
+static int large_mergeable(lblock *a, lblock *b, size_t g, lticket **deferred) {
   if (a->ticket && lticket_done(a->ticket)) {
     lticket_unref(a->ticket, deferred);
     a->ticket = NULL;
@@ -143,7 +162,16 @@ static int large_mergeable(lblock *a, lblock *b, lticket **deferred) {
     b->ticket = NULL;
   }
   if (a->ticket == NULL && b->ticket == NULL) return 1;
-  if (a->ticket == NULL || b->ticket == NULL || a->ticket->t.rec != b->ticket->t.rec) return 0;
+  if (a->ticket == NULL || b->ticket == NULL) {
+    lblock *r = a->ticket == NULL ? a : b;
+    if (!large_wholly_mapped(r->seg, g, r->base, r->size)) return 0;
+    if (r == a) {
+      a->ticket = b->ticket;
+      b->ticket = NULL;
+    }
+    return 1;
+  }
+  if (a->ticket->t.rec != b->ticket->t.rec) return 0;
   /* Same stream: the later ticket covers both (events complete in order). */
   if (b->ticket->t.seq > a->ticket->t.seq) {
     lticket *t = a->ticket;
@@ -180,12 +208,12 @@ static void large_absorb(large_cache *c, lblock *a, lblock *b) {
  * that now contains b. */
 static lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
   lblock *p = b->prev;
-  if (p && p->state == LBLOCK_FREE && large_mergeable(p, b, deferred)) {
+  if (p && p->state == LBLOCK_FREE && large_mergeable(p, b, large_gran(c), deferred)) {
     large_absorb(c, p, b);
     b = p;
   }
   lblock *n = b->next;
-  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, deferred)) large_absorb(c, b, n);
+  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, large_gran(c), deferred)) large_absorb(c, b, n);
   MAGPIE_ASSERT(large_seg_tiles(b->seg));
   return b;
 }
