@@ -15,8 +15,10 @@
  * stream may reuse it at once, any stream once the event completed, and,
  * under memory pressure, another stream after being made to wait on that
  * event (stream_wait_event), never after a host-side synchronisation.
- * Neighbouring free blocks are merged when both are ready for every stream
- * or both wait on the same stream (the later ticket covers the earlier).
+ * Neighbouring free blocks are merged when both are ready for every stream,
+ * both wait on the same stream (the later ticket covers the earlier), or
+ * one waits on a stream and the other is ready and wholly mapped (the
+ * merged block waits on that stream: large.c, large_mergeable).
  *
  * Lock order: large_cache.lock is a leaf; no driver call is made while it
  * is held. Mapping and unmapping happen outside it; a granule being mapped
