@@ -48,6 +48,9 @@ static void tcache_slot_clear(tslot *ts) {
   ts->rec = NULL;
   ts->alloc_ok = 0;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
+  MAGPIE_ASSERT(ts->nout == 0); /* emptied before (tcache_slot_out) or never used */
+  ts->nout = 0;
+  ts->out_bytes = 0;
 }
 
 /* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
@@ -138,37 +141,82 @@ static void tcache_publish(tcache *tc, heap *h) {
   }
 }
 
-/* Seal a non-empty magazine on `handle`, which the caller just passed and
- * which names the slot's stream (its id matched), and give it to the depot;
- * limbo if the seal fails. */
-static void tcache_seal_to_depot(tslot *ts, magazine *m, cudaStream_t handle) {
-  depot *d = &ts->heap->depots[m->cls];
-  depot_note_thread_out(d, m);
-  if (epoch_seal(ts->rec, handle, &m->ticket) == MAGPIE_OK) depot_put(d, m);
-  else heap_limbo_put(ts->heap, m);
+/* The outbox goes to the depot under ticket t (taken over: each magazine
+ * gets a copy, the last one t itself), or to limbo with t NULL (no seal). */
+static void tcache_outbox_give(tslot *ts, epoch_ticket *t) {
+  for (uint32_t i = 0; i < ts->nout; i++) {
+    magazine *m = ts->outbox[i];
+    depot *d = &ts->heap->depots[m->cls];
+    depot_note_thread_out(d, m);
+    if (t == NULL) {
+      heap_limbo_put(ts->heap, m);
+      continue;
+    }
+    if (i + 1 < ts->nout) epoch_ticket_copy(t, &m->ticket);
+    else m->ticket = *t;
+    depot_put(d, m);
+  }
+  ts->nout = 0;
+  ts->out_bytes = 0;
   heap_note_cached(ts->heap);
 }
 
-/* Hand a slot's non-empty magazines out (the slot stays): sealed on
- * *seal_on (a handle the caller just passed, naming the slot's stream) to
- * the depot, or with seal_on NULL to limbo. Returns their bytes. */
+/* Seal the slot's outbox with one event on `handle`, which the caller just
+ * passed and which names the slot's stream (its id matched), and give its
+ * magazines to the depot; limbo if the seal fails. */
+static void tcache_outbox_seal(tslot *ts, cudaStream_t handle) {
+  if (ts->nout == 0) return;
+  epoch_ticket t;
+  tcache_outbox_give(ts, epoch_seal(ts->rec, handle, &t) == MAGPIE_OK ? &t : NULL);
+}
+
+/* A full magazine leaves loaded/prev on a free on `handle` (as above): into
+ * the outbox, sealed with the others once it is full. */
+static void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle) {
+  MAGPIE_ASSERT(ts->nout < TCACHE_OUTBOX && m->count > 0);
+  ts->outbox[ts->nout++] = m;
+  ts->out_bytes += depot_magazine_bytes(m);
+  if (ts->nout == TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES) tcache_outbox_seal(ts, handle);
+}
+
+/* An outbox magazine of class c, taken back (NULL if none). */
+static magazine *tcache_outbox_take(tslot *ts, unsigned c) {
+  for (uint32_t i = ts->nout; i > 0; i--) {
+    magazine *m = ts->outbox[i - 1];
+    if (m->cls != c) continue;
+    ts->out_bytes -= depot_magazine_bytes(m);
+    ts->outbox[i - 1] = ts->outbox[--ts->nout];
+    return m;
+  }
+  return NULL;
+}
+
+/* The outbox leaves the slot: sealed on *seal_on (as tcache_outbox_seal)
+ * to the depot, or with seal_on NULL to limbo. */
+static void tcache_outbox_leave(tslot *ts, const cudaStream_t *seal_on) {
+  if (seal_on != NULL) tcache_outbox_seal(ts, *seal_on);
+  else tcache_outbox_give(ts, NULL);
+}
+
+/* Hand a slot's non-empty magazines out, the outbox's included (the slot
+ * stays): sealed on *seal_on (a handle the caller just passed, naming the
+ * slot's stream) to the depot, one seal per outbox's worth, or with seal_on
+ * NULL to limbo. Returns their bytes. */
 static size_t tcache_slot_out(tslot *ts, const cudaStream_t *seal_on) {
-  size_t bytes = 0;
+  size_t bytes = ts->out_bytes;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
     for (int k = 0; k < 2; k++) {
       magazine *m = *pair[k];
       if (!magazine_is_real(m) || m->count == 0) continue;
       bytes += depot_magazine_bytes(m);
-      if (seal_on != NULL) {
-        tcache_seal_to_depot(ts, m, *seal_on);
-      } else {
-        depot_note_thread_out(&ts->heap->depots[m->cls], m); /* before limbo: then it is not ours */
-        heap_limbo_put(ts->heap, m);
-      }
+      if (ts->nout == TCACHE_OUTBOX) tcache_outbox_leave(ts, seal_on);
+      ts->outbox[ts->nout++] = m;
+      ts->out_bytes += depot_magazine_bytes(m);
       *pair[k] = &magazine_sentinel;
     }
   }
+  tcache_outbox_leave(ts, seal_on);
   return bytes;
 }
 
@@ -323,6 +371,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   }
   uintptr_t p = 0;
   size_t bsize = 0;
+  tcache_outbox_seal(ts, s); /* as before a refill */
   int rc = heap_large_alloc(h, size, id, s, &p, &bsize);
   if (rc == MAGPIE_ERR_OUT_OF_MEMORY && tcache_give_back_own(tc, ts, s) > 0)
     rc = heap_large_alloc(h, size, id, s, &p, &bsize);
@@ -392,15 +441,21 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       ts->cl[c].loaded = ts->prev[c];
       ts->prev[c] = t;
     } else {
-      magazine *fresh = NULL;
-      int rc = heap_refill(ts->heap, c, id, s, &fresh);
-      if (rc == MAGPIE_ERR_OUT_OF_MEMORY && tcache_give_back_own(tc, ts, s) > 0)
-        rc = heap_refill(ts->heap, c, id, s, &fresh);
-      if (rc != MAGPIE_OK) {
-        tcache_oom_error(ts->heap, size, rc);
-        return NULL;
+      /* The outbox first: its blocks were freed on this stream. */
+      magazine *fresh = tcache_outbox_take(ts, c);
+      if (fresh == NULL) {
+        /* Taking from what all threads share: what waits in the outbox
+         * goes there first, so that its slabs and segments may serve. */
+        tcache_outbox_seal(ts, s);
+        int rc = heap_refill(ts->heap, c, id, s, &fresh);
+        if (rc == MAGPIE_ERR_OUT_OF_MEMORY && tcache_give_back_own(tc, ts, s) > 0)
+          rc = heap_refill(ts->heap, c, id, s, &fresh);
+        if (rc != MAGPIE_OK) {
+          tcache_oom_error(ts->heap, size, rc);
+          return NULL;
+        }
+        depot_note_thread_in(&ts->heap->depots[fresh->cls], fresh);
       }
-      depot_note_thread_in(&ts->heap->depots[fresh->cls], fresh);
       ts->mark[c] = tcache_slot_allocs(ts, c);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->cl[c].loaded;
@@ -434,7 +489,13 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
     return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p: %s", p, (void *)s,
                      backend_error_detail());
   }
+  /* The same seal covers the outbox: it was filled on this stream before
+   * this free. A copy, since large_free takes t over. */
+  epoch_ticket u = {0};
+  if (ts->nout > 0) epoch_ticket_copy(&t, &u);
   rc = large_free(&ts->heap->large, (uintptr_t)p, &t, &bsize);
+  if (rc == MAGPIE_OK && u.rec != NULL) tcache_outbox_give(ts, &u);
+  else if (u.rec != NULL) epoch_ticket_release(&u);
   if (rc != MAGPIE_OK) {
     epoch_ticket_release(&t);
     if (rc == MAGPIE_ERR_DOUBLE_FREE)
@@ -554,13 +615,13 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
       }
       if (one) {
         if (e == pv) ts->prev[c] = &magazine_sentinel;
-        tcache_seal_to_depot(ts, ts->cl[c].loaded, s);
+        tcache_outbox_add(ts, ts->cl[c].loaded, s);
       } else {
         e->cap = tcache_next_cap(ts, c);
-        /* The previous magazine is full: it leaves the thread, sealed on
-         * the stream its blocks were freed on (s names it: its id
-         * matched). */
-        if (magazine_is_real(pv)) tcache_seal_to_depot(ts, pv, s);
+        /* The previous magazine is full: it leaves through the outbox,
+         * sealed on the stream its blocks were freed on (s names it: its
+         * id matched). */
+        if (magazine_is_real(pv)) tcache_outbox_add(ts, pv, s);
         ts->prev[c] = ts->cl[c].loaded;
       }
       ts->cl[c].loaded = e;
@@ -714,6 +775,7 @@ int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded)
           if (magazine_is_real(ts->cl[c].loaded)) fn(ctx, ts->cl[c].loaded, 1);
           if (magazine_is_real(ts->prev[c])) fn(ctx, ts->prev[c], 0);
         }
+        for (uint32_t j = 0; j < ts->nout; j++) fn(ctx, ts->outbox[j], 0);
       }
     }
     if (tc != self) atomic_store_release(&tc->steal, 0);

@@ -195,6 +195,17 @@ int epoch_wait(const epoch_ticket *t) {
   return rc;
 }
 
+void epoch_ticket_copy(const epoch_ticket *t, epoch_ticket *out) {
+  if (t->rec != NULL) {
+    /* INVARIANT (epoch.h): a ticket's event is out of the pool (refs > 0)
+     * while the ticket is held, so adding one cannot race its return. */
+    MAGPIE_ASSERT(atomic_load_relaxed(&t->ev->refs) > 0);
+    atomic_add_relaxed(&t->ev->refs, 1);
+    epoch_stream_ref(t->rec);
+  }
+  *out = *t;
+}
+
 void epoch_ticket_release(epoch_ticket *t) {
   stream_rec *r = t->rec;
   if (r == NULL) return;

@@ -128,6 +128,10 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out);
 enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id);
 /* Block until the ticket's epoch completed (off the allocation fast path). */
 int epoch_wait(const epoch_ticket *t);
+/* A second ticket for the same seal, for more blocks sealed by one event:
+ * it holds its own references to the event and to the stream's record, so
+ * either ticket may be released first. t holds its references meanwhile. */
+void epoch_ticket_copy(const epoch_ticket *t, epoch_ticket *out);
 /* Let go of a ticket: its event returns to the pool, its reference drops. */
 void epoch_ticket_release(epoch_ticket *t);
 
