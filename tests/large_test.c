@@ -214,6 +214,26 @@ static void test_trim_waits_for_release_in_flight(void **state) {
   check_layers(0);
 }
 
+typedef struct other_free {
+  void *p;
+  cudaStream_t s;
+  int rc;
+} other_free;
+
+static void *other_free_main(void *arg) {
+  other_free *f = arg;
+  f->rc = magpie_free_async(f->p, f->s);
+  return NULL;
+}
+
+static int free_on_other_thread(void *p, cudaStream_t s) {
+  other_free f = {.p = p, .s = s, .rc = -1};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, other_free_main, &f), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  return f.rc;
+}
+
 static void test_large_stream_rules(void **state) {
   (void)state;
   /* Device 1 holds 24 MiB. */
@@ -225,7 +245,10 @@ static void test_large_stream_rules(void **state) {
   /* Freeing stream: at once. */
   char *q = magpie_malloc_async(8 * MiB, a);
   assert_ptr_equal(q, p);
-  assert_int_equal(magpie_free_async(q, a), MAGPIE_OK);
+  /* Freed by a thread that keeps no block for a (this one would keep it
+   * for a, tcache.c): to the large layer, sealed on a. */
+  assert_int_equal(free_on_other_thread(q, a), MAGPIE_OK);
+
   /* Another stream, while A's work is pending and memory is plentiful:
    * new memory, not A's block. */
   char *r = magpie_malloc_async(12 * MiB, b);
@@ -249,7 +272,55 @@ static void test_large_stream_rules(void **state) {
   fake_stream_complete(a);
   fake_stream_complete(b);
   check_layers(1);
+  /* The block this thread keeps for b (u) goes back: a thread keeps one. */
+  assert_int_equal(magpie_trim(1, 0), MAGPIE_OK);
   fake_set_current_device(0);
+}
+
+static void check_snapshot(int dev);
+
+/* A thread keeps the large block freed on its stream for that stream's
+ * next request it fits within an eighth: the same pointer, no event. The
+ * kept block is free for every other purpose: a second free is a double
+ * free, block queries and record_stream find no block there, another
+ * stream's request does not get it. A request it does not fit sends it
+ * back to the large layer, sealed on its stream. */
+static void test_kept_large_block(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
+  char *p = magpie_malloc_async(16 * MiB, s);
+  assert_non_null(p);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  for (int i = 0; i < 100; i++) {
+    assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+    char *q = magpie_malloc_async(16 * MiB - (size_t)(i % 3) * 600000, s);
+    assert_ptr_equal(q, p);
+  }
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.thread_cached_bytes - st0.thread_cached_bytes, 16 * MiB);
+  check_layers(0);
+  check_snapshot(0);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_ERR_DOUBLE_FREE);
+  assert_int_equal(magpie_usable_size(p), 0);
+  assert_int_equal(magpie_record_stream(p, t), MAGPIE_ERR_INVALID_POINTER);
+  char *r = magpie_malloc_async(16 * MiB, t);
+  assert_non_null(r);
+  assert_ptr_not_equal(r, p);
+  assert_int_equal(magpie_free_async(r, t), MAGPIE_OK);
+  /* Not fitting within an eighth: p goes back, sealed on s. */
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  char *u = magpie_malloc_async(4 * MiB, s);
+  assert_non_null(u);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
+  assert_int_equal(magpie_free_async(u, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  fake_stream_complete(t);
+  check_layers(0);
 }
 
 /* ---- an idle thread's magazines ---- */
@@ -361,11 +432,13 @@ static void check_snapshot(int dev) {
         next += jm_num(b, "size");
         const char *state = jm_str(b, "state");
         int cls = jm_get(b, "class") != NULL; /* a class block: where its magazine is */
+        /* A large block kept by a thread for its stream: "thread", or
+         * "limbo" on its way back. */
         if (strcmp(state, "in_use") == 0) in_use += jm_num(b, "size");
         else if (strcmp(state, "free") == 0 && !cls) large_free += jm_num(b, "mapped");
-        else if (strcmp(state, "thread") == 0 && cls) thread += jm_num(b, "size");
+        else if (strcmp(state, "thread") == 0) thread += jm_num(b, "size");
         else if (strcmp(state, "depot") == 0 && cls) depot += jm_num(b, "size");
-        else if (strcmp(state, "limbo") == 0 && cls) pending += jm_num(b, "size");
+        else if (strcmp(state, "limbo") == 0) pending += jm_num(b, "size");
         else assert_string_equal(state, "pending"), pending += jm_num(b, "mapped");
       }
       assert_int_equal(next, jm_num(sg, "base") + jm_num(sg, "size"));
@@ -461,13 +534,10 @@ int main(void) {
   fake_set_capacity(2, 16 * MiB);
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_split_and_coalesce),
-      cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
-      cmocka_unit_test(test_segment_grows_and_shrinks),
-      cmocka_unit_test(test_trim_waits_for_release_in_flight),
-      cmocka_unit_test(test_large_stream_rules),
-      cmocka_unit_test(test_idle_thread_gives_back),
-      cmocka_unit_test(test_random_sequences_keep_invariants),
+      cmocka_unit_test(test_split_and_coalesce),        cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
+      cmocka_unit_test(test_segment_grows_and_shrinks), cmocka_unit_test(test_trim_waits_for_release_in_flight),
+      cmocka_unit_test(test_large_stream_rules),        cmocka_unit_test(test_kept_large_block),
+      cmocka_unit_test(test_idle_thread_gives_back),    cmocka_unit_test(test_random_sequences_keep_invariants),
       cmocka_unit_test(test_snapshot_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

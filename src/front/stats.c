@@ -34,6 +34,11 @@ void stats_collect(heap *h, magpie_stats *out) {
   size_t parked_small = 0, parked_large = 0;
   record_pending(&h->records, &parked_small, &parked_large);
   out->large_in_use_bytes -= parked_large <= out->large_in_use_bytes ? parked_large : out->large_in_use_bytes;
+  /* Large blocks kept by threads for their streams (tcache.c), or in limbo
+   * on their way back: freed, not in use. */
+  size_t kept = stats_nonneg(atomic_load_relaxed(&h->stat_kept_bytes));
+  size_t kept_all = kept + stats_nonneg(atomic_load_relaxed(&h->stat_kept_limbo_bytes));
+  out->large_in_use_bytes -= kept_all <= out->large_in_use_bytes ? kept_all : out->large_in_use_bytes;
   out->slab_count = atomic_load_relaxed(&h->slabs.mapped);
   depot_totals dt;
   depot_totals_get(h->depots, SIZECLASS_COUNT, &dt);
@@ -51,7 +56,7 @@ void stats_collect(heap *h, magpie_stats *out) {
   int64_t in_threads = dt.thread_in - dt.thread_out - (int64_t)small_in_use;
   large_account la;
   large_account_get(&h->large, &la);
-  out->thread_cached_bytes = stats_nonneg(in_threads);
+  out->thread_cached_bytes = stats_nonneg(in_threads) + kept;
   out->depot_bytes = stats_nonneg(dt.ready_bytes);
   out->epoch_pending_bytes = stats_nonneg(dt.pending_bytes) + stats_nonneg(atomic_load_relaxed(&h->stat_limbo_bytes)) +
                              la.free_pending + parked_small + parked_large;

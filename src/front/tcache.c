@@ -48,9 +48,10 @@ static void tcache_slot_clear(tslot *ts) {
   ts->rec = NULL;
   ts->alloc_ok = 0;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
-  MAGPIE_ASSERT(ts->nout == 0); /* emptied before (tcache_slot_out) or never used */
+  MAGPIE_ASSERT(ts->nout == 0 && ts->lkeep == NULL); /* emptied before (tcache_slot_out) or never used */
   ts->nout = 0;
   ts->out_bytes = 0;
+  ts->lkeep = NULL;
 }
 
 /* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
@@ -191,6 +192,52 @@ static magazine *tcache_outbox_take(tslot *ts, unsigned c) {
   return NULL;
 }
 
+/* Seal on s (naming ts's stream: its id matched) and free the large block
+ * at p, the outbox under the same seal (filled on this stream before this
+ * free). *sealed: whether the seal was made (else rc is its error). */
+static int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int *sealed) {
+  epoch_ticket t = {0};
+  int rc = epoch_seal(ts->rec, s, &t);
+  *sealed = rc == MAGPIE_OK;
+  if (rc != MAGPIE_OK) return rc;
+  epoch_ticket u = {0};
+  if (ts->nout > 0) epoch_ticket_copy(&t, &u); /* large_free takes t over */
+  rc = large_free(&ts->heap->large, (uintptr_t)p, &t, bsize);
+  if (rc == MAGPIE_OK && u.rec != NULL) tcache_outbox_give(ts, &u);
+  else if (u.rec != NULL) epoch_ticket_release(&u);
+  if (rc != MAGPIE_OK) epoch_ticket_release(&t);
+  return rc;
+}
+
+/* The slot's kept large block leaves: sealed on *seal_on to the large
+ * layer, or with seal_on NULL (or a failed seal) to limbo. Returns its
+ * bytes (0 if none, or if not even limbo could take it: it stays). */
+static size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on) {
+  lblock *b = ts->lkeep;
+  if (b == NULL) return 0;
+  uintptr_t p = b->base;
+  size_t size = b->size, bsize = 0;
+  int sealed = 0;
+  ts->lkeep = NULL;
+  tc->kept = NULL;
+  atomic_sub_relaxed(&ts->heap->stat_kept_bytes, (int64_t)size);
+  if (seal_on != NULL) {
+    large_unkeep(b);
+    if (tcache_large_release(ts, (void *)p, *seal_on, &bsize, &sealed) == MAGPIE_OK) {
+      heap_note_cached(ts->heap);
+      return size;
+    }
+    atomic_store_relaxed(&b->kept, LARGE_KEPT); /* ours still: to limbo */
+  }
+  if (heap_limbo_put_large(ts->heap, b) != MAGPIE_OK) {
+    ts->lkeep = b;
+    tc->kept = ts;
+    atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)size);
+    return 0;
+  }
+  return size;
+}
+
 /* The outbox leaves the slot: sealed on *seal_on (as tcache_outbox_seal)
  * to the depot, or with seal_on NULL to limbo. */
 static void tcache_outbox_leave(tslot *ts, const cudaStream_t *seal_on) {
@@ -202,8 +249,8 @@ static void tcache_outbox_leave(tslot *ts, const cudaStream_t *seal_on) {
  * stays): sealed on *seal_on (a handle the caller just passed, naming the
  * slot's stream) to the depot, one seal per outbox's worth, or with seal_on
  * NULL to limbo. Returns their bytes. */
-static size_t tcache_slot_out(tslot *ts, const cudaStream_t *seal_on) {
-  size_t bytes = ts->out_bytes;
+static size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on) {
+  size_t bytes = ts->out_bytes + tcache_kept_out(tc, ts, seal_on);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
     for (int k = 0; k < 2; k++) {
@@ -221,7 +268,7 @@ static size_t tcache_slot_out(tslot *ts, const cudaStream_t *seal_on) {
 }
 
 /* Hand a slot's non-empty magazines to limbo (the slot stays). */
-static size_t tcache_slot_empty(tslot *ts) { return tcache_slot_out(ts, NULL); }
+static size_t tcache_slot_empty(tcache *tc, tslot *ts) { return tcache_slot_out(tc, ts, NULL); }
 
 /* Under pressure (an allocation on cur's stream found no memory), the
  * calling thread gives back what it caches for cur's heap, so that slabs
@@ -236,7 +283,7 @@ static size_t tcache_give_back_own(tcache *tc, tslot *cur, cudaStream_t s) {
   size_t bytes = 0;
   for (int k = 0; k < TCACHE_SLOTS; k++) {
     tslot *ts = &tc->slots[k];
-    if (ts->heap == cur->heap) bytes += tcache_slot_out(ts, ts == cur ? &s : NULL);
+    if (ts->heap == cur->heap) bytes += tcache_slot_out(tc, ts, ts == cur ? &s : NULL);
   }
   return bytes;
 }
@@ -262,7 +309,7 @@ static void tcache_slot_fold(tslot *ts) {
  * handle is found recycled; seals on live streams happen in the free path,
  * where the caller's handle is known to be valid. */
 static void tcache_slot_retire(tcache *tc, tslot *ts) {
-  tcache_slot_empty(ts);
+  tcache_slot_empty(tc, ts);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     if (magazine_is_real(ts->cl[c].loaded)) magazine_put_empty(ts->cl[c].loaded);
     if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
@@ -369,6 +416,25 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
               h->total_mem);
     return NULL;
   }
+  lblock *k = ts->lkeep;
+  if (k != NULL) {
+    /* The block kept for this stream, if the request fits it within an
+     * eighth; else it goes back to the large layer first. */
+    size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
+    if (k->size >= need && k->size - need <= need / 8) {
+      uintptr_t kp = k->base;
+      size_t ks = k->size;
+      ts->lkeep = NULL;
+      tc->kept = NULL;
+      atomic_sub_relaxed(&h->stat_kept_bytes, (int64_t)ks);
+      large_unkeep(k);
+      atomic_owner_add_i64(ts->live, (int64_t)ks);
+      tcache_publish(tc, h);
+      if (!tc->check) tc->last = ts;
+      return (void *)kp;
+    }
+    tcache_kept_out(tc, ts, &s);
+  }
   uintptr_t p = 0;
   size_t bsize = 0;
   tcache_outbox_seal(ts, s); /* as before a refill */
@@ -395,7 +461,7 @@ static void tcache_enter_slow(tcache *tc) {
     int flushed = 0;
     for (int i = 0; i < TCACHE_SLOTS; i++) {
       tslot *ts = &tc->slots[i];
-      if (ts->heap == NULL || tcache_slot_empty(ts) == 0) continue;
+      if (ts->heap == NULL || tcache_slot_empty(tc, ts) == 0) continue;
       if (!flushed++) atomic_add_relaxed(&ts->heap->stat_threads_flushed, 1);
     }
   }
@@ -480,24 +546,15 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
 }
 
 static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
-  epoch_ticket t = {0};
   size_t bsize = 0;
-  int rc = epoch_seal(ts->rec, s, &t);
+  int sealed = 0;
+  int rc = tcache_large_release(ts, p, s, &bsize, &sealed);
   if (rc != MAGPIE_OK) {
     /* Without an event the block cannot be ordered after the stream: keep
      * it allocated and tell the caller, who may retry. */
-    return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p: %s", p, (void *)s,
-                     backend_error_detail());
-  }
-  /* The same seal covers the outbox: it was filled on this stream before
-   * this free. A copy, since large_free takes t over. */
-  epoch_ticket u = {0};
-  if (ts->nout > 0) epoch_ticket_copy(&t, &u);
-  rc = large_free(&ts->heap->large, (uintptr_t)p, &t, &bsize);
-  if (rc == MAGPIE_OK && u.rec != NULL) tcache_outbox_give(ts, &u);
-  else if (u.rec != NULL) epoch_ticket_release(&u);
-  if (rc != MAGPIE_OK) {
-    epoch_ticket_release(&t);
+    if (!sealed)
+      return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p: %s", p, (void *)s,
+                       backend_error_detail());
     if (rc == MAGPIE_ERR_DOUBLE_FREE)
       return error_set(rc, "magpie_free_async(%p): block already free (double free)", p);
     if (rc == MAGPIE_ERR_INVALID_POINTER)
@@ -508,6 +565,25 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
   tcache_publish(tc, ts->heap);
   heap_note_cached(ts->heap);
   return MAGPIE_OK;
+}
+
+/* A free of a large block on the last slot's handle (matched by value, as
+ * in the fast path): the slot keeps it for its stream if the thread keeps
+ * none (one lock to mark it in the large layer, no event). 0: the slow
+ * path. */
+static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
+  tslot *ts = tc->last;
+  if (tc->check || tc->kept != NULL || sl->cls != SLAB_LARGE || ts->handle != s || ts->heap != sl->heap ||
+      tcache_special_handle(s) || atomic_load_relaxed(&sl->recorded) != 0 || large_class_of(sl->seg, (uintptr_t)p) >= 0)
+    return 0;
+  lblock *b = NULL;
+  if (!large_keep_block(&ts->heap->large, (uintptr_t)p, TCACHE_KEEP_MAX, &b)) return 0;
+  ts->lkeep = b;
+  tc->kept = ts;
+  atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)b->size);
+  atomic_owner_add_i64(ts->live, -(int64_t)b->size);
+  tcache_publish(tc, ts->heap);
+  return 1;
 }
 
 static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s);
@@ -548,7 +624,9 @@ int tcache_free_slow(void *p, cudaStream_t s) {
   if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
   tcache_enter_slow(tc);
   slab *sl = pagemap_lookup((uintptr_t)p);
-  int rc = tcache_free_switch(tc, sl, p, s) ? MAGPIE_OK : tcache_free_slow_in(tc, sl, p, s);
+  int rc = (sl != NULL && tcache_keep_large(tc, sl, p, s)) || tcache_free_switch(tc, sl, p, s)
+               ? MAGPIE_OK
+               : tcache_free_slow_in(tc, sl, p, s);
   tcache_leave(tc);
   return rc;
 }
@@ -721,7 +799,7 @@ static int tcache_owner_out(tcache *tc, int barrier) { return barrier && atomic_
 static size_t tcache_empty_heap(tcache *tc, heap *h) {
   size_t got = 0;
   for (int k = 0; k < TCACHE_SLOTS; k++)
-    if (tc->slots[k].heap == h) got += tcache_slot_empty(&tc->slots[k]);
+    if (tc->slots[k].heap == h) got += tcache_slot_empty(tc, &tc->slots[k]);
   return got;
 }
 

@@ -54,6 +54,13 @@
  * peak reserved memory, the pipeline's time in the allocator 2.6-2.7 ->
  * 2.0-2.2 us a step, events of the mixed workload a fifth to a third
  * fewer (bench/HISTORY.md). */
+/* A thread keeps one large block freed on the last slot's stream (of at
+ * most this size) for that stream's next large allocation that it fits
+ * within an eighth: the same stream reuses it at once, with no event and
+ * no lock, as it reuses small blocks. One per thread: it is stranded, like
+ * a slot's magazines, while the thread works on other streams. */
+#define TCACHE_KEEP_MAX ((size_t)64 << 20)
+
 #define TCACHE_OUTBOX 8
 #define TCACHE_OUTBOX_BYTES ((size_t)1 << 20)
 
@@ -90,6 +97,12 @@ typedef struct tslot {
   magazine *outbox[TCACHE_OUTBOX];
   uint32_t nout;
   size_t out_bytes;
+  /* The large block kept for this stream (TCACHE_KEEP_MAX; LARGE_KEPT in
+   * the large layer; tcache.kept names this slot), or NULL. It leaves with
+   * the slot's magazines, sealed on a caller's handle or to limbo, or for a
+   * large allocation it does not fit. Owner only. INVARIANT: as for the
+   * magazines. */
+  lblock *lkeep;
   /* Capacity of the empty magazines this slot takes for its frees, per
    * class (mag_cap..mag_max), the class's allocation count at the last
    * exchange with the depot, and the frees in a row (no allocation between)
@@ -119,6 +132,7 @@ typedef struct tcache {
    * depot's stacks). */
   _Atomic uint32_t flush_req;
   tslot *last; /* the fast paths' slot */
+  tslot *kept; /* the slot keeping a large block (tslot.lkeep), or NULL */
   const backend_ops *ops;
   int check;
   unsigned next_evict;

@@ -7,7 +7,7 @@
  * (region.lock, span_set.span_lock), large_cache.lock, one at a time; and
  * heap_recycle's record_table.lock and slab_set.reclaim_lock ->
  * (slab_set.slab_lock, large_cache.lock)).
- * reaper_lock is a leaf.
+ * reaper_lock and klimbo_lock are leaves.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
 #include "heap/heap.h"
@@ -73,6 +73,7 @@ static heap *heap_create(int device) {
   epoch_table_init(&h->epochs, device, ops);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_init(&h->depots[c]);
   stack_init(&h->limbo);
+  pthread_mutex_init(&h->klimbo_lock, NULL);
   large_init(&h->large, &h->region, ops, total, h->reuse_wait, h);
   span_set_init(&h->spans, &h->region);
   slab_set_init(&h->slabs, &h->region, &h->spans, h->depots, h);
@@ -107,6 +108,14 @@ void heap_publish_in_use(heap *h, int64_t delta) {
 }
 
 static void heap_reap_wait(heap *h);
+
+/* Are kept large blocks in limbo? */
+static int heap_klimbo_any(heap *h) {
+  pthread_mutex_lock(&h->klimbo_lock);
+  int any = h->klimbo != NULL;
+  pthread_mutex_unlock(&h->klimbo_lock);
+  return any;
+}
 
 void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { globals.heap_threads_reclaim = fn; }
 
@@ -181,7 +190,7 @@ int heap_relieve(heap *h, enum heap_step step) {
     got += record_wait(&h->records, h->depots, &h->large); /* parked blocks: their streams */
     for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_wait_pending(&h->depots[c]);
     got += large_wait(&h->large);
-    if (stack_count(&h->limbo) > 0 || atomic_load_acquire(&h->reaping) > 0) {
+    if (stack_count(&h->limbo) > 0 || heap_klimbo_any(h) || atomic_load_acquire(&h->reaping) > 0) {
       heap_reap_wait(h);
       got++;
     }
@@ -369,12 +378,45 @@ int heap_trim(heap *h, size_t keep) {
 /* Move everything in h's limbo to the depot once the device has drained.
  * The chain is taken before the synchronisation, so every magazine in it
  * was put there (and its stream's work enqueued) before the wait began. */
+typedef struct heap_kept {
+  lblock *b;
+  struct heap_kept *next;
+} heap_kept;
+
+/* Free the kept large blocks of chain (ready: the device drained), or with
+ * ok 0 put them back in limbo. */
+static void heap_reap_kept(heap *h, heap_kept *chain, int ok) {
+  for (heap_kept *n = chain, *next; n; n = next) {
+    next = n->next;
+    if (!ok) {
+      pthread_mutex_lock(&h->klimbo_lock);
+      n->next = h->klimbo;
+      h->klimbo = n;
+      pthread_mutex_unlock(&h->klimbo_lock);
+      continue;
+    }
+    lblock *b = n->b;
+    size_t bsize = 0;
+    uintptr_t p = b->base;
+    atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)b->size);
+    atomic_sub_relaxed(&h->stat_kept_limbo_bytes, (int64_t)b->size);
+    large_unkeep(b);
+    large_free(&h->large, p, &(epoch_ticket){0}, &bsize);
+    meta_free(n);
+  }
+}
+
 static void heap_reap(heap *h) {
   atomic_add_relaxed(&h->reaping, 1);
   registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
-  if (chain != NULL) {
+  pthread_mutex_lock(&h->klimbo_lock);
+  heap_kept *kchain = h->klimbo;
+  h->klimbo = NULL;
+  pthread_mutex_unlock(&h->klimbo_lock);
+  if (chain != NULL || kchain != NULL) {
     atomic_add_relaxed(&h->stat_device_syncs, 1);
     int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
+    heap_reap_kept(h, kchain, ok);
     for (registry_link *n = chain, *next; n; n = next) {
       next = stack_next(&globals.magazine_registry, n);
       magazine *m = (magazine *)n;
@@ -508,6 +550,25 @@ static void heap_wake_maintenance(void) {
   globals.reaper_timed = 1;
   heap_reaper_signal_locked();
   pthread_mutex_unlock(&globals.reaper_lock);
+}
+
+int heap_limbo_put_large(heap *h, lblock *b) {
+  heap_kept *n = meta_alloc(sizeof *n);
+  if (n == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+  n->b = b;
+  atomic_store_relaxed(&b->kept, LARGE_KEPT_LIMBO);
+  atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)b->size);
+  atomic_add_relaxed(&h->stat_kept_limbo_bytes, (int64_t)b->size);
+  atomic_add_relaxed(&h->stat_limbo, 1);
+  pthread_mutex_lock(&h->klimbo_lock);
+  n->next = h->klimbo;
+  h->klimbo = n;
+  pthread_mutex_unlock(&h->klimbo_lock);
+  pthread_mutex_lock(&globals.reaper_lock);
+  int started = heap_reaper_signal_locked();
+  pthread_mutex_unlock(&globals.reaper_lock);
+  if (!started) heap_reap(h); /* as heap_limbo_put */
+  return MAGPIE_OK;
 }
 
 void heap_limbo_put(heap *h, magazine *m) {

@@ -53,6 +53,11 @@ typedef struct heap {
   epoch_table epochs;
   depot depots[SIZECLASS_COUNT];
   stack limbo;
+  /* Kept large blocks (pool/large.h) whose thread let them go where their
+   * stream's handle may be gone: freed, ready for every stream, after the
+   * next device synchronisation (heap_reap). Under klimbo_lock. */
+  pthread_mutex_t klimbo_lock;
+  struct heap_kept *klimbo;
   large_cache large;
   span_set spans;                        /* granules shared by classes' slabs */
   slab_set slabs;                        /* class slabs, for release and snapshots */
@@ -62,6 +67,8 @@ typedef struct heap {
   _Atomic uint64_t stat_limbo;
   _Atomic uint64_t stat_device_syncs; /* limbo drains that synchronised the device */
   _Atomic int64_t stat_limbo_bytes;
+  _Atomic int64_t stat_kept_bytes;       /* large blocks kept by threads (tcache.c) */
+  _Atomic int64_t stat_kept_limbo_bytes; /* kept large blocks in limbo (part of stat_limbo_bytes) */
   _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
   _Atomic uint64_t stat_threads_flushed;
   _Atomic uint64_t stat_threads_stolen;
@@ -121,6 +128,10 @@ void heap_note_cached(heap *h);
  * reusable only after a device synchronisation, done off the allocation
  * path by the reaper thread. */
 void heap_limbo_put(heap *h, magazine *m);
+/* The same for a kept large block (LARGE_KEPT, its bytes out of
+ * stat_kept_bytes already): freed after the next device synchronisation.
+ * MAGPIE_ERR_OUT_OF_MEMORY (host metadata): nothing done. */
+int heap_limbo_put_large(heap *h, lblock *b);
 
 /* In a child of fork() (its only thread): forget the parent's maintenance
  * thread, so that exit does not wait for it. */

@@ -440,6 +440,7 @@ static int large_map_under(large_cache *c, lblock *u) {
 static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
   /* INVARIANT (large.h): every granule under a handed-out block is mapped. */
   MAGPIE_ASSERT(u->state == LBLOCK_USED && lseg_mapped_in(u->seg, c->region->gran, u->base, u->size) == u->size);
+  MAGPIE_ASSERT(atomic_load_relaxed(&u->kept) == 0);
   if (!large_hash_insert(c, u)) {
     backend_set_error_detail("out of host memory for the large-block table");
     return MAGPIE_ERR_OUT_OF_MEMORY;
@@ -692,25 +693,31 @@ int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch
 int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
   pthread_mutex_lock(&c->lock);
   lblock *b = large_hash_find(c, p, 0);
+  if (b != NULL && atomic_load_acquire(&b->kept) != 0) b = NULL; /* freed by its user */
   if (b) *bsize = b->size;
   pthread_mutex_unlock(&c->lock);
   return b != NULL;
 }
 
 int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize) {
-  lticket *lt = meta_alloc(sizeof *lt);
-  if (lt == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
-  lt->t = *t;
-  lt->refs = 1;
+  lticket *lt = NULL;
+  if (t->rec != NULL) {
+    if ((lt = meta_alloc(sizeof *lt)) == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+    lt->t = *t;
+    lt->refs = 1;
+  }
   lticket *deferred = NULL;
   pthread_mutex_lock(&c->lock);
   lblock *b = large_hash_find(c, p, 1);
   int rc = MAGPIE_OK;
-  if (b != NULL && b->klass != 0) {
-    /* A class block goes back through magazines: put its entry back (the
-     * unlink left room, so the insert cannot grow or fail). */
+  if (b != NULL && (b->klass != 0 || atomic_load_acquire(&b->kept) != 0)) {
+    /* A class block goes back through magazines, and a kept block was
+     * freed already: put its entry back (the unlink left room, so the
+     * insert cannot grow or fail). */
     large_hash_insert(c, b);
+    rc = b->klass != 0 ? MAGPIE_ERR_INVALID_POINTER : MAGPIE_ERR_DOUBLE_FREE;
     b = NULL;
+    if (rc == MAGPIE_ERR_DOUBLE_FREE) goto out;
   }
   if (b == NULL) {
     rc = MAGPIE_ERR_INVALID_POINTER;
@@ -724,10 +731,23 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
     large_free_link(c, b);
     large_coalesce(c, b, &deferred);
   }
+out:
   pthread_mutex_unlock(&c->lock);
   lticket_release_all(deferred);
   meta_free(lt); /* not taken: the caller keeps (and releases) its ticket */
   return rc;
+}
+
+int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out) {
+  pthread_mutex_lock(&c->lock);
+  lblock *b = large_hash_find(c, p, 0);
+  int ok = b != NULL && b->klass == 0 && b->size <= max && atomic_load_relaxed(&b->kept) == 0;
+  if (ok) {
+    atomic_store_relaxed(&b->kept, LARGE_KEPT);
+    *out = b;
+  }
+  pthread_mutex_unlock(&c->lock);
+  return ok;
 }
 
 size_t large_reclaim(large_cache *c) {

@@ -73,7 +73,17 @@ typedef struct lblock {
   lticket *ticket;              /* free: the free's epoch (NULL: ready) */
   int state;
   uint32_t klass; /* USED: 0 for a large block, cls + 1 for a class block */
+  /* USED large block freed by its user and kept by a thread for its
+   * stream (front/tcache.c): LARGE_KEPT, or LARGE_KEPT_LIMBO once the
+   * thread let it go to wait for a device synchronisation (heap.c). Set
+   * under the lock by large_keep_block; cleared (release) by the holder, without
+   * the lock, before it hands the block out again or frees it; read under
+   * the lock (acquire) by large_free (a free of a kept block is a double
+   * free) and by snapshots. A kept block's lblock stays put (it is USED). */
+  _Atomic uint8_t kept;
 } lblock;
+
+enum { LARGE_KEPT = 1, LARGE_KEPT_LIMBO = 2 };
 
 /* Granule states. MAPPING and UNMAPPING belong to one thread working
  * outside the lock; others wait on granule_cv. */
@@ -155,11 +165,19 @@ void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_
  * needs memory that cannot be mapped. */
 int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
                 size_t *bsize);
-/* Is p the start of a handed-out large block? Sets *bsize. */
+/* Is p the start of a handed-out large block (not kept)? Sets *bsize. */
 int large_lookup(large_cache *c, uintptr_t p, size_t *bsize);
 /* Free the block at p with the ticket sealed on its freeing stream (taken
- * over on success). MAGPIE_ERR_DOUBLE_FREE / MAGPIE_ERR_INVALID_POINTER. */
+ * over on success; a ticket with no record: ready for every stream).
+ * MAGPIE_ERR_DOUBLE_FREE (a kept block included) /
+ * MAGPIE_ERR_INVALID_POINTER. */
 int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize);
+/* A freed large block at p of at most max bytes, kept by the calling
+ * thread for its stream: marked LARGE_KEPT, *out set. 0 (nothing marked)
+ * if p is not a handed-out large block, is kept already or is larger. */
+int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out);
+/* The holder hands a kept block out again or is about to free it. */
+static inline void large_unkeep(lblock *b) { atomic_store_release(&b->kept, 0); }
 
 /* ---- class blocks ----
  * The size classes above SIZECLASS_SLAB_MAX have no slabs: their blocks

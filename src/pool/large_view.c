@@ -57,8 +57,10 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f, large_state_fn
       fprintf(f, "\"state\":\"%s\",\"class\":%u", st, b->klass - 1);
       if (strcmp(st, "pending") == 0) fprintf(f, ",\"stream\":%llu", (unsigned long long)stream);
       fputc('}', f);
-    } else if (b->state == LBLOCK_USED) fputs("\"state\":\"in_use\"}", f);
-    else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
+    } else if (b->state == LBLOCK_USED) {
+      uint8_t k = atomic_load_acquire(&b->kept);
+      fprintf(f, "\"state\":\"%s\"}", k == LARGE_KEPT ? "thread" : k == LARGE_KEPT_LIMBO ? "limbo" : "in_use");
+    } else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
     else
       fprintf(f, "\"state\":\"pending\",\"stream\":%llu,\"seq\":%llu}", (unsigned long long)b->ticket->t.rec->id,
               (unsigned long long)b->ticket->t.seq);
