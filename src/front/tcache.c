@@ -363,6 +363,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
 
 /* The alloc-capable slot of stream id (handle s), created if needed. */
 static tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id) {
+  if (tc->last->heap != NULL && tc->last->id == id) return tc->last; /* alloc-capable (tcache.h) */
   for (int i = 0; i < TCACHE_SLOTS; i++) {
     if (tc->alloc_id[i] == id) return &tc->slots[i];
 #ifdef MAGPIE_TEST_IGNORE_STREAM_ID /* deliberately broken build: tests/BUILD expects its tests to fail */
@@ -428,8 +429,8 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
       tc->kept = NULL;
       atomic_sub_relaxed(&h->stat_kept_bytes, (int64_t)ks);
       large_unkeep(k);
+      /* Published at the next exchange, as the fast paths do. */
       atomic_owner_add_i64(ts->live, (int64_t)ks);
-      tcache_publish(tc, h);
       if (!tc->check) tc->last = ts;
       return (void *)kp;
     }
@@ -582,7 +583,7 @@ static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   tc->kept = ts;
   atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)b->size);
   atomic_owner_add_i64(ts->live, -(int64_t)b->size);
-  tcache_publish(tc, ts->heap);
+  tcache_publish(tc, ts->heap); /* cached now: trim and the threshold see it */
   return 1;
 }
 
