@@ -285,8 +285,8 @@ static void check_snapshot(int dev);
  * free, block queries and record_stream find no block there, another
  * stream's request does not get it. A request it does not fit sends it
  * back to the large layer, sealed on its stream. */
-static void test_kept_large_block(void **state) {
-  (void)state;
+static void *kept_large_block_main(void *arg) {
+  (void)arg;
   cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
   char *p = magpie_malloc_async(16 * MiB, s);
   assert_non_null(p);
@@ -310,7 +310,11 @@ static void test_kept_large_block(void **state) {
   char *r = magpie_malloc_async(16 * MiB, t);
   assert_non_null(r);
   assert_ptr_not_equal(r, p);
+  /* This thread now allocates on two streams: it keeps no other block. */
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   assert_int_equal(magpie_free_async(r, t), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
   /* Not fitting within an eighth: p goes back, sealed on s. */
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   char *u = magpie_malloc_async(4 * MiB, s);
@@ -321,6 +325,16 @@ static void test_kept_large_block(void **state) {
   fake_stream_complete(s);
   fake_stream_complete(t);
   check_layers(0);
+  return NULL;
+}
+
+/* In a thread of its own: a thread keeps blocks only while it allocates
+ * on one stream. */
+static void test_kept_large_block(void **state) {
+  (void)state;
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, kept_large_block_main, NULL), 0);
+  assert_int_equal(pthread_join(th, NULL), 0);
 }
 
 /* ---- an idle thread's magazines ---- */

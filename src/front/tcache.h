@@ -54,11 +54,12 @@
  * peak reserved memory, the pipeline's time in the allocator 2.6-2.7 ->
  * 2.0-2.2 us a step, events of the mixed workload a fifth to a third
  * fewer (bench/HISTORY.md). */
-/* A thread keeps one large block freed on the last slot's stream (of at
- * most this size) for that stream's next large allocation that it fits
- * within an eighth: the same stream reuses it at once, with no event and
- * no lock, as it reuses small blocks. One per thread: it is stranded, like
- * a slot's magazines, while the thread works on other streams. */
+/* A thread that allocates on one stream keeps one large block freed on it
+ * (of at most this size) for that stream's next large allocation that it
+ * fits within an eighth: the same stream reuses it at once, with no event
+ * and no lock, as it reuses small blocks. Only such threads: the block is
+ * stranded, like a slot's magazines, while its thread works on other
+ * streams. */
 #define TCACHE_KEEP_MAX ((size_t)64 << 20)
 
 #define TCACHE_OUTBOX 8
@@ -131,8 +132,9 @@ typedef struct tcache {
    * (relaxed both sides: the owner's give-back publishes through the
    * depot's stacks). */
   _Atomic uint32_t flush_req;
-  tslot *last; /* the fast paths' slot */
-  tslot *kept; /* the slot keeping a large block (tslot.lkeep), or NULL */
+  tslot *last;     /* the fast paths' slot */
+  tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
+  uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */
   const backend_ops *ops;
   int check;
   unsigned next_evict;
