@@ -205,7 +205,9 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
  * those streams completed. stream must stay valid until the block is freed;
  * the per-thread default stream handle and streams of another device are
  * refused (MAGPIE_ERR_INVALID_STREAM); a freed block gives
- * MAGPIE_ERR_INVALID_POINTER. */
+ * MAGPIE_ERR_INVALID_POINTER: a large block always, a smaller one in
+ * checked mode (MAGPIE_CONF=check=1; otherwise a freed block still in a
+ * thread's cache cannot be told from a live one). */
 MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream);
 
 /* Errors. */

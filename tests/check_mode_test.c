@@ -49,12 +49,35 @@ static void test_many_blocks_round_trip(void **state) {
   assert_int_equal(st.in_use_bytes, 0);
 }
 
+/* record_stream on a block already freed is refused: small, and a class
+ * block of a segment (issue: it returned 0, and a later owner of the block
+ * inherited the record). */
+static void test_record_stream_on_freed_block(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
+  size_t sizes[] = {900, 100 * 1024};
+  for (int k = 0; k < 2; k++) {
+    void *p = magpie_malloc_async(sizes[k], s);
+    assert_non_null(p);
+    assert_int_equal(magpie_record_stream(p, t), MAGPIE_OK);
+    assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+    fake_stream_complete(s);
+    fake_stream_complete(t);
+    void *q = magpie_malloc_async(sizes[k] + 1, s);
+    assert_non_null(q);
+    assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+    assert_int_equal(magpie_record_stream(q, t), MAGPIE_ERR_INVALID_POINTER);
+    assert_non_null(strstr(magpie_last_error_message(), "free"));
+  }
+}
+
 int main(void) {
   if (fake_magpie_init(1) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_double_free_small),
       cmocka_unit_test(test_double_free_other_thread_stream),
       cmocka_unit_test(test_many_blocks_round_trip),
+      cmocka_unit_test(test_record_stream_on_freed_block),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -19,6 +19,13 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
   if (!slab_block_index(sl, (uintptr_t)ptr, &bi) ||
       (sl->cls == SLAB_LARGE && !large_lookup(&sl->heap->large, (uintptr_t)ptr, &bytes)))
     return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not the start of an allocated block", ptr);
+  /* Checked mode knows which small and class blocks are handed out: a
+   * freed one is refused (without it, a freed block still in a magazine
+   * looks like any other). */
+  int cls_block = sl->cls == SLAB_LARGE && large_class_of(sl->seg, (uintptr_t)ptr) >= 0;
+  if (global_config()->check && ((sl->cls != SLAB_LARGE && !slab_is_used(sl, bi)) ||
+                                 (cls_block && !large_class_is_used(sl->seg, (uintptr_t)ptr))))
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): the block is free (checked mode)", ptr);
   if ((uintptr_t)stream == 2)
     return error_set(MAGPIE_ERR_INVALID_STREAM,
                      "magpie_record_stream(%p): the per-thread default stream handle "

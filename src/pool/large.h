@@ -221,6 +221,11 @@ static inline unsigned large_block_class(const struct slab *sl, uintptr_t p) {
   return k >= 0 ? (unsigned)k : SLAB_LARGE;
 }
 
+/* Checked mode: is the class block at p (large_class_of >= 0) handed out? */
+static inline int large_class_is_used(const lseg *sg, uintptr_t p) {
+  return (atomic_load_relaxed(&sg->ucls[(p - sg->base) / LARGE_QUANTUM]) & LARGE_CLASS_USED) != 0;
+}
+
 /* Checked mode: mark the class block at p (large_class_of >= 0) handed out
  * (used) or free; returns 0 if it already was (a double free, for free). */
 static inline int large_class_mark(lseg *sg, uintptr_t p, int used) {

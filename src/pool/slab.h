@@ -118,6 +118,11 @@ static inline int slab_block_index(const slab *s, uintptr_t p, uint32_t *index) 
   return i * s->bsize == off && i < s->nblocks;
 }
 
+/* Checked mode: is block i handed out? (relaxed: the caller's own block,
+ * marked by the allocation that returned it, which is ordered before) */
+static inline int slab_is_used(const slab *s, uint32_t i) {
+  return (atomic_load_relaxed(&s->inuse[i >> 6]) >> (i & 63)) & 1;
+}
 /* Checked mode: mark block i handed out (returns 0 if it already was). */
 int slab_mark_used(slab *s, uint32_t i);
 /* Checked mode: mark block i free (returns 0 if it already was: double free). */
