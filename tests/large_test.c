@@ -279,30 +279,6 @@ static void test_large_stream_rules(void **state) {
 
 static void check_snapshot(int dev);
 
-/* Class blocks and large blocks never share a segment: a hole left by a
- * class block in a magazine no longer splits the space large blocks need
- * (pool/large.h, lseg.classes). */
-static void test_class_blocks_have_segments_of_their_own(void **state) {
-  (void)state;
-  cudaStream_t s = fake_stream_create(0);
-  void *k = magpie_malloc_async(100 * 1024, s);
-  void *b = magpie_malloc_async(3 * MiB, s);
-  assert_non_null(k);
-  assert_non_null(b);
-  slab *sk = pagemap_lookup((uintptr_t)k), *sb = pagemap_lookup((uintptr_t)b);
-  assert_non_null(sk);
-  assert_non_null(sb);
-  assert_int_equal(sk->cls, SLAB_LARGE);
-  assert_int_equal(sb->cls, SLAB_LARGE);
-  assert_true(sk->seg != sb->seg);
-  assert_int_equal(sk->seg->classes, 1);
-  assert_int_equal(sb->seg->classes, 0);
-  assert_int_equal(magpie_free_async(k, s), MAGPIE_OK);
-  assert_int_equal(free_on_other_thread(b, s), MAGPIE_OK);
-  fake_stream_complete(s);
-  check_layers(0);
-}
-
 /* A thread keeps the large block freed on its stream for that stream's
  * next request it fits within an eighth: the same pointer, no event. The
  * kept block is free for every other purpose: a second free is a double
@@ -572,15 +548,10 @@ int main(void) {
   fake_set_capacity(2, 16 * MiB);
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_split_and_coalesce),
-      cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
-      cmocka_unit_test(test_segment_grows_and_shrinks),
-      cmocka_unit_test(test_trim_waits_for_release_in_flight),
-      cmocka_unit_test(test_large_stream_rules),
-      cmocka_unit_test(test_kept_large_block),
-      cmocka_unit_test(test_class_blocks_have_segments_of_their_own),
-      cmocka_unit_test(test_idle_thread_gives_back),
-      cmocka_unit_test(test_random_sequences_keep_invariants),
+      cmocka_unit_test(test_split_and_coalesce),        cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
+      cmocka_unit_test(test_segment_grows_and_shrinks), cmocka_unit_test(test_trim_waits_for_release_in_flight),
+      cmocka_unit_test(test_large_stream_rules),        cmocka_unit_test(test_kept_large_block),
+      cmocka_unit_test(test_idle_thread_gives_back),    cmocka_unit_test(test_random_sequences_keep_invariants),
       cmocka_unit_test(test_snapshot_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -530,7 +530,7 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
   for (int round = 0; round < 64; round++) {
     large_pick best = {0}, wait = {0};
     for (lblock *b = c->free; b; b = b->fnext) {
-      if (b->size < need || b->seg->classes != ((flags & LARGE_CLASSES) != 0)) continue;
+      if (b->size < need) continue;
       if (lblock_ready_for(b, stream_id)) {
         large_consider(c, b, need, &best);
       } else {
@@ -591,7 +591,6 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
     c->growing = 0;
     pthread_cond_broadcast(&c->granule_cv);
     if (rc != MAGPIE_OK) break;
-    sg->classes = (flags & LARGE_CLASSES) != 0;
     large_seg_link(c, sg);
     /* Carve from the new segment at once: under contention, others would
      * take it and this call would grow again. */
@@ -649,8 +648,7 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
     lblock *u = NULL;
     /* Only the first block may map memory or wait: the rest fill the
      * magazine from what is mapped and ready already. */
-    rc = large_alloc_locked(c, bsize, stream_id, stream,
-                            *got == 0 ? flags | LARGE_CLASSES : LARGE_NO_MAP | LARGE_CLASSES, &u, &deferred);
+    rc = large_alloc_locked(c, bsize, stream_id, stream, *got == 0 ? flags : LARGE_NO_MAP, &u, &deferred);
     if (rc != MAGPIE_OK) break;
     u->klass = cls + 1;
     atomic_store_relaxed(&u->seg->ucls[(u->base - u->seg->base) / LARGE_QUANTUM], (uint8_t)(cls + 1));

@@ -104,13 +104,6 @@ typedef struct lseg {
    * (relaxed) by frees without the lock: a free of a block is ordered
    * after the allocation that handed it out, which is after the carve. */
   _Atomic uint8_t *ucls;
-  /* 1: a segment of class blocks only, 0: of large blocks only; set at
-   * creation. Apart, a class block held in a magazine does not split the
-   * free space large blocks need: on the H200 the mixed 256 B-2 MiB
-   * workload held 2.01 / 1.30 / 1.11 / 0.98 times its peaks at 1 / 4 / 8 /
-   * 16 threads, 2.13 / 1.36-1.41 / 1.13-1.19 / 1.01-1.05 sharing (2 threads
-   * 1.67-1.75 against 1.52-1.67). */
-  int classes;
   struct slab *desc; /* page-map descriptor (cls SLAB_LARGE) */
   lblock *first;
   struct lseg *next;
@@ -164,7 +157,6 @@ static inline size_t lseg_mapped_in(const lseg *sg, size_t g, uintptr_t a, size_
 #define LARGE_MAY_WAIT_EVENT 1 /* pressure: reuse another stream's block via stream_wait_event */
 #define LARGE_NO_MAP 2         /* only mapped memory: else LARGE_WOULD_MAP */
 #define LARGE_WOULD_MAP 1      /* a return value, as SPAN_WOULD_MAP */
-#define LARGE_CLASSES 4        /* class blocks: only from segments of class blocks */
 
 void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_mem, int reuse_wait,
                 struct heap *owner);
@@ -189,9 +181,7 @@ static inline void large_unkeep(lblock *b) { atomic_store_release(&b->kept, 0); 
 
 /* ---- class blocks ----
  * The size classes above SIZECLASS_SLAB_MAX have no slabs: their blocks
- * are carved one by one, best fit, from segments of their own (lseg.classes;
- * memory moves between those and large blocks' segments granule by granule,
- * through unmapping and mapping), then
+ * are carved from segments one by one, best fit, like large blocks, then
  * circulate in magazines like slab blocks (the thread caches and the
  * depot), and go back to the segments, where they coalesce with their
  * neighbours, when the depot gives them back (heap.c). Memory so moves
