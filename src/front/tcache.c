@@ -212,6 +212,20 @@ static int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsiz
   return rc;
 }
 
+/* ts keeps b (LARGE_KEPT) for its stream: the slot, the thread and the
+ * statistics say so together; detach undoes it. */
+static void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b) {
+  ts->lkeep = b;
+  tc->kept = ts;
+  atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)b->size);
+}
+
+static void tcache_kept_detach(tcache *tc, tslot *ts) {
+  atomic_sub_relaxed(&ts->heap->stat_kept_bytes, (int64_t)ts->lkeep->size);
+  ts->lkeep = NULL;
+  tc->kept = NULL;
+}
+
 /* The slot's kept large block leaves: sealed on *seal_on to the large
  * layer, or with seal_on NULL (or a failed seal) to limbo. Returns its
  * bytes (0 if none, or if not even limbo could take it: it stays). */
@@ -221,9 +235,7 @@ static size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on
   uintptr_t p = b->base;
   size_t size = b->size, bsize = 0;
   int sealed = 0;
-  ts->lkeep = NULL;
-  tc->kept = NULL;
-  atomic_sub_relaxed(&ts->heap->stat_kept_bytes, (int64_t)size);
+  tcache_kept_detach(tc, ts);
   if (seal_on != NULL) {
     large_unkeep(b);
     if (tcache_large_release(ts, (void *)p, *seal_on, &bsize, &sealed) == MAGPIE_OK) {
@@ -233,9 +245,7 @@ static size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on
     atomic_store_relaxed(&b->kept, LARGE_KEPT); /* ours still: to limbo */
   }
   if (heap_limbo_put_large(ts->heap, b) != MAGPIE_OK) {
-    ts->lkeep = b;
-    tc->kept = ts;
-    atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)size);
+    tcache_kept_attach(tc, ts, b);
     return 0;
   }
   return size;
@@ -424,13 +434,11 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   if (k != NULL) {
     /* The block kept for this stream, if the request fits it within an
      * eighth; else it goes back to the large layer first. */
-    size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
+    size_t need = large_round(size);
     if (k->size >= need && k->size - need <= need / 8) {
       uintptr_t kp = k->base;
       size_t ks = k->size;
-      ts->lkeep = NULL;
-      tc->kept = NULL;
-      atomic_sub_relaxed(&h->stat_kept_bytes, (int64_t)ks);
+      tcache_kept_detach(tc, ts);
       large_unkeep(k);
       /* Published at the next exchange, as the fast paths do. */
       atomic_owner_add_i64(ts->live, (int64_t)ks);
@@ -586,9 +594,7 @@ static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
     return 0;
   lblock *b = NULL;
   if (!large_keep_block(&ts->heap->large, (uintptr_t)p, TCACHE_KEEP_MAX, &b)) return 0;
-  ts->lkeep = b;
-  tc->kept = ts;
-  atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)b->size);
+  tcache_kept_attach(tc, ts, b);
   atomic_owner_add_i64(ts->live, -(int64_t)b->size);
   tcache_publish(tc, ts->heap); /* cached now: trim and the threshold see it */
   return 1;

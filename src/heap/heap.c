@@ -383,16 +383,20 @@ typedef struct heap_kept {
   struct heap_kept *next;
 } heap_kept;
 
+static void heap_klimbo_push(heap *h, heap_kept *n) {
+  pthread_mutex_lock(&h->klimbo_lock);
+  n->next = h->klimbo;
+  h->klimbo = n;
+  pthread_mutex_unlock(&h->klimbo_lock);
+}
+
 /* Free the kept large blocks of chain (ready: the device drained), or with
  * ok 0 put them back in limbo. */
 static void heap_reap_kept(heap *h, heap_kept *chain, int ok) {
   for (heap_kept *n = chain, *next; n; n = next) {
     next = n->next;
     if (!ok) {
-      pthread_mutex_lock(&h->klimbo_lock);
-      n->next = h->klimbo;
-      h->klimbo = n;
-      pthread_mutex_unlock(&h->klimbo_lock);
+      heap_klimbo_push(h, n);
       continue;
     }
     lblock *b = n->b;
@@ -552,6 +556,16 @@ static void heap_wake_maintenance(void) {
   pthread_mutex_unlock(&globals.reaper_lock);
 }
 
+/* Wake the maintenance thread to drain h's limbo; if none could be started,
+ * drain here (a slow path: a slot being retired) rather than strand the
+ * memory. */
+static void heap_limbo_wake(heap *h) {
+  pthread_mutex_lock(&globals.reaper_lock);
+  int started = heap_reaper_signal_locked();
+  pthread_mutex_unlock(&globals.reaper_lock);
+  if (!started) heap_reap(h);
+}
+
 int heap_limbo_put_large(heap *h, lblock *b) {
   heap_kept *n = meta_alloc(sizeof *n);
   if (n == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
@@ -560,14 +574,8 @@ int heap_limbo_put_large(heap *h, lblock *b) {
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)b->size);
   atomic_add_relaxed(&h->stat_kept_limbo_bytes, (int64_t)b->size);
   atomic_add_relaxed(&h->stat_limbo, 1);
-  pthread_mutex_lock(&h->klimbo_lock);
-  n->next = h->klimbo;
-  h->klimbo = n;
-  pthread_mutex_unlock(&h->klimbo_lock);
-  pthread_mutex_lock(&globals.reaper_lock);
-  int started = heap_reaper_signal_locked();
-  pthread_mutex_unlock(&globals.reaper_lock);
-  if (!started) heap_reap(h); /* as heap_limbo_put */
+  heap_klimbo_push(h, n);
+  heap_limbo_wake(h);
   return MAGPIE_OK;
 }
 
@@ -578,10 +586,5 @@ void heap_limbo_put(heap *h, magazine *m) {
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
   stack_push(&h->limbo, &globals.magazine_registry, &m->link);
   atomic_add_relaxed(&h->stat_limbo, 1);
-  pthread_mutex_lock(&globals.reaper_lock);
-  int started = heap_reaper_signal_locked();
-  pthread_mutex_unlock(&globals.reaper_lock);
-  /* No thread could be started: drain here (this is a slow path: a slot
-   * being retired), rather than strand the memory. */
-  if (!started) heap_reap(h);
+  heap_limbo_wake(h);
 }

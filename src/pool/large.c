@@ -621,7 +621,7 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
 int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
                 size_t *bsize) {
   if (size > SIZE_MAX - LARGE_QUANTUM) return MAGPIE_ERR_SIZE_OVERFLOW;
-  size_t need = (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1);
+  size_t need = large_round(size);
   lticket *deferred = NULL;
   lblock *u = NULL;
   pthread_mutex_lock(&c->lock);

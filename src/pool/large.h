@@ -158,6 +158,10 @@ static inline size_t lseg_mapped_in(const lseg *sg, size_t g, uintptr_t a, size_
 #define LARGE_NO_MAP 2         /* only mapped memory: else LARGE_WOULD_MAP */
 #define LARGE_WOULD_MAP 1      /* a return value, as SPAN_WOULD_MAP */
 
+/* A request's block size: size rounded up to LARGE_QUANTUM (size at most
+ * SIZE_MAX - LARGE_QUANTUM). */
+static inline size_t large_round(size_t size) { return (size + LARGE_QUANTUM - 1) & ~(LARGE_QUANTUM - 1); }
+
 void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_mem, int reuse_wait,
                 struct heap *owner);
 /* A block of at least size bytes usable by stream_id (handle `stream`) now.
