@@ -202,13 +202,30 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
  * stream before the block is freed has completed, in addition to the
  * freeing stream's. No stream is made to wait and the host never blocks:
  * the block is parked at its free and returns to the pools once events on
- * those streams completed. stream must stay valid until the block is freed;
+ * those streams completed. stream must stay valid until the block is freed,
+ * or be retired with magpie_stream_retire before it is destroyed;
  * the per-thread default stream handle and streams of another device are
  * refused (MAGPIE_ERR_INVALID_STREAM); a freed block gives
  * MAGPIE_ERR_INVALID_POINTER: a large block always, a smaller one in
  * checked mode (MAGPIE_CONF=check=1; otherwise a freed block still in a
  * thread's cache cannot be told from a live one). */
 MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream);
+
+/* Call before destroying a stream magpie has seen (cudaStreamDestroy,
+ * cuStreamDestroy; the LD_PRELOAD library does it for both). magpie records
+ * one event on it while its handle is still valid: blocks recorded on it
+ * with magpie_record_stream and not yet freed wait for that event (which
+ * covers all the stream's work, as nothing more can be enqueued), and the
+ * calling thread's cached blocks of the stream go back to the shared pools
+ * at once. Without it, a recorded block's free asks the driver about the
+ * destroyed handle, which crashes the process on a GPU unless a newer
+ * stream got the same handle value (then magpie sees the different stream
+ * id and waits for a device synchronisation instead); the simulated device
+ * answers that query, so the free succeeds there the same way. Other
+ * threads' cached blocks of the stream wait for a device synchronisation,
+ * as they do without it. MAGPIE_ERR_INVALID_STREAM for a destroyed or
+ * special handle. */
+MAGPIE_API int magpie_stream_retire(cudaStream_t stream);
 
 /* Errors. */
 MAGPIE_API int magpie_last_error(void);

@@ -5,9 +5,11 @@
  * libcudart.so, or call the driver's exported symbols):
  *
  *   runtime  cudaMalloc, cudaFree, cudaMallocAsync, cudaFreeAsync
- *            (+ the _ptsz forms used under --default-stream per-thread)
+ *            (+ the _ptsz forms used under --default-stream per-thread),
+ *            cudaStreamDestroy
  *   driver   cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync
- *            (+ _ptsz); cuda.h maps cuMemAlloc/cuMemFree to the _v2 names
+ *            (+ _ptsz), cuStreamDestroy_v2; cuda.h maps cuMemAlloc,
+ *            cuMemFree and cuStreamDestroy to the _v2 names
  *
  * Semantics:
  *   - cudaMallocAsync(p, n, s) / cudaFreeAsync(p, s): magpie_malloc_async /
@@ -26,6 +28,9 @@
  *     usable) go to the real functions (dlsym(RTLD_NEXT)). So does a request
  *     magpie cannot serve (the real function then reports the error, or
  *     succeeds where magpie could not).
+ *   - cudaStreamDestroy / cuStreamDestroy: magpie_stream_retire first (what
+ *     magpie holds under the handle is sealed while it is valid), then the
+ *     real function.
  *
  * Not interposed: a statically linked CUDA runtime (nvcc's default,
  * -cudart static: its cudaMalloc is inside the program), entry points
@@ -86,6 +91,8 @@ static struct {
   CUresult (*cu_ctx_pop)(CUcontext *);
   CUresult (*cu_ctx_synchronize)(void);
   CUresult (*cu_stream_create)(cudaStream_t *, unsigned);
+  cudaError_t (*cuda_stream_destroy)(cudaStream_t);
+  CUresult (*cu_stream_destroy)(cudaStream_t);
   int usable; /* magpie initialised on the CUDA backend */
 } real;
 
@@ -134,6 +141,8 @@ static void preload_init(void) {
   real.cu_mem_free_async = preload_sym(drv, "cuMemFreeAsync");
   real.cu_mem_alloc_async_ptsz = preload_sym(drv, "cuMemAllocAsync_ptsz");
   real.cu_mem_free_async_ptsz = preload_sym(drv, "cuMemFreeAsync_ptsz");
+  real.cuda_stream_destroy = preload_sym(rt, "cudaStreamDestroy");
+  real.cu_stream_destroy = preload_sym(drv, "cuStreamDestroy_v2");
   /* Not interposed: straight from the driver. */
   if (drv != NULL) {
     real.cu_ctx_get_device = dlsym(drv, "cuCtxGetDevice");
@@ -295,7 +304,24 @@ PRELOAD_API cudaError_t cudaFreeAsync_ptsz(void *devPtr, cudaStream_t s) {
   return preload_cuda_free_async(devPtr, s ? s : PRELOAD_PER_THREAD, real.cuda_free_async_ptsz);
 }
 
+/* The handle is about to die: magpie seals what it holds under it first
+ * (its errors, e.g. for a handle magpie cannot query, are the real
+ * function's to report). */
+static void preload_retire(cudaStream_t s) {
+  if (preload_usable() && s != NULL && s != PRELOAD_PER_THREAD && s != (cudaStream_t)1) (void)magpie_stream_retire(s);
+}
+
+PRELOAD_API cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  preload_retire(s);
+  return real.cuda_stream_destroy ? real.cuda_stream_destroy(s) : PRELOAD_UNKNOWN;
+}
+
 /* ---- driver API ---- */
+
+PRELOAD_API CUresult cuStreamDestroy_v2(cudaStream_t s) {
+  preload_retire(s);
+  return real.cu_stream_destroy ? real.cu_stream_destroy(s) : PRELOAD_UNKNOWN;
+}
 
 PRELOAD_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
   pthread_once(&preload_once, preload_init);

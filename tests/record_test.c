@@ -30,12 +30,14 @@ static size_t layers_add_up(void) {
   return s.epoch_pending_bytes;
 }
 
-/* Allocate n blocks of size on s into out[], asserting none is p. */
+/* Allocate n blocks of size on s into out[], asserting none overlaps the
+ * block of that size at p. */
 static void alloc_none_is(void **out, int n, size_t size, cudaStream_t s, void *p) {
   for (int i = 0; i < n; i++) {
     out[i] = magpie_malloc_async(size, s);
     assert_non_null(out[i]);
-    assert_ptr_not_equal(out[i], p);
+    uintptr_t q = (uintptr_t)out[i], b = (uintptr_t)p;
+    assert_false(q < b + size && b < q + size);
   }
 }
 
@@ -263,6 +265,161 @@ static void test_errors(void **state) {
   magpie_sim_stream_destroy(b);
 }
 
+/* Waits (bounded) until nothing is parked: a block whose recorded stream
+ * is gone comes back through the maintenance thread's device
+ * synchronisation, on its own time. */
+static int parked_drains(void) {
+  for (int i = 0; i < WAIT_MS; i++) {
+    if (record_pending_bytes(&heap0()->records) == 0) return 1;
+    struct timespec ts = {0, 1000 * 1000};
+    nanosleep(&ts, NULL);
+  }
+  return 0;
+}
+
+/* The recorded stream is destroyed, its work still running, before the
+ * free. The free succeeds (it used to fail with MAGPIE_ERR_INVALID_STREAM
+ * forever), and nobody gets the block before that work completed: not
+ * through the destroyed stream's handle, which the next stream created
+ * reuses (a seal there would vouch for the new, idle stream only). */
+static uint64_t device_syncs(void) {
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  return st.device_syncs;
+}
+
+/* retire: magpie_stream_retire before the destroy, as documented; then the
+ * block waits for the retire's event, not for a device synchronisation.
+ * Without: the simulated device answers the free's query about the
+ * destroyed handle (a GPU's driver would crash unless a newer stream got
+ * the handle value, as here) and a device synchronisation covers it. */
+static void run_destroyed_case(size_t size, int rounds, int retire) {
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create(), c = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(size, a);
+  assert_non_null(p);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  uint64_t syncs = device_syncs(), synced = atomic_load(&heap0()->records.sync_total);
+  if (retire) assert_int_equal(magpie_stream_retire(b), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(b), MAGPIE_OK);
+  cudaStream_t b2 = magpie_sim_stream_create();
+  assert_ptr_equal(b2, b); /* the handle value came back, as CUDA's do */
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_synchronize(b2), MAGPIE_OK); /* a seal on b2 would have completed, */
+  assert_int_equal(magpie_sim_stream_synchronize(a), MAGPIE_OK);  /* and the freeing stream's */
+  /* Retired: the free needed no device synchronisation (the destroyed
+   * stream's work waits behind nothing but the retire's event). */
+  if (retire) assert_int_equal(atomic_load(&heap0()->records.sync_total), synced);
+  else assert_int_equal(atomic_load(&heap0()->records.sync_total), synced + 1);
+  void **va = calloc((size_t)rounds, sizeof *va), **vc = calloc((size_t)rounds, sizeof *vc);
+  alloc_none_is(va, rounds, size, a, p);
+  alloc_none_is(vc, rounds, size, c, p);
+  free_all(va, rounds, a);
+  free_all(vc, rounds, c);
+  alloc_none_is(vc, rounds, size, b2, p);
+  free_all(vc, rounds, b2);
+  assert_false(g.done); /* all of it while the destroyed stream's work ran */
+  assert_true(layers_add_up() >= size);
+  sem_post(&g.gate);
+  assert_int_equal(sem_wait_ms(&g.finished, WAIT_MS), 0);
+  if (retire) assert_int_equal(magpie_sim_stream_synchronize(b2), MAGPIE_OK); /* the retire's event: completed */
+  assert_true(parked_drains() || retire);
+  assert_true(comes_back(p, size, c));
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
+  if (!retire) assert_true(device_syncs() > syncs);
+  layers_add_up();
+  free(va);
+  free(vc);
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  magpie_sim_stream_destroy(a);
+  magpie_sim_stream_destroy(b2);
+  magpie_sim_stream_destroy(c);
+}
+
+static void test_small_recorded_stream_destroyed_before_free(void **state) {
+  (void)state;
+  run_destroyed_case(SMALL, ROUNDS, 0);
+  run_destroyed_case(SMALL, ROUNDS, 1);
+}
+
+static void test_large_recorded_stream_destroyed_before_free(void **state) {
+  (void)state;
+  run_destroyed_case(LARGE, 32, 0);
+  run_destroyed_case(LARGE, 32, 1);
+}
+
+/* Without checked mode a freed small block sitting in a magazine looks
+ * handed out, so magpie_record_stream on it succeeds and the record
+ * stays with the block. When the recorded stream is then destroyed, the
+ * block's next, unrelated owner can still free it (it used to get
+ * MAGPIE_ERR_INVALID_STREAM on every free), and the block comes back. */
+static void test_stale_record_outlives_its_stream(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), o = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(SMALL, a);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, o), MAGPIE_OK); /* a mistake checked mode refuses */
+  assert_int_equal(magpie_sim_stream_destroy(o), MAGPIE_OK);
+  void *q = magpie_malloc_async(SMALL, a);
+  assert_ptr_equal(q, p); /* the next owner, on the same stream */
+  assert_int_equal(magpie_free_async(q, a), MAGPIE_OK);
+  assert_true(parked_drains());
+  assert_true(comes_back(p, SMALL, a));
+  layers_add_up();
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  magpie_sim_stream_destroy(a);
+}
+
+/* magpie_stream_retire of a stream the calling thread cached blocks of:
+ * they go to the shared pools sealed on it (no limbo, no device
+ * synchronisation), another stream gets them once its work completed, and
+ * the retired handle is refused after the destroy. */
+static void *retire_main(void *arg) {
+  (void)arg;
+  cudaStream_t s = magpie_sim_stream_create(), c = magpie_sim_stream_create();
+  static void *v[256];
+  for (int i = 0; i < 256; i++) assert_non_null(v[i] = magpie_malloc_async(SMALL, s));
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(s, gated_run, &g), MAGPIE_OK);
+  free_all(v, 256, s);
+  magpie_stats before, after;
+  assert_int_equal(magpie_stats_get(0, &before), MAGPIE_OK);
+  assert_true(before.thread_cached_bytes >= 256 * SMALL / 2);
+  assert_int_equal(magpie_stream_retire(s), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(s), MAGPIE_OK); /* its work still gated */
+  assert_int_equal(magpie_stats_get(0, &after), MAGPIE_OK);
+  assert_true(after.thread_cached_bytes + 256 * SMALL / 2 <= before.thread_cached_bytes);
+  assert_int_equal(after.limbo_magazines, before.limbo_magazines);
+  static void *w[256];
+  for (int i = 0; i < 256; i++) { /* none of s's blocks while its work is gated */
+    assert_non_null(w[i] = magpie_malloc_async(SMALL, c));
+    for (int j = 0; j < 256; j++) assert_ptr_not_equal(w[i], v[j]);
+  }
+  free_all(w, 256, c);
+  sem_post(&g.gate);
+  assert_int_equal(sem_wait_ms(&g.finished, WAIT_MS), 0);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(device_syncs(), before.device_syncs);
+  assert_int_equal(magpie_stream_retire(s), MAGPIE_ERR_INVALID_STREAM);
+  assert_int_equal(magpie_stream_retire(NULL), MAGPIE_ERR_INVALID_STREAM);
+  gated_fini(&g);
+  magpie_sim_stream_destroy(c);
+  return NULL;
+}
+
+/* In a thread of its own: a fresh cache, whose slots no earlier test's
+ * streams fill (an evicted slot would send its magazines to limbo). */
+static void test_retire_hands_back_thread_cache(void **state) {
+  (void)state;
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, retire_main, NULL), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+}
+
 /* Threads record, free and allocate at once (records on shared streams,
  * polls racing frees): under --config=tsan, any unordered access to the
  * record table is a reported race. Everything comes back in the end. */
@@ -355,6 +512,10 @@ int main(void) {
       cmocka_unit_test(test_record_then_free_on_other_thread),
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_threads_record_and_free),
+      cmocka_unit_test(test_small_recorded_stream_destroyed_before_free),
+      cmocka_unit_test(test_large_recorded_stream_destroyed_before_free),
+      cmocka_unit_test(test_stale_record_outlives_its_stream),
+      cmocka_unit_test(test_retire_hands_back_thread_cache),
       cmocka_unit_test(test_accounting),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

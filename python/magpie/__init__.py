@@ -82,3 +82,10 @@ def record_stream(ptr, stream):
     enqueued on stream (an int cudaStream_t) before its free has completed.
     For tensors, see magpie.torch.record_stream."""
     _check(_need("magpie_record_stream")(ctypes.c_void_p(ptr), ctypes.c_void_p(stream)))
+
+
+def stream_retire(stream):
+    """magpie_stream_retire: call before destroying stream (an int
+    cudaStream_t) that magpie has seen; what magpie holds under its handle
+    is sealed while the handle is valid (see magpie.h)."""
+    _check(_need("magpie_stream_retire")(ctypes.c_void_p(stream)))

@@ -107,6 +107,9 @@ def _declare(l):
     if has(l, "magpie_record_stream"):
         l.magpie_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         l.magpie_record_stream.restype = ctypes.c_int
+    if has(l, "magpie_stream_retire"):
+        l.magpie_stream_retire.argtypes = [ctypes.c_void_p]
+        l.magpie_stream_retire.restype = ctypes.c_int
     if has(l, "magpie_trim"):
         l.magpie_trim.argtypes = [ctypes.c_int, ctypes.c_size_t]
         l.magpie_trim.restype = ctypes.c_int

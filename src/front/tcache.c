@@ -840,6 +840,21 @@ static size_t tcache_reclaim_threads(heap *h) {
   return bytes;
 }
 
+void tcache_stream_retire(cudaStream_t s, uint64_t id) {
+  tcache *tc = tcache_tls;
+  if (tc == NULL) return;
+  tcache_enter_slow(tc);
+  for (int k = 0; k < TCACHE_SLOTS; k++) {
+    tslot *ts = &tc->slots[k];
+    if (ts->heap == NULL || ts->id != id) continue;
+    /* Sealed on s (still valid: the caller retires it before destroying
+     * it) to the depot, so retiring the slot sends nothing to limbo. */
+    tcache_slot_out(tc, ts, &s);
+    tcache_slot_retire(tc, ts);
+  }
+  tcache_leave(tc);
+}
+
 void tcache_flush_self(heap *h) {
   tcache *tc = tcache_tls;
   if (tc == NULL) return;

@@ -274,6 +274,11 @@ void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses);
 /* Give back the calling thread's magazines of heap h (to limbo). Only from
  * a public entry point, never from inside an allocation. */
 void tcache_flush_self(heap *h);
+/* The stream id (handle s, still valid) is about to be destroyed: the
+ * calling thread's slots for it are sealed on s to the depot and retired
+ * (magpie_stream_retire). Other threads' slots for it meet the usual fate
+ * of a stream's slots (limbo, at eviction or thread exit). */
+void tcache_stream_retire(cudaStream_t s, uint64_t id);
 
 /* Snapshots: call fn on every magazine of heap h held by a thread cache
  * (the caller's own included), each cache inspected while its owner is

@@ -25,6 +25,7 @@
 static void heap_wake_maintenance(void);
 
 static void heap_events_low(void);
+static void heap_records_sync(void *arg);
 
 void heap_module_init(const backend_ops *ops, const magpie_config *cfg) {
   globals.heap_ops = ops;
@@ -77,7 +78,7 @@ static heap *heap_create(int device) {
   large_init(&h->large, &h->region, ops, total, h->reuse_wait, h);
   span_set_init(&h->spans, &h->region);
   slab_set_init(&h->slabs, &h->region, &h->spans, h->depots, h);
-  record_table_init(&h->records);
+  record_table_init(&h->records, heap_records_sync, h);
   /* Events made now, while the device is likely idle (a failure here only
    * leaves creation to later). */
   if (ops->event_prefill > 0) epoch_pool_fill(&h->epochs, ops->event_prefill);
@@ -184,16 +185,18 @@ int heap_relieve(heap *h, enum heap_step step) {
     if (globals.heap_threads_reclaim) got = globals.heap_threads_reclaim(h);
     break;
   case HEAP_STEP_WAIT:
-    /* Blocking, off the fast path: every pending magazine and free large
-     * block, and limbo (whose streams are gone: a device synchronisation
-     * is the only wait that covers them). Then slabs may have emptied. */
-    got += record_wait(&h->records, h->depots, &h->large); /* parked blocks: their streams */
-    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_wait_pending(&h->depots[c]);
-    got += large_wait(&h->large);
-    if (stack_count(&h->limbo) > 0 || heap_klimbo_any(h) || atomic_load_acquire(&h->reaping) > 0) {
+    /* Blocking, off the fast path: limbo and recorded blocks whose streams
+     * are gone (a device synchronisation is the only wait that covers
+     * them), then every parked block, pending magazine and free large
+     * block. Then slabs may have emptied. */
+    if (stack_count(&h->limbo) > 0 || heap_klimbo_any(h) || record_sync_wanted(&h->records) > 0 ||
+        atomic_load_acquire(&h->reaping) > 0) {
       heap_reap_wait(h);
       got++;
     }
+    got += record_wait(&h->records, h->depots, &h->large); /* parked blocks: their streams */
+    for (unsigned c = 0; c < SIZECLASS_COUNT; c++) got += (size_t)depot_wait_pending(&h->depots[c]);
+    got += large_wait(&h->large);
     got += slab_release_free(&h->slabs, SIZE_MAX);
     got += heap_release_class_blocks(h);
     break;
@@ -417,10 +420,13 @@ static void heap_reap(heap *h) {
   heap_kept *kchain = h->klimbo;
   h->klimbo = NULL;
   pthread_mutex_unlock(&h->klimbo_lock);
-  if (chain != NULL || kchain != NULL) {
+  struct record_entry *rchain = record_sync_take(&h->records);
+  if (chain != NULL || kchain != NULL || rchain != NULL) {
     atomic_add_relaxed(&h->stat_device_syncs, 1);
     int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
     heap_reap_kept(h, kchain, ok);
+    record_sync_done(&h->records, rchain, ok);
+    if (ok && rchain != NULL) record_poll(&h->records, h->depots, &h->large);
     for (registry_link *n = chain, *next; n; n = next) {
       next = stack_next(&globals.magazine_registry, n);
       magazine *m = (magazine *)n;
@@ -565,6 +571,10 @@ static void heap_limbo_wake(heap *h) {
   pthread_mutex_unlock(&globals.reaper_lock);
   if (!started) heap_reap(h);
 }
+
+/* A recorded block's stream was gone at its free (pool/record.h): the same
+ * synchronisation as limbo's covers it. */
+static void heap_records_sync(void *arg) { heap_limbo_wake(arg); }
 
 int heap_limbo_put_large(heap *h, lblock *b) {
   heap_kept *n = meta_alloc(sizeof *n);

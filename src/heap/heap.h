@@ -5,8 +5,10 @@
  *   epochs   — stream records and the event pool
  *   large    — free large blocks waiting for reuse
  *   limbo    — magazines of streams that died before their blocks could be
- *              sealed; a background thread synchronises the device and
- *              returns them to the depot.
+ *              sealed (and, in the record table, recorded blocks whose
+ *              recorded stream died before their free); a background
+ *              thread synchronises the device and returns them to the
+ *              pools.
  *
  * Heaps are created on first use of their device and live for the process. */
 #ifndef MAGPIE_HEAP_H

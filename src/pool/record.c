@@ -18,9 +18,15 @@
 
 #define RECORD_POLL_FILLED 64 /* magazines one poll hands back at most */
 
+/* INVARIANT: closed == 0: handle names rec's stream (the application keeps
+ * it alive until the free or magpie_stream_retire), ticket unused.
+ * closed == 1: the stream was retired; ticket is the retire's seal, which
+ * covers all the stream's work, and handle is never passed on again. */
 typedef struct record_ref {
   stream_rec *rec; /* one reference held by the entry */
   cudaStream_t handle;
+  int closed;
+  epoch_ticket ticket;
 } record_ref;
 
 /* One recorded block.
@@ -30,8 +36,9 @@ typedef struct record_ref {
  * INVARIANT: parked == 0: refs[0..nrefs) are the recorded streams (distinct
  *            ids), no tickets. parked == 1: the block was freed; refs are
  *            gone and tickets[0..ntickets) are the seals of the freeing and
- *            recorded streams; the entry is on the parked list or in one
- *            poller's private chain, never both. */
+ *            recorded streams it could seal, and the entry is on exactly
+ *            one of: the parked list, the sync list (a recorded stream was
+ *            gone), one poller's or syncer's private chain. */
 typedef struct record_entry {
   uintptr_t ptr;
   size_t bytes; /* the block's size */
@@ -46,9 +53,11 @@ typedef struct record_entry {
   struct record_entry *pnext; /* parked list or a poller's chain */
 } record_entry;
 
-void record_table_init(record_table *t) {
+void record_table_init(record_table *t, void (*sync_hook)(void *), void *sync_arg) {
   memset(t, 0, sizeof *t);
   pthread_mutex_init(&t->lock, NULL);
+  t->sync_hook = sync_hook;
+  t->sync_arg = sync_arg;
 }
 
 MAGPIE_WRAPS static inline unsigned record_bucket(uintptr_t p) {
@@ -115,6 +124,15 @@ out:
   return rc;
 }
 
+/* Does the recorded handle still name the recorded stream? No if it was
+ * destroyed (the backend refuses the handle) or its value now names a
+ * newer stream (the ids differ: ids are never reused). One stream id query,
+ * on the free slow path of a recorded block only. */
+static int record_ref_live(const record_ref *r) {
+  uint64_t id = 0;
+  return r->rec->table->ops->stream_id(r->handle, &id) == MAGPIE_OK && id == r->rec->id;
+}
+
 static void record_tickets_release(epoch_ticket *tk, unsigned n) {
   for (unsigned i = 0; i < n; i++) epoch_ticket_release(&tk[i]);
 }
@@ -135,22 +153,32 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
   epoch_ticket *tk = meta_alloc((e->nrefs + 1) * sizeof *tk);
   unsigned n = 0;
   int rc = tk == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : epoch_seal(frec, handle, &tk[n]);
-  if (rc == MAGPIE_OK) n++;
-  for (unsigned i = 0; rc == MAGPIE_OK && i < e->nrefs; i++) {
-    if (e->refs[i].rec->id == frec->id) continue; /* the freeing stream's seal covers it */
-    rc = epoch_seal(e->refs[i].rec, e->refs[i].handle, &tk[n]);
-    if (rc == MAGPIE_OK) n++;
-  }
   if (rc != MAGPIE_OK) {
-    if (tk != NULL) record_tickets_release(tk, n);
     meta_free(tk);
     pthread_mutex_lock(&t->lock);
     e->parked = 0;
     pthread_mutex_unlock(&t->lock);
-    return error_set(rc,
-                     "magpie_free_async(%p): cannot record an event on a stream the block was used on "
-                     "(magpie_record_stream): %s; the block stays allocated",
-                     (void *)p, rc == MAGPIE_ERR_OUT_OF_MEMORY ? "out of host memory" : backend_error_detail());
+    return error_set(
+        rc, "magpie_free_async(%p): cannot record an event on the freeing stream: %s; the block stays allocated",
+        (void *)p, rc == MAGPIE_ERR_OUT_OF_MEMORY ? "out of host memory" : backend_error_detail());
+  }
+  n++;
+  /* A recorded stream that is gone, or cannot be sealed, is covered by a
+   * device synchronisation instead (record.h): never an error, never a
+   * seal on a handle that may name another stream now. */
+  int need_sync = 0;
+  for (unsigned i = 0; i < e->nrefs; i++) {
+    record_ref *r = &e->refs[i];
+    if (r->closed) { /* retired: its seal is the ticket */
+      tk[n++] = r->ticket;
+      r->closed = 0;
+    } else if (r->rec->id == frec->id) {
+      continue; /* the freeing stream's seal covers it */
+    } else if (record_ref_live(r) && epoch_seal(r->rec, r->handle, &tk[n]) == MAGPIE_OK) {
+      n++;
+    } else {
+      need_sync = 1;
+    }
   }
   /* The tickets hold their own references to the stream records. */
   for (unsigned i = 0; i < e->nrefs; i++) epoch_stream_release(e->refs[i].rec);
@@ -165,12 +193,75 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
    * record_poll hands it to the depot. */
   if (d != NULL) atomic_add_relaxed(&d->thread_out, (int64_t)bytes);
   pthread_mutex_lock(&t->lock);
-  e->pnext = t->parked;
-  t->parked = e;
+  record_entry **list = need_sync ? &t->sync : &t->parked;
+  e->pnext = *list;
+  *list = e;
+  if (need_sync) {
+    atomic_store_relaxed(&t->sync_count, atomic_load_relaxed(&t->sync_count) + 1);
+    atomic_add_relaxed(&t->sync_total, 1);
+  }
   record_count(t, e, 1);
   pthread_mutex_unlock(&t->lock);
+  if (need_sync && t->sync_hook != NULL) t->sync_hook(t->sync_arg);
   *parked = bytes;
   return MAGPIE_OK;
+}
+
+int record_retire(record_table *t, stream_rec *rec, cudaStream_t handle) {
+  /* Anything recorded on the stream and not yet freed? (Entries being
+   * freed are parked: their free seals the handle, still valid now.) */
+  int any = 0;
+  pthread_mutex_lock(&t->lock);
+  for (unsigned b = 0; b < RECORD_BUCKETS && !any; b++)
+    for (record_entry *e = t->buckets[b]; e != NULL && !any; e = e->hnext)
+      for (unsigned i = 0; !e->parked && i < e->nrefs && !any; i++)
+        any = !e->refs[i].closed && e->refs[i].rec->id == rec->id;
+  pthread_mutex_unlock(&t->lock);
+  if (!any) return MAGPIE_OK;
+  /* One seal, outside the lock; a copy of its ticket for every such ref
+   * (no driver call: references only). */
+  epoch_ticket tk;
+  int rc = epoch_seal(rec, handle, &tk);
+  if (rc != MAGPIE_OK) return rc;
+  pthread_mutex_lock(&t->lock);
+  for (unsigned b = 0; b < RECORD_BUCKETS; b++)
+    for (record_entry *e = t->buckets[b]; e != NULL; e = e->hnext)
+      for (unsigned i = 0; !e->parked && i < e->nrefs; i++) { /* a parked entry's free reads its refs */
+        record_ref *r = &e->refs[i];
+        if (r->closed || r->rec->id != rec->id) continue;
+        epoch_ticket_copy(&tk, &r->ticket);
+        r->closed = 1;
+      }
+  pthread_mutex_unlock(&t->lock);
+  epoch_ticket_release(&tk);
+  return MAGPIE_OK;
+}
+
+size_t record_sync_wanted(const record_table *t) { return atomic_load_relaxed(&t->sync_count); }
+
+record_entry *record_sync_take(record_table *t) {
+  if (atomic_load_relaxed(&t->sync_count) == 0) return NULL;
+  pthread_mutex_lock(&t->lock);
+  record_entry *chain = t->sync;
+  t->sync = NULL;
+  atomic_store_relaxed(&t->sync_count, 0);
+  pthread_mutex_unlock(&t->lock);
+  return chain;
+}
+
+void record_sync_done(record_table *t, record_entry *chain, int ok) {
+  if (chain == NULL) return;
+  pthread_mutex_lock(&t->lock);
+  size_t n = atomic_load_relaxed(&t->sync_count);
+  for (record_entry *e = chain, *next; e != NULL; e = next) {
+    next = e->pnext;
+    record_entry **list = ok ? &t->parked : &t->sync;
+    e->pnext = *list;
+    *list = e;
+    n += !ok;
+  }
+  atomic_store_relaxed(&t->sync_count, n);
+  pthread_mutex_unlock(&t->lock);
 }
 
 static int record_entry_ready(const record_entry *e) {

@@ -15,6 +15,21 @@
  * entries for the slab's blocks) and leaves them to the slow path, which
  * calls record_free.
  *
+ * A recorded stream destroyed before the free cannot be sealed: its handle
+ * no longer names it (the handle may even name a newer stream by then,
+ * which a seal would wrongly vouch for). magpie_stream_retire, called
+ * before the destroy, seals it while the handle is valid (record_retire).
+ * Without it, record_free checks each recorded handle's id against the
+ * record's (on a GPU that query crashes the process if no stream has the
+ * handle value any more; the simulated device answers it); a stream that
+ * is gone, or whose seal fails, is covered instead by a device
+ * synchronisation: the block waits
+ * on the table's sync list until the heap's maintenance thread has
+ * synchronised the device (record_sync_take / record_sync_done; the hook
+ * given to record_table_init wakes it), then joins the parked blocks and
+ * waits for its other tickets as they do. Such a free succeeds, and the
+ * block is reused by nobody before the destroyed stream's work completed.
+ *
  * Lock order: record_table.lock is a leaf. No driver call is made while it
  * is held (seals and event queries happen outside). */
 #ifndef MAGPIE_RECORD_H
@@ -40,6 +55,13 @@ typedef struct record_table {
   pthread_mutex_t lock;
   struct record_entry *buckets[RECORD_BUCKETS]; /* under lock */
   struct record_entry *parked;                  /* under lock */
+  struct record_entry *sync;                    /* parked, waiting for a device synchronisation; under lock */
+  /* Entries on sync: written under lock; read relaxed by the heap's
+   * maintenance thread and ladder to decide whether to synchronise. */
+  _Atomic size_t sync_count;
+  _Atomic uint64_t sync_total; /* blocks ever sent to sync (relaxed; tests and diagnostics) */
+  void (*sync_hook)(void *);   /* asks for a device synchronisation; set once */
+  void *sync_arg;
   /* Written under lock; read relaxed by record_poll's early exit (a stale
    * zero only delays the hand-back to a later slow path) and by
    * statistics. */
@@ -48,7 +70,10 @@ typedef struct record_table {
   _Atomic size_t parked_large_bytes; /* part of parked_bytes */
 } record_table;
 
-void record_table_init(record_table *t);
+/* sync_hook(sync_arg) is called (no lock held) when a block joins the
+ * sync list: it must arrange for record_sync_take, a device
+ * synchronisation and record_sync_done, soon and off the caller's path. */
+void record_table_init(record_table *t, void (*sync_hook)(void *), void *sync_arg);
 
 /* Remember that the block at p (start of a handed-out block of sl, of size
  * class cls or SLAB_LARGE, bytes long) is used on stream `handle`
@@ -78,6 +103,24 @@ void record_poll(record_table *t, depot *depots, large_cache *lc);
  * parked block's streams completed, then hand them all back as
  * record_poll does. Returns bytes handed back. */
 size_t record_wait(record_table *t, depot *depots, large_cache *lc);
+
+/* The stream rec (handle, still valid) is about to be destroyed
+ * (magpie_stream_retire): one event is recorded on it now, and every
+ * block recorded on it and not yet freed keeps that event's ticket in
+ * place of the handle, so its free never names the handle. Nonzero: the
+ * seal failed (backend error, reported by the caller); nothing changed. */
+int record_retire(record_table *t, stream_rec *rec, cudaStream_t handle);
+
+/* The device synchronisation that covers destroyed recorded streams.
+ * record_sync_wanted: blocks waiting for one (relaxed). record_sync_take:
+ * takes them all, before the synchronisation starts (so that every one was
+ * freed, and its streams' work enqueued, before it). record_sync_done:
+ * with ok, the synchronisation completed and they join the parked blocks
+ * (their live streams' tickets still count); without, they go back to the
+ * sync list for the next one. */
+size_t record_sync_wanted(const record_table *t);
+struct record_entry *record_sync_take(record_table *t);
+void record_sync_done(record_table *t, struct record_entry *chain, int ok);
 
 /* Bytes parked (freed, waiting for recorded streams) in t. */
 size_t record_pending_bytes(const record_table *t);
