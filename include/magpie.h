@@ -185,6 +185,9 @@ typedef struct magpie_stats {
 } magpie_stats;
 
 MAGPIE_API int magpie_stats_get(int device, magpie_stats *out);
+/* Restart peak_in_use_bytes and peak_reserved_bytes at the current figures
+ * (like torch.cuda.reset_peak_memory_stats). */
+MAGPIE_API int magpie_stats_reset_peaks(int device);
 /* Block size of size class i; 0 past the last class. */
 MAGPIE_API size_t magpie_size_class_size(unsigned i);
 
@@ -192,6 +195,14 @@ MAGPIE_API size_t magpie_size_class_size(unsigned i);
  * keep_bytes reserved beyond what is in use. Blocks whose stream's work has
  * not completed stay cached. */
 MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
+
+/* Change the cap on device memory reserved on device while running (the
+ * limit configuration key sets it at start): bytes, or 0 for none beyond
+ * the device. A cap below what is reserved makes the next allocation that
+ * would pass it give cached memory back first (the out-of-memory ladder,
+ * as under any limit); blocks in use stay where they are, and requests
+ * that still cannot fit fail with MAGPIE_ERR_OUT_OF_MEMORY. */
+MAGPIE_API int magpie_set_limit(int device, size_t bytes);
 
 /* Every segment, slab and block of the device with its state, as JSON
  * (format: docs in src/front/snapshot.c and the README). */
@@ -237,11 +248,20 @@ MAGPIE_API const char *magpie_error_string(int code);
  * libmagpie.so). PyTorch passes the stream the block was allocated on to
  * the free, so a block used on another stream must have been ordered after
  * that use by the application, or recorded with magpie_record_stream
- * (PyTorch 2.11's pluggable path does not forward Tensor.record_stream; the
- * Python package's magpie.torch.record_stream does both). device is implied
+ * (Tensor.record_stream reaches it through the record-stream hook below,
+ * which magpie.torch.use() installs). device is implied
  * by the stream and not otherwise used. */
 MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream);
 MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
+/* The pluggable allocator's other hooks (set_record_stream_fn,
+ * set_reset_fn, set_memory_fraction_fn; magpie.torch.use() sets them):
+ * Tensor.record_stream -> magpie_record_stream; torch.cuda.empty_cache ->
+ * magpie_trim(d, 0) on every device; set_per_process_memory_fraction(f, d)
+ * -> a limit of f times device d's memory (f outside [0, 1] changes
+ * nothing). They return nothing: errors are in magpie_last_error. */
+MAGPIE_API void magpie_torch_record_stream(void *ptr, cudaStream_t stream);
+MAGPIE_API void magpie_torch_empty_cache(void);
+MAGPIE_API void magpie_torch_set_memory_fraction(double fraction, int device);
 
 /* Version. */
 MAGPIE_API const char *magpie_version(void);

@@ -57,6 +57,18 @@ def trim(device=0, keep_bytes=0):
     _check(_need("magpie_trim")(device, keep_bytes))
 
 
+def reset_peak_stats(device=0):
+    """Restart peak_in_use_bytes and peak_reserved_bytes at the current
+    figures (magpie_stats_reset_peaks)."""
+    _check(_need("magpie_stats_reset_peaks")(device))
+
+
+def set_limit(device=0, limit_bytes=0):
+    """Cap the device memory magpie reserves on device (0: no cap beyond the
+    device), while running (magpie_set_limit)."""
+    _check(_need("magpie_set_limit")(device, limit_bytes))
+
+
 def snapshot(device=0):
     """Every segment, slab and block of the device with its state
     (magpie_snapshot_json), parsed."""

@@ -113,6 +113,12 @@ def _declare(l):
     if has(l, "magpie_trim"):
         l.magpie_trim.argtypes = [ctypes.c_int, ctypes.c_size_t]
         l.magpie_trim.restype = ctypes.c_int
+    if has(l, "magpie_stats_reset_peaks"):
+        l.magpie_stats_reset_peaks.argtypes = [ctypes.c_int]
+        l.magpie_stats_reset_peaks.restype = ctypes.c_int
+    if has(l, "magpie_set_limit"):
+        l.magpie_set_limit.argtypes = [ctypes.c_int, ctypes.c_size_t]
+        l.magpie_set_limit.restype = ctypes.c_int
     if has(l, "magpie_snapshot_json"):
         l.magpie_snapshot_json.argtypes = [ctypes.c_int, ctypes.c_void_p]
         l.magpie_snapshot_json.restype = ctypes.c_int

@@ -1,21 +1,58 @@
 """magpie as PyTorch's CUDA allocator, through
 torch.cuda.memory.CUDAPluggableAllocator.
 
-PyTorch frees a block on the stream it was allocated on. Tensor.record_stream
-does not reach a pluggable allocator from Python: CUDAPluggableAllocator's
-recordStream calls a record-stream hook only when one was set with the C++
-method set_record_stream_fn, which torch.cuda.memory.CUDAPluggableAllocator
-(path, alloc_fn_name, free_fn_name) never sets, so it is a no-op. For a
-tensor used on another stream, call magpie.torch.record_stream(t, stream)
-(it also calls t.record_stream, so the code stays right under PyTorch's own
-allocator), or order the allocation stream after the use
-(alloc_stream.wait_stream(other)) before the tensor is freed.
+    import magpie
+    magpie.torch.use()     # before the first CUDA allocation
+
+Allocations go through a small C++ entry point built against the installed
+PyTorch on first use (torch_shim.cpp, _shim.py: a C++ compiler is needed
+once per PyTorch version), so that running out of memory raises
+torch.cuda.OutOfMemoryError with magpie's explanation, as PyTorch's own
+allocator does, instead of handing PyTorch a null pointer.
+
+use() installs, besides the allocation and free functions, the pluggable
+allocator's hooks that PyTorch calls when they are set:
+  Tensor.record_stream(s)        -> magpie_record_stream (the tensor's block
+                                    is reused by nobody until the work
+                                    enqueued on s before its free completed)
+  torch.cuda.empty_cache()       -> magpie_trim of every device, keeping 0
+  torch.cuda.set_per_process_memory_fraction(f, d)
+                                 -> magpie_set_limit(d, f x device memory)
+and answers PyTorch's memory API from magpie's statistics (PyTorch's
+pluggable allocator raises on them): memory_allocated, max_memory_allocated,
+memory_reserved, max_memory_reserved, memory_stats, memory_stats_as_nested_dict,
+memory_summary, reset_peak_memory_stats, reset_accumulated_memory_stats,
+memory_snapshot and torch.cuda.memory._snapshot. It does so by replacing the
+torch._C functions those Python functions call, so every caller of
+torch.cuda's API sees magpie's figures whenever it imported them.
+
+PyTorch frees a block on the stream it was allocated on (the pluggable
+allocator passes the allocation stream to the free).
 """
 import ctypes
+import threading
 
-from . import _lib
+from . import _lib, _shim
 
 _allocator = None
+_lock = threading.Lock()
+# Per device: the accumulated figures at the last reset_accumulated_memory_stats.
+_accumulated_base = {}
+
+# The hooks use() installs: (setter of CUDAPluggableAllocator._allocator,
+# exported C function).
+_HOOKS = (
+    ("set_record_stream_fn", "magpie_torch_record_stream"),
+    ("set_reset_fn", "magpie_torch_empty_cache"),
+    ("set_memory_fraction_fn", "magpie_torch_set_memory_fraction"),
+)
+
+
+def _accumulated(s):
+    """The memory_stats counters magpie keeps that PyTorch's API resets as
+    "accumulated" (reset_accumulated_memory_stats): requests that failed
+    (the ladder's last step) and device-wide synchronisations."""
+    return {"num_ooms": s["ladder_steps"][5], "num_sync_all_streams": s["device_syncs"]}
 
 
 def use():
@@ -25,11 +62,21 @@ def use():
     global _allocator
     import torch as _torch
 
-    if _allocator is None:
-        _allocator = _torch.cuda.memory.CUDAPluggableAllocator(
-            _lib.library_path(), "magpie_torch_malloc", "magpie_torch_free"
-        )
-        _torch.cuda.memory.change_current_allocator(_allocator)
+    with _lock:
+        if _allocator is None:
+            path, alloc_fn, free_fn = _shim.load(_torch)
+            plug = _torch.cuda.memory.CUDAPluggableAllocator(path, alloc_fn, free_fn)
+            missing = install_hooks(plug)
+            if missing:
+                raise RuntimeError(
+                    "this PyTorch's CUDAPluggableAllocator lacks "
+                    + ", ".join(missing)
+                    + ": Tensor.record_stream, empty_cache or set_per_process_memory_fraction "
+                    "would not reach magpie"
+                )
+            _torch.cuda.memory.change_current_allocator(plug)
+            patch_memory_api(_torch)
+            _allocator = plug
     return _allocator
 
 
@@ -38,21 +85,191 @@ def in_use():
     return _allocator is not None
 
 
-def record_stream(tensor, stream):
-    """Tensor.record_stream that also works under magpie: the tensor's
-    memory is not reused until the work enqueued on stream (a
-    torch.cuda.Stream) before the tensor is freed has completed.
-
-    Calls tensor.record_stream(stream) (PyTorch's own allocator acts on it)
-    and, when magpie is PyTorch's allocator, magpie_record_stream on the
-    tensor's block (the storage's start, which is what magpie handed out)."""
-    tensor.record_stream(stream)
-    if _allocator is None:
-        return
+def install_hooks(plug):
+    """Set magpie's record-stream, empty-cache and memory-fraction functions
+    on a CUDAPluggableAllocator; returns the setters it lacks."""
     l = _lib.lib()
-    if not _lib.has(l, "magpie_record_stream"):
-        raise NotImplementedError(f"{_lib.library_path()} has no magpie_record_stream")
-    ptr = tensor.untyped_storage().data_ptr()
-    rc = l.magpie_record_stream(ctypes.c_void_p(ptr), ctypes.c_void_p(stream.cuda_stream))
-    if rc != 0:
-        raise RuntimeError(f"magpie_record_stream: {l.magpie_last_error_message().decode()}")
+    missing = []
+    for setter, fn in _HOOKS:
+        target = getattr(plug._allocator, setter, None)
+        if target is None:
+            missing.append(setter)
+            continue
+        target(ctypes.cast(getattr(l, fn), ctypes.c_void_p).value)
+    return missing
+
+
+def record_stream(tensor, stream):
+    """Kept for code written before use() installed PyTorch's record-stream
+    hook: now the same as tensor.record_stream(stream), which reaches
+    magpie by itself."""
+    tensor.record_stream(stream)
+
+
+def _stat(current=0, peak=0):
+    # PyTorch's four figures per statistic; magpie keeps current and peak
+    # of some, and no running totals of bytes or blocks handed out.
+    return {"current": current, "peak": peak, "allocated": 0, "freed": 0}
+
+
+def _pools(all_stat, large=None, small=None):
+    return {
+        "all": all_stat,
+        "large_pool": large if large is not None else _stat(),
+        "small_pool": small if small is not None else _stat(),
+    }
+
+
+def nested_stats(device):
+    """torch.cuda.memory_stats_as_nested_dict's answer from magpie_stats.
+    PyTorch's key names where magpie has the figure; 0 where it has none
+    (as PyTorch's cudaMallocAsync backend reports them): the running totals
+    ("allocated", "freed"), block and request counts, per-pool peaks.
+    Every scalar of magpie_stats is also under "magpie"."""
+    from . import stats as _stats
+
+    s = _stats(device)
+    large_in_use = s["large_in_use_bytes"]
+    small_in_use = max(0, s["in_use_bytes"] - large_in_use)
+    large_reserved = s["large_mapped_bytes"]
+    small_reserved = max(0, s["reserved_bytes"] - large_reserved)
+    base = _accumulated_base.get(device, {})
+    raw = _accumulated(s)
+    out = {
+        "allocated_bytes": _pools(
+            _stat(s["in_use_bytes"], s["peak_in_use_bytes"]), _stat(large_in_use), _stat(small_in_use)
+        ),
+        "reserved_bytes": _pools(
+            _stat(s["reserved_bytes"], s["peak_reserved_bytes"]), _stat(large_reserved), _stat(small_reserved)
+        ),
+        # Active: handed out, or freed and waiting for a stream's work.
+        "active_bytes": _pools(_stat(s["in_use_bytes"] + s["epoch_pending_bytes"])),
+        "requested_bytes": _pools(_stat()),
+        "inactive_split_bytes": _pools(_stat()),
+        "allocation": _pools(_stat()),
+        "active": _pools(_stat()),
+        "inactive_split": _pools(_stat()),
+        "segment": _pools(
+            _stat(s["slab_count"] + s["large_segment_count"]),
+            _stat(s["large_segment_count"]),
+            _stat(s["slab_count"]),
+        ),
+        "oversize_allocations": _stat(),
+        "oversize_segments": _stat(),
+        "num_alloc_retries": 0,
+        "num_device_alloc": 0,
+        "num_device_free": 0,
+        "max_split_size": -1,
+        "magpie": {k: v for k, v in s.items() if not isinstance(v, list)},
+    }
+    for k, v in raw.items():
+        out[k] = max(0, v - base.get(k, 0))
+    return out
+
+
+def reset_accumulated(device):
+    """torch.cuda.reset_accumulated_memory_stats: the counters of
+    _accumulated restart from zero (magpie's own counters keep running;
+    the Python side remembers where they stood)."""
+    from . import stats as _stats
+
+    _accumulated_base[device] = _accumulated(_stats(device))
+
+
+def reset_peaks(device):
+    """torch.cuda.reset_peak_memory_stats: magpie_stats_reset_peaks."""
+    from . import _check, _need
+
+    _check(_need("magpie_stats_reset_peaks")(device))
+
+
+_SNAP_STATE = {
+    "in_use": "active_allocated",
+    "pending": "active_pending_free",
+}
+
+
+def torch_snapshot(device_count):
+    """torch.cuda.memory._snapshot's answer: PyTorch's "segments" (one per
+    magpie slab or large segment, blocks in address order, magpie's states
+    mapped to PyTorch's: in use -> active_allocated, waiting on a stream ->
+    active_pending_free, anything cached -> inactive) so that
+    torch.cuda.memory_snapshot and PyTorch's memory_viz tools read it, no
+    traces, and magpie's own snapshot of every device under "magpie"
+    (tools/snapshot_png.py draws one)."""
+    from . import snapshot as _snapshot
+
+    segments, own = [], []
+    for d in range(device_count):
+        snap = _snapshot(d)
+        own.append(snap)
+        for seg in snap["segments"]:
+            segments.append(_torch_segment(d, snap.get("granule", 0), seg))
+    return {
+        "segments": segments,
+        "device_traces": [[] for _ in range(device_count)],
+        "allocator_settings": {},
+        "magpie": own,
+    }
+
+
+def _torch_segment(device, granule, seg):
+    # A slab is mapped whole; a large segment is a reserved range of which
+    # only some granules are mapped: its total is what is mapped, and its
+    # blocks are listed with their mapped bytes (a free block may span
+    # unmapped granules).
+    blocks = []
+    if seg["kind"] == "slab":
+        total = seg["size"]
+        pos, bs = seg["base"], seg["block_size"]
+        for run in seg["runs"]:
+            state, count = run[0], run[1]
+            for _ in range(count):
+                blocks.append(_block(pos, bs, state))
+                pos += bs
+        tail = seg["base"] + seg["size"] - pos
+        if tail > 0:
+            blocks.append(_block(pos, tail, "unused"))
+    else:
+        total = sum(r[1] for r in seg["mapped"]) * seg["granule"]
+        for b in seg["blocks"]:
+            if b["mapped"] > 0:
+                blocks.append(_block(b["base"], min(b["size"], b["mapped"]), b["state"]))
+    allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+    active = allocated + sum(b["size"] for b in blocks if b["state"] == "active_pending_free")
+    return {
+        "device": device,
+        "address": seg["base"],
+        "total_size": total,
+        "allocated_size": allocated,
+        "active_size": active,
+        "requested_size": allocated,
+        "stream": 0,
+        "segment_type": "large" if seg["kind"] != "slab" else "small",
+        "segment_pool_id": (0, 0),
+        "is_expandable": seg["kind"] != "slab",
+        "frames": [],
+        "blocks": blocks,
+        "magpie_kind": seg["kind"],
+    }
+
+
+def _block(addr, size, state):
+    return {
+        "address": addr,
+        "size": size,
+        "requested_size": size,
+        "state": _SNAP_STATE.get(state, "inactive"),
+        "frames": [],
+        "magpie_state": state,
+    }
+
+
+def patch_memory_api(torch):
+    """Route the torch._C functions behind torch.cuda's memory API to
+    magpie (see the module's text). Called by use()."""
+    C = torch._C
+    C._cuda_memoryStats = lambda device: nested_stats(device)
+    C._cuda_resetPeakMemoryStats = lambda device: reset_peaks(device)
+    C._cuda_resetAccumulatedMemoryStats = lambda device: reset_accumulated(device)
+    C._cuda_memorySnapshot = lambda *args: torch_snapshot(torch.cuda.device_count())

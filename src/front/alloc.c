@@ -53,15 +53,21 @@ MAGPIE_API size_t magpie_usable_size(const void *ptr) {
 }
 
 MAGPIE_API int magpie_trim(int device, size_t keep_bytes) {
-  int rc = global_ensure();
+  int rc = global_device_check(device, "magpie_trim");
   if (rc != MAGPIE_OK) return rc;
-  int n = 0;
-  if (global_ops()->device_count(&n) != MAGPIE_OK || device < 0 || device >= n)
-    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_trim: no device %d (the backend has %d)", device, n);
   heap *h = heap_peek(device);
   if (h == NULL) return MAGPIE_OK; /* nothing allocated there */
   tcache_flush_self(h);
   return heap_trim(h, keep_bytes);
+}
+
+MAGPIE_API int magpie_set_limit(int device, size_t bytes) {
+  int rc = global_device_check(device, "magpie_set_limit");
+  if (rc != MAGPIE_OK) return rc;
+  heap *h = heap_get(device);
+  if (h == NULL) return magpie_last_error(); /* set by heap_get */
+  region_set_limit(&h->region, bytes == 0 ? SIZE_MAX : bytes);
+  return MAGPIE_OK;
 }
 
 MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream) {

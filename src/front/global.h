@@ -24,4 +24,9 @@ static inline int global_ensure(void) {
 const backend_ops *global_ops(void);
 const magpie_config *global_config(void);
 
+/* Sets up magpie if needed and checks that device is one the backend has:
+ * MAGPIE_OK, or the error (MAGPIE_ERR_INVALID_ARGUMENT naming fn for a
+ * device out of range) with the thread's message set. */
+int global_device_check(int device, const char *fn);
+
 #endif /* MAGPIE_GLOBAL_H */

@@ -32,6 +32,15 @@
 const backend_ops *global_ops(void) { return globals.global_backend; }
 const magpie_config *global_config(void) { return &globals.global_cfg; }
 
+int global_device_check(int device, const char *fn) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  int n = 0;
+  if (global_ops()->device_count(&n) != MAGPIE_OK || device < 0 || device >= n)
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "%s: no device %d (the backend has %d)", fn, device, n);
+  return MAGPIE_OK;
+}
+
 MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   if (cfg == NULL) return;
   memset(cfg, 0, sizeof *cfg);

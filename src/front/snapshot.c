@@ -23,8 +23,12 @@
  * throughout: their blocks show as in_use. Taken while the program runs,
  * the figures are a near-instant picture, not an atomic one.
  *
+ * Blocks freed but parked by magpie_record_stream are "pending" (stream:
+ * one they wait for; 0 when only a device synchronisation will do).
+ *
  * Lock order: heap.reclaim_lock -> heap.slab_lock (as in slab release);
- * large.c takes its own lock alone. */
+ * heap.reclaim_lock -> record_table.lock (a leaf); large.c takes its own
+ * lock alone. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +40,7 @@
 #include "front/tcache.h"
 #include "heap/heap.h"
 #include "pool/large.h"
+#include "pool/record.h"
 
 enum { SNAP_IN_USE = 0, SNAP_THREAD, SNAP_DEPOT, SNAP_PENDING, SNAP_LIMBO, SNAP_UNUSED };
 static const char *const snap_names[] = {"in_use", "thread", "depot", "pending", "limbo", "unused"};
@@ -115,6 +120,22 @@ static snap_slab *snap_find(snap_ctx *cx, const slab *s) {
     else hi = mid;
   }
   return lo < cx->n && cx->slabs[lo].s == s ? &cx->slabs[lo] : NULL;
+}
+
+/* A block parked by record_stream (freed, waiting for a recorded stream):
+ * pending. Large blocks join the class blocks' list, which state_of reads
+ * for both. */
+static void snap_mark_parked(void *ctx, uintptr_t p, slab *s, uint64_t stream) {
+  snap_ctx *cx = ctx;
+  if (s->cls == SLAB_LARGE) {
+    snap_note_class_block(cx, p, SNAP_PENDING, stream);
+    return;
+  }
+  snap_slab *ss = snap_find(cx, s);
+  uint32_t bi = 0;
+  if (ss == NULL || !slab_block_index(s, p, &bi)) return;
+  ss->state[bi] = SNAP_PENDING;
+  ss->stream[bi] = stream;
 }
 
 static void snap_mark(snap_ctx *cx, const magazine *m, int state, uint64_t stream) {
@@ -251,6 +272,7 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out) {
       atomic_sub_relaxed(&h->depots[c].scanners, 1);
     }
     snap_mark_stack(&cx, &h->limbo, SNAP_LIMBO);
+    record_parked_each(&h->records, snap_mark_parked, &cx);
     stats_collect(h, &st);
     if (cx.oom) rc = MAGPIE_ERR_OUT_OF_MEMORY;
     else if (cx.ncb) qsort(cx.cb, cx.ncb, sizeof *cx.cb, snap_cblock_cmp);

@@ -63,7 +63,8 @@ void stats_collect(heap *h, magpie_stats *out) {
   out->large_free_bytes = la.free_ready;
   out->overhead_bytes = stats_nonneg(atomic_load_relaxed(&h->region.overhead)) + la.overhead;
   out->large_mapped_bytes = atomic_load_relaxed(&h->large.mapped_bytes);
-  out->limit_bytes = h->region.limit == SIZE_MAX ? 0 : h->region.limit;
+  size_t limit = region_limit(&h->region);
+  out->limit_bytes = limit == SIZE_MAX ? 0 : limit;
   out->large_segment_count = atomic_load_relaxed(&h->large.segments);
   out->slabs_released = atomic_load_relaxed(&h->slabs.released);
   out->large_bytes_unmapped = atomic_load_relaxed(&h->large.bytes_unmapped);
@@ -132,13 +133,26 @@ MAGPIE_API int magpie_stats_get(int device, magpie_stats *out) {
   if (rc != MAGPIE_OK) return rc;
   heap *h = heap_peek(device);
   if (h == NULL) {
-    int n = 0;
-    if (global_ops()->device_count(&n) != MAGPIE_OK || device < 0 || device >= n)
-      return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_stats_get: no device %d (the backend has %d)", device, n);
+    if ((rc = global_device_check(device, "magpie_stats_get")) != MAGPIE_OK) return rc;
     memset(out, 0, sizeof *out); /* nothing allocated there yet */
     return MAGPIE_OK;
   }
   stats_collect(h, out);
+  return MAGPIE_OK;
+}
+
+MAGPIE_API int magpie_stats_reset_peaks(int device) {
+  int rc = global_device_check(device, "magpie_stats_reset_peaks");
+  if (rc != MAGPIE_OK) return rc;
+  heap *h = heap_peek(device);
+  if (h == NULL) return MAGPIE_OK; /* no peaks yet */
+  magpie_stats s;
+  stats_collect(h, &s);
+  /* Relaxed stores: a thread raising a peak between the collection and
+   * the store may have its raise lost; the next slow path raises it
+   * again (peaks are sampled on slow paths anyway, see stats.h). */
+  atomic_store_relaxed(&h->stat_peak_in_use, s.in_use_bytes);
+  region_reset_peak(&h->region);
   return MAGPIE_OK;
 }
 

@@ -67,8 +67,8 @@ static heap *heap_create(int device) {
     return NULL;
   }
   const magpie_config *cfg = &globals.heap_cfg;
-  if (cfg->limit_percent) h->region.limit = (size_t)((unsigned __int128)total * cfg->limit_percent / 100);
-  else if (cfg->limit) h->region.limit = cfg->limit;
+  if (cfg->limit_percent) region_set_limit(&h->region, (size_t)((unsigned __int128)total * cfg->limit_percent / 100));
+  else if (cfg->limit) region_set_limit(&h->region, cfg->limit);
   h->release_threshold = cfg->release_threshold;
   h->reuse_wait = cfg->reuse_wait;
   epoch_table_init(&h->epochs, device, ops);

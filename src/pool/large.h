@@ -256,9 +256,11 @@ typedef struct large_account {
 } large_account;
 void large_account_get(large_cache *c, large_account *out);
 
-/* Append the large segments to a snapshot (JSON array elements). A class
- * block's state (where it is: "in_use", "thread", ...) comes from
- * state_of, called under the lock (it must take no magpie lock). */
+/* Append the large segments to a snapshot (JSON array elements). The state
+ * of a handed-out block that no thread keeps (where a class block is:
+ * "in_use", "thread", ...; "pending" for a block parked by record_stream)
+ * comes from state_of, called under the lock (it must take no magpie
+ * lock). */
 typedef const char *(*large_state_fn)(void *ctx, uintptr_t p, uint64_t *stream);
 void large_snapshot(large_cache *c, FILE *out, int *first, large_state_fn state_of, void *ctx);
 

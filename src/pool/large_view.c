@@ -51,15 +51,20 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f, large_state_fn
   for (lblock *b = sg->first; b; b = b->next) {
     fprintf(f, "%s{\"base\":%llu,\"size\":%zu,\"mapped\":%zu,", b == sg->first ? "" : ",", (unsigned long long)b->base,
             b->size, lseg_mapped_in(sg, c->region->gran, b->base, b->size));
-    if (b->state == LBLOCK_USED && b->klass != 0) {
+    if (b->state == LBLOCK_USED) {
+      /* A class block is where its magazine is; a large block kept by a
+       * thread is the thread's; any other handed-out block may be parked
+       * by record_stream: state_of knows. */
+      uint8_t k = b->klass != 0 ? 0 : atomic_load_acquire(&b->kept);
       uint64_t stream = 0;
-      const char *st = state_of ? state_of(ctx, b->base, &stream) : "in_use";
-      fprintf(f, "\"state\":\"%s\",\"class\":%u", st, b->klass - 1);
+      const char *st = k == LARGE_KEPT         ? "thread"
+                       : k == LARGE_KEPT_LIMBO ? "limbo"
+                       : state_of              ? state_of(ctx, b->base, &stream)
+                                               : "in_use";
+      fprintf(f, "\"state\":\"%s\"", st);
+      if (b->klass != 0) fprintf(f, ",\"class\":%u", b->klass - 1);
       if (strcmp(st, "pending") == 0) fprintf(f, ",\"stream\":%llu", (unsigned long long)stream);
       fputc('}', f);
-    } else if (b->state == LBLOCK_USED) {
-      uint8_t k = atomic_load_acquire(&b->kept);
-      fprintf(f, "\"state\":\"%s\"}", k == LARGE_KEPT ? "thread" : k == LARGE_KEPT_LIMBO ? "limbo" : "in_use");
     } else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);
     else
       fprintf(f, "\"state\":\"pending\",\"stream\":%llu,\"seq\":%llu}", (unsigned long long)b->ticket->t.rec->id,

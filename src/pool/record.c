@@ -388,3 +388,16 @@ void record_pending(const record_table *t, size_t *small, size_t *large) {
   *large = lb <= all ? lb : all;
   *small = all - *large;
 }
+
+void record_parked_each(record_table *t, record_parked_fn fn, void *ctx) {
+  pthread_mutex_lock(&t->lock);
+  record_entry *lists[2] = {t->parked, t->sync};
+  for (int i = 0; i < 2; i++)
+    for (record_entry *e = lists[i]; e; e = e->pnext) {
+      uint64_t stream = 0;
+      for (unsigned k = 0; k < e->ntickets && stream == 0; k++)
+        if (e->tickets[k].rec != NULL) stream = e->tickets[k].rec->id;
+      fn(ctx, e->ptr, e->slab, stream);
+    }
+  pthread_mutex_unlock(&t->lock);
+}

@@ -122,6 +122,14 @@ size_t record_sync_wanted(const record_table *t);
 struct record_entry *record_sync_take(record_table *t);
 void record_sync_done(record_table *t, struct record_entry *chain, int ok);
 
+/* Calls fn for every block freed and waiting for its recorded streams (the
+ * parked and sync lists; blocks a poller has taken off them for the moment
+ * are not seen), under t's lock: fn must take no magpie lock. stream: one
+ * stream the block waits for (0 when it waits for a device
+ * synchronisation only). For snapshots. */
+typedef void (*record_parked_fn)(void *ctx, uintptr_t p, struct slab *sl, uint64_t stream);
+void record_parked_each(record_table *t, record_parked_fn fn, void *ctx);
+
 /* Bytes parked (freed, waiting for recorded streams) in t. */
 size_t record_pending_bytes(const record_table *t);
 /* The same split: small blocks (out of the threads' magazines) and large

@@ -20,7 +20,7 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
   r->device = device;
   r->ops = ops;
   pthread_mutex_init(&r->lock, NULL);
-  r->limit = SIZE_MAX;
+  atomic_store_relaxed(&r->limit, SIZE_MAX);
   int rc = ops->granularity(device, &r->gran);
   if (rc != MAGPIE_OK) return rc;
   r->gran = region_unit(r->gran);
@@ -102,11 +102,11 @@ static void region_release(region *r, uintptr_t addr, size_t size) {
 /* Count size bytes as mapped before mapping them, unless that passes the
  * limit. */
 static int region_commit(region *r, size_t size) {
-  size_t cur = atomic_load_relaxed(&r->mapped);
+  size_t cur = atomic_load_relaxed(&r->mapped), limit = region_limit(r);
   do {
-    if (cur > r->limit || r->limit - cur < size) {
-      backend_set_error_detail("the limit of %zu bytes reserved would be passed (%zu reserved, %zu more asked)",
-                               r->limit, cur, size);
+    if (cur > limit || limit - cur < size) {
+      backend_set_error_detail("the limit of %zu bytes reserved would be passed (%zu reserved, %zu more asked)", limit,
+                               cur, size);
       return MAGPIE_ERR_OUT_OF_MEMORY;
     }
   } while (!atomic_cas_weak_relaxed(&r->mapped, &cur, cur + size));

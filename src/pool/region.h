@@ -39,7 +39,11 @@ typedef struct region {
    * cannot together pass the limit, and lowered after an unmap or a failed
    * map. Read for statistics. No other memory is published through it. */
   _Atomic size_t mapped;
-  size_t limit; /* cap on mapped (SIZE_MAX: none); set once at init */
+  /* Cap on mapped (SIZE_MAX: none). Written at init and by
+   * region_set_limit (magpie_set_limit, any thread); read relaxed by
+   * region_commit. Publishes nothing: a commit racing a change is held to
+   * the old or the new cap. */
+  _Atomic size_t limit;
   /* Statistics, relaxed counters that publish nothing: the highest mapped
    * seen after a successful map, and the mapped bytes no block serves
    * (slab tails, fallback alignment, free span chunks; written by slab.c
@@ -64,6 +68,17 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
  * give back to region_unmap (differs from *addr only without VMM). */
 int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size);
 void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t raw_size);
+
+/* The cap on mapped bytes (SIZE_MAX: none), and its change at run time:
+ * lowering it below what is mapped makes later maps fail until enough is
+ * given back (the out-of-memory ladder does so); nothing mapped is
+ * touched. */
+static inline size_t region_limit(const region *r) { return atomic_load_relaxed(&r->limit); }
+static inline void region_set_limit(region *r, size_t limit) { atomic_store_relaxed(&r->limit, limit); }
+/* Restart peak_mapped at what is mapped now. */
+static inline void region_reset_peak(region *r) {
+  atomic_store_relaxed(&r->peak_mapped, atomic_load_relaxed(&r->mapped));
+}
 
 /* VMM only: claim size bytes of the reserved range without mapping them
  * (large segments map and unmap granules inside it themselves). Returns 0
