@@ -197,11 +197,13 @@ MAGPIE_API size_t magpie_size_class_size(unsigned i);
 MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
 
 /* Change the cap on device memory reserved on device while running (the
- * limit configuration key sets it at start): bytes, or 0 for none beyond
- * the device. A cap below what is reserved makes the next allocation that
- * would pass it give cached memory back first (the out-of-memory ladder,
- * as under any limit); blocks in use stay where they are, and requests
- * that still cannot fit fail with MAGPIE_ERR_OUT_OF_MEMORY. */
+ * limit configuration key sets it at start): bytes (at least the mapping
+ * unit, 2 MiB on current GPUs), or 0 for none beyond the device. Like
+ * PyTorch's memory fraction, it holds where magpie maps memory: memory
+ * already mapped may still serve requests, and lowering the cap gives
+ * nothing back by itself (magpie_trim does); an allocation that needs more
+ * mapped memory gives cached memory back first (the out-of-memory ladder)
+ * and fails with MAGPIE_ERR_OUT_OF_MEMORY if it still would pass the cap. */
 MAGPIE_API int magpie_set_limit(int device, size_t bytes);
 
 /* Every segment, slab and block of the device with its state, as JSON

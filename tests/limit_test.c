@@ -114,6 +114,57 @@ static void test_release_threshold_in_background(void **state) {
   magpie_sim_stream_destroy(s);
 }
 
+/* magpie_set_limit changes the cap while running: a request that needs
+ * more mapped memory than it allows fails naming it, one that fits comes;
+ * a cap below the mapping unit or on a device that does not exist is
+ * refused and changes nothing. Then magpie_stats_reset_peaks restarts both
+ * peaks at the current figures. */
+static void test_set_limit_and_reset_peaks(void **state) {
+  (void)state;
+  cudaStream_t s = magpie_sim_stream_create();
+  void *p[16];
+  for (int i = 0; i < 16; i++) assert_non_null(p[i] = magpie_malloc_async(3 * MiB, s));
+  for (int i = 0; i < 16; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.peak_in_use_bytes >= 48 * MiB);
+
+  assert_int_equal(magpie_set_limit(0, 1), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(magpie_last_error_message(), "MiB"));
+  assert_int_equal(magpie_set_limit(7, 64 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.limit_bytes, LIMIT);
+
+  /* Like PyTorch's memory fraction, the cap holds when magpie maps memory:
+   * what it has mapped may still serve requests. Start from nothing cached. */
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_int_equal(magpie_set_limit(0, 16 * MiB), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.limit_bytes, 16 * MiB);
+  assert_null(magpie_malloc_async(20 * MiB, s));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_OUT_OF_MEMORY);
+  if (strstr(magpie_last_error_message(), "limit 16777216 bytes") == NULL) fail_msg("%s", magpie_last_error_message());
+  void *q = magpie_malloc_async(8 * MiB, s);
+  if (q == NULL) fail_msg("8 MiB under a 16 MiB limit: %s", magpie_last_error_message());
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.reserved_bytes <= 16 * MiB);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+
+  assert_int_equal(magpie_set_limit(0, 0), MAGPIE_OK); /* none */
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.limit_bytes, 0);
+  assert_int_equal(magpie_set_limit(0, LIMIT), MAGPIE_OK);
+
+  assert_int_equal(magpie_stats_reset_peaks(7), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_stats_reset_peaks(0), MAGPIE_OK);
+  magpie_stats after;
+  assert_int_equal(magpie_stats_get(0, &after), MAGPIE_OK);
+  assert_true(after.peak_in_use_bytes < 48 * MiB);
+  assert_true(after.peak_in_use_bytes >= after.in_use_bytes);
+  assert_true(after.peak_reserved_bytes >= after.reserved_bytes);
+  assert_true(after.peak_reserved_bytes <= 16 * MiB); /* what was reserved at the reset */
+}
+
 static void test_config_errors(void **state) {
   (void)state;
   magpie_config cfg;
@@ -127,6 +178,7 @@ int main(void) {
       cmocka_unit_test(test_trim_keeps_what_is_asked),
       cmocka_unit_test(test_release_threshold_in_background),
       cmocka_unit_test(test_config_errors),
+      cmocka_unit_test(test_set_limit_and_reset_peaks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -91,6 +91,18 @@ def lib():
     return _lib
 
 
+# Functions of newer builds, declared where the library has them:
+# name -> (argtypes, restype).
+_OPTIONAL = {
+    "magpie_record_stream": ([ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
+    "magpie_stream_retire": ([ctypes.c_void_p], ctypes.c_int),
+    "magpie_trim": ([ctypes.c_int, ctypes.c_size_t], ctypes.c_int),
+    "magpie_stats_reset_peaks": ([ctypes.c_int], ctypes.c_int),
+    "magpie_set_limit": ([ctypes.c_int, ctypes.c_size_t], ctypes.c_int),
+    "magpie_snapshot_json": ([ctypes.c_int, ctypes.c_void_p], ctypes.c_int),
+}
+
+
 def _declare(l):
     l.magpie_stats_get.argtypes = [ctypes.c_int, ctypes.POINTER(Stats)]
     l.magpie_stats_get.restype = ctypes.c_int
@@ -104,24 +116,10 @@ def _declare(l):
     l.magpie_usable_size.argtypes = [ctypes.c_void_p]
     l.magpie_usable_size.restype = ctypes.c_size_t
     # Present in newer builds only: declared where the library has them.
-    if has(l, "magpie_record_stream"):
-        l.magpie_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        l.magpie_record_stream.restype = ctypes.c_int
-    if has(l, "magpie_stream_retire"):
-        l.magpie_stream_retire.argtypes = [ctypes.c_void_p]
-        l.magpie_stream_retire.restype = ctypes.c_int
-    if has(l, "magpie_trim"):
-        l.magpie_trim.argtypes = [ctypes.c_int, ctypes.c_size_t]
-        l.magpie_trim.restype = ctypes.c_int
-    if has(l, "magpie_stats_reset_peaks"):
-        l.magpie_stats_reset_peaks.argtypes = [ctypes.c_int]
-        l.magpie_stats_reset_peaks.restype = ctypes.c_int
-    if has(l, "magpie_set_limit"):
-        l.magpie_set_limit.argtypes = [ctypes.c_int, ctypes.c_size_t]
-        l.magpie_set_limit.restype = ctypes.c_int
-    if has(l, "magpie_snapshot_json"):
-        l.magpie_snapshot_json.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        l.magpie_snapshot_json.restype = ctypes.c_int
+    for name, (args, res) in _OPTIONAL.items():
+        if has(l, name):
+            fn = getattr(l, name)
+            fn.argtypes, fn.restype = args, res
 
 
 def has(l, name):

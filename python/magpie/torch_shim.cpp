@@ -31,7 +31,7 @@ message_fn shim_message;
 constexpr int kOutOfMemory = 4;
 constexpr int kTooLarge = 5;
 
-}  // namespace
+} // namespace
 
 extern "C" {
 
@@ -52,11 +52,11 @@ __attribute__((visibility("default"))) void *magpie_torch_shim_malloc(ssize_t si
   TORCH_CHECK_WITH(OutOfMemoryError, code != kOutOfMemory && code != kTooLarge, "CUDA out of memory (magpie). ",
                    message);
   TORCH_CHECK(false, "magpie could not allocate ", size, " bytes on device ", device, ": ", message);
-  return nullptr;  // not reached: TORCH_CHECK(false, ...) throws
+  return nullptr; // not reached: TORCH_CHECK(false, ...) throws
 }
 
 __attribute__((visibility("default"))) void magpie_torch_shim_free(void *ptr, ssize_t size, int device, void *stream) {
   shim_free(ptr, size, device, stream);
 }
 
-}  // extern "C"
+} // extern "C"

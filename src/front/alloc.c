@@ -66,6 +66,11 @@ MAGPIE_API int magpie_set_limit(int device, size_t bytes) {
   if (rc != MAGPIE_OK) return rc;
   heap *h = heap_get(device);
   if (h == NULL) return magpie_last_error(); /* set by heap_get */
+  if (bytes != 0 && bytes < h->region.gran)
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
+                     "magpie_set_limit: %zu bytes is below the %zu bytes (%zu MiB) in which magpie maps device "
+                     "memory; give at least that much (0: no limit)",
+                     bytes, h->region.gran, h->region.gran >> 20);
   region_set_limit(&h->region, bytes == 0 ? SIZE_MAX : bytes);
   return MAGPIE_OK;
 }

@@ -71,8 +71,8 @@ void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t 
 
 /* The cap on mapped bytes (SIZE_MAX: none), and its change at run time:
  * lowering it below what is mapped makes later maps fail until enough is
- * given back (the out-of-memory ladder does so); nothing mapped is
- * touched. */
+ * given back (the out-of-memory ladder does so before failing); nothing
+ * mapped is touched. */
 static inline size_t region_limit(const region *r) { return atomic_load_relaxed(&r->limit); }
 static inline void region_set_limit(region *r, size_t limit) { atomic_store_relaxed(&r->limit, limit); }
 /* Restart peak_mapped at what is mapped now. */
