@@ -50,8 +50,6 @@ else
   echo "PyTorch not found (python3 -c 'import torch'): its allocator is skipped" | tee "$out/torch_shim.log"
 fi
 
-# Static TLS room for libraries loaded with dlopen (PyTorch's).
-export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
 rc=0
 : > "$out/bench.log"
 echo "workload,allocator,x,metric,value" > "$out/results.csv"

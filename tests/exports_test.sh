@@ -28,5 +28,13 @@ for f in magpie_sim_device_table magpie_sim_stream_create magpie_sim_last_error;
     failed=1
   fi
 done
+# Loadable with dlopen after start-up with glibc's defaults: no object in it
+# uses the initial-exec TLS model, which marks the library STATIC_TLS and
+# needs room glibc does not set aside (tools/build_jemalloc.sh, defs.bzl).
+# Sanitizer builds are exempt: their runtimes are initial-exec themselves.
+if ! grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib" && readelf -dW "$lib" | grep -q STATIC_TLS; then
+  echo "FAIL: libmagpie.so needs static TLS (an initial-exec thread-local variable): dlopen after start-up fails"
+  failed=1
+fi
 if ((failed)); then exit 1; fi
 echo "exports: PASS ($(exported "$lib" | wc -l) in libmagpie.so, $(exported "$sim" | wc -l) in libmagpie_sim.so)"

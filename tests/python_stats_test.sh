@@ -17,7 +17,10 @@ if grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib"; then
   exit 0
 fi
 export MAGPIE_LIB=$PWD/$lib MAGPIE_BACKEND=sim PYTHONPATH=$PWD/$pkg
-export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
+# No GLIBC_TUNABLES: loading libmagpie.so with dlopen after start-up works
+# with glibc's defaults (no initial-exec TLS: tools/build_jemalloc.sh,
+# defs.bzl).
+unset GLIBC_TUNABLES
 python3 - <<'PY'
 import ctypes
 import magpie

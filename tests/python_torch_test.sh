@@ -142,7 +142,7 @@ def memory_summary(device=None, abbreviated=False):
 PY
 export MAGPIE_LIB=$PWD/$lib MAGPIE_BACKEND=sim MAGPIE_SIM_MEMORY=256m PYTHONPATH=$fake:$PWD/$pkg
 export MAGPIE_CACHE_DIR=$tmp/cache
-export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
+unset GLIBC_TUNABLES
 simlib=$(dirname "$MAGPIE_LIB")/libmagpie_sim.so
 export MAGPIE_SIM_LIB=$simlib
 python3 - <<'PY'

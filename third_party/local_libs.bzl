@@ -1,6 +1,8 @@
 """Repository rules for what magpie takes from the host system.
 
-system_libs: jemalloc (as a private, symbol-localized archive) and cmocka.
+system_libs: jemalloc (as a private, symbol-localized archive: the one
+tools/build_jemalloc.sh builds into .jemalloc/, without initial-exec TLS)
+and cmocka.
 cuda_toolkit: the CUDA toolkit's headers, driver stub and nvcc, honouring
 CUDA_HOME; optional (defs.bzl says what was found).
 """
@@ -18,9 +20,12 @@ def _find(rctx, name):
     return path
 
 def _system_libs_impl(rctx):
-    je = _find(rctx, "libjemalloc_pic.a")
-    if je == None:
-        fail("libjemalloc_pic.a not found: install Debian's libjemalloc-dev")
+    # jemalloc built by tools/build_jemalloc.sh (Debian's source, prefix
+    # mpje_, no initial-exec TLS, so libmagpie.so can be dlopened after
+    # start-up with glibc's defaults).
+    je = str(rctx.path(Label("@//:WORKSPACE")).dirname) + "/.jemalloc/lib/libjemalloc_pic.a"
+    if not rctx.path(je).exists:
+        fail("%s not found: run tools/install_deps.sh (tools/build_jemalloc.sh builds it from Debian's jemalloc source)" % je)
     rctx.execute(["mkdir", "-p", "je_objs", "include"])
     res = rctx.execute(["ar", "x", je], working_directory = "je_objs")
     if res.return_code != 0:

@@ -25,7 +25,6 @@ if [[ ${1:-} == build ]]; then
 fi
 
 B=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-export GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384
 export MAGPIE_LIB=$B/bin/libmagpie.so MAGPIE_PRELOAD_LIB=$B/bin/libmagpie_preload.so
 echo "### torch: $(python3 -c 'import torch;print(torch.__version__, torch.version.cuda)' 2>&1)"
 TP=$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")

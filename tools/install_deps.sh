@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what magpie's build needs on Debian, if missing: Bazel (Debian's
-# bazel-bootstrap, used offline), cmocka, jemalloc, clang with its runtime
+# bazel-bootstrap, used offline), cmocka, jemalloc (its headers from
+# libjemalloc-dev; the library itself is built from Debian's source by
+# tools/build_jemalloc.sh, last), clang with its runtime
 # libraries (sanitizer builds, libFuzzer), clang-format (tools/format.sh), Relacy (model checking),
 # matplotlib (the snapshot picture). Safe to run repeatedly.
 set -euo pipefail
@@ -15,8 +17,12 @@ compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" 
 [ -e /usr/include/relacy/relacy.hpp ] || need+=(relacy-dev)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v gcc >/dev/null 2>&1 || need+=(build-essential)
+command -v make >/dev/null 2>&1 || need+=(make)
+command -v bzip2 >/dev/null 2>&1 || need+=(bzip2)
 # tools/snapshot_png.py and its test draw with Debian's matplotlib.
 /usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need+=(python3-matplotlib)
+# tests/pip_install_test.sh installs the package into a fresh venv.
+/usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO=sudo
@@ -24,3 +30,4 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+"$(dirname "$0")/build_jemalloc.sh"

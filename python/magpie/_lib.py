@@ -79,12 +79,11 @@ def lib():
         except OSError as e:
             if "static TLS" in str(e):
                 raise OSError(
-                    f"{e}. libmagpie.so embeds jemalloc, whose thread-local state "
-                    "uses the initial-exec TLS model (about 2.6 KiB); loading it "
-                    "after start-up needs more static TLS than glibc reserves by "
-                    "default. Start Python with "
-                    "GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384, or "
-                    "preload the library with LD_PRELOAD."
+                    f"{e}. This libmagpie.so was built with initial-exec thread-local "
+                    "state, which a library loaded after start-up cannot get with "
+                    "glibc's defaults; rebuild it (tools/install_deps.sh builds the "
+                    "jemalloc it needs), or start Python with "
+                    "GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384."
                 ) from e
             raise
         _declare(_lib)

@@ -18,7 +18,7 @@
 #include "front/global.h"
 #include "pool/record.h"
 
-__thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
+__thread tcache *tcache_tls;
 
 static void tcache_destroy(void *arg);
 static size_t tcache_reclaim_threads(heap *h);

@@ -154,7 +154,11 @@ typedef struct tcache {
   tslot slots[TCACHE_SLOTS];
 } tcache;
 
-extern __thread tcache *tcache_tls __attribute__((tls_model("initial-exec")));
+/* The calling thread's cache. Not initial-exec: that model makes the whole
+ * library need static TLS, which a dlopen after start-up cannot get with
+ * glibc's defaults; TLS descriptors (defs.bzl) cost about the same on the
+ * fast path. */
+extern __thread tcache *tcache_tls;
 
 /* id: the stream's id if the fast path looked it up, else 0. */
 void *tcache_alloc_slow(size_t size, cudaStream_t stream, uint64_t id);

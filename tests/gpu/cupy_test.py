@@ -1,6 +1,5 @@
 """magpie as CuPy's allocator on a GPU.
 
-    GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384 \\
     MAGPIE_LIB=path/to/libmagpie.so python3 tests/gpu/cupy_test.py
 
 1. The same computations (elementwise, reductions, matmul, FFT, sort) on

@@ -1,6 +1,5 @@
 """magpie under PyTorch on a GPU.
 
-    GLIBC_TUNABLES=glibc.rtld.optional_static_tls=16384 \\
     MAGPIE_LIB=path/to/libmagpie.so \\
     [MAGPIE_PRELOAD_LIB=path/to/libmagpie_preload.so] python3 tests/gpu/torch_test.py
 
