@@ -337,6 +337,44 @@ static void test_kept_large_block(void **state) {
   assert_int_equal(pthread_join(th, NULL), 0);
 }
 
+/* The same on the legacy and per-thread default streams (PyTorch's
+ * default stream is the legacy one), each in a thread of its own: matched
+ * by id, they keep the block too; once the thread's current device has
+ * changed, the handle names another device's default stream and the free
+ * keeps nothing. */
+static void *kept_default_stream_main(void *arg) {
+  cudaStream_t s = (cudaStream_t)arg;
+  fake_set_current_device(0);
+  char *p = magpie_malloc_async(16 * MiB, s);
+  assert_non_null(p);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  for (int i = 0; i < 100; i++) {
+    assert_int_equal(magpie_free_async(p, s), MAGPIE_OK);
+    char *q = magpie_malloc_async(16 * MiB, s);
+    assert_ptr_equal(q, p);
+  }
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
+  fake_set_current_device(2);
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  magpie_free_async(p, s);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.thread_cached_bytes, st0.thread_cached_bytes);
+  fake_set_current_device(0);
+  return NULL;
+}
+
+static void test_kept_large_block_default_streams(void **state) {
+  (void)state;
+  for (uintptr_t h = 0; h <= 2; h += 2) {
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, kept_default_stream_main, (void *)h), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  }
+}
+
 /* ---- an idle thread's magazines ---- */
 
 static pthread_mutex_t idle_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -548,10 +586,15 @@ int main(void) {
   fake_set_capacity(2, 16 * MiB);
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_split_and_coalesce),        cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
-      cmocka_unit_test(test_segment_grows_and_shrinks), cmocka_unit_test(test_trim_waits_for_release_in_flight),
-      cmocka_unit_test(test_large_stream_rules),        cmocka_unit_test(test_kept_large_block),
-      cmocka_unit_test(test_idle_thread_gives_back),    cmocka_unit_test(test_random_sequences_keep_invariants),
+      cmocka_unit_test(test_split_and_coalesce),
+      cmocka_unit_test(test_ready_hole_joins_pending_neighbour),
+      cmocka_unit_test(test_segment_grows_and_shrinks),
+      cmocka_unit_test(test_trim_waits_for_release_in_flight),
+      cmocka_unit_test(test_large_stream_rules),
+      cmocka_unit_test(test_kept_large_block),
+      cmocka_unit_test(test_kept_large_block_default_streams),
+      cmocka_unit_test(test_idle_thread_gives_back),
+      cmocka_unit_test(test_random_sequences_keep_invariants),
       cmocka_unit_test(test_snapshot_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
