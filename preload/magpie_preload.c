@@ -7,8 +7,11 @@
  *   runtime  cudaMalloc, cudaFree, cudaMallocAsync, cudaFreeAsync
  *            (+ the _ptsz forms used under --default-stream per-thread),
  *            cudaStreamDestroy
+ *            cudaMemPoolGetAttribute, cudaMemPoolSetAttribute,
+ *            cudaMemPoolTrimTo
  *   driver   cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync
- *            (+ _ptsz), cuStreamDestroy_v2; cuda.h maps cuMemAlloc,
+ *            (+ _ptsz), cuStreamDestroy_v2, cuMemPoolGetAttribute,
+ *            cuMemPoolSetAttribute, cuMemPoolTrimTo; cuda.h maps cuMemAlloc,
  *            cuMemFree and cuStreamDestroy to the _v2 names
  *
  * Semantics:
@@ -31,6 +34,10 @@
  *   - cudaStreamDestroy / cuStreamDestroy: magpie_stream_retire first (what
  *     magpie holds under the handle is sealed while it is valid), then the
  *     real function.
+ *   - cudaMemPoolGetAttribute / SetAttribute / TrimTo (and cuMemPool*) on a
+ *     device's default pool: the usage figures include magpie's, resets
+ *     and trims reach magpie too (see "The default memory pool's figures"
+ *     below).
  *
  * Not interposed: a statically linked CUDA runtime (nvcc's default,
  * -cudart static: its cudaMalloc is inside the program), entry points
@@ -93,6 +100,14 @@ static struct {
   CUresult (*cu_stream_create)(cudaStream_t *, unsigned);
   cudaError_t (*cuda_stream_destroy)(cudaStream_t);
   CUresult (*cu_stream_destroy)(cudaStream_t);
+  cudaError_t (*cuda_default_pool)(void **, int);
+  cudaError_t (*cuda_pool_get)(void *, int, void *);
+  cudaError_t (*cuda_pool_set)(void *, int, void *);
+  cudaError_t (*cuda_pool_trim)(void *, size_t);
+  CUresult (*cu_default_pool)(void **, int);
+  CUresult (*cu_pool_get)(void *, int, void *);
+  CUresult (*cu_pool_set)(void *, int, void *);
+  CUresult (*cu_pool_trim)(void *, size_t);
   int usable; /* magpie initialised on the CUDA backend */
 } real;
 
@@ -143,6 +158,13 @@ static void preload_init(void) {
   real.cu_mem_free_async_ptsz = preload_sym(drv, "cuMemFreeAsync_ptsz");
   real.cuda_stream_destroy = preload_sym(rt, "cudaStreamDestroy");
   real.cu_stream_destroy = preload_sym(drv, "cuStreamDestroy_v2");
+  real.cuda_pool_get = preload_sym(rt, "cudaMemPoolGetAttribute");
+  real.cuda_pool_set = preload_sym(rt, "cudaMemPoolSetAttribute");
+  real.cuda_pool_trim = preload_sym(rt, "cudaMemPoolTrimTo");
+  real.cu_pool_get = preload_sym(drv, "cuMemPoolGetAttribute");
+  real.cu_pool_set = preload_sym(drv, "cuMemPoolSetAttribute");
+  real.cu_pool_trim = preload_sym(drv, "cuMemPoolTrimTo");
+  real.cuda_default_pool = preload_sym(rt, "cudaDeviceGetDefaultMemPool");
   /* Not interposed: straight from the driver. */
   if (drv != NULL) {
     real.cu_ctx_get_device = dlsym(drv, "cuCtxGetDevice");
@@ -151,6 +173,7 @@ static void preload_init(void) {
     real.cu_ctx_pop = dlsym(drv, "cuCtxPopCurrent_v2");
     real.cu_ctx_synchronize = dlsym(drv, "cuCtxSynchronize");
     real.cu_stream_create = dlsym(drv, "cuStreamCreate");
+    real.cu_default_pool = dlsym(drv, "cuDeviceGetDefaultMemPool");
   }
   real.usable = drv != NULL && real.cu_ctx_get_device && real.cu_primary_retain && real.cu_ctx_push &&
                 real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create &&
@@ -384,4 +407,131 @@ PRELOAD_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t size, cudaSt
 PRELOAD_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, cudaStream_t s) {
   pthread_once(&preload_once, preload_init);
   return preload_cu_free_async(dptr, s ? s : PRELOAD_PER_THREAD, real.cu_mem_free_async_ptsz);
+}
+
+/* ---- The default memory pool's figures ----
+ * cudaMallocAsync allocates from the device's default pool; under this
+ * library magpie serves those requests instead, so the pool's own usage
+ * attributes would read 0, and programs that read them (PyTorch's
+ * cudaMallocAsync backend, for torch.cuda.memory_allocated and the rest;
+ * TensorRT-LLM's buffer manager) would see nothing allocated. For a
+ * device's default pool:
+ *   get ReservedMemCurrent/High, UsedMemCurrent/High: the pool's own figure
+ *     (requests that reached it) plus magpie's (reserved, peak reserved, in
+ *     use, peak in use); the high marks of the two may come from different
+ *     moments, so their sum is an upper bound, as PyTorch says of its own;
+ *   set ReservedMemHigh/UsedMemHigh (a reset; CUDA accepts only 0): the
+ *     pool's, and magpie_stats_reset_peaks;
+ *   trim to keep bytes: the pool's, and magpie_trim(device, keep).
+ * Other pools and attributes go to the real functions unchanged. The pool
+ * is matched against the default pools of the current device and of the
+ * devices magpie holds memory on (asking for another device's pool could
+ * create its context). */
+enum {
+  PRELOAD_POOL_RESERVED = 5, /* cudaMemPoolAttrReservedMemCurrent, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT */
+  PRELOAD_POOL_RESERVED_HIGH = 6,
+  PRELOAD_POOL_USED = 7,
+  PRELOAD_POOL_USED_HIGH = 8
+};
+
+/* Each device's default pool once asked for (NULL before); written with
+ * release, read with acquire (a race only asks twice). */
+static _Atomic(void *) preload_pools[MAGPIE_MAX_DEVICES];
+
+static void *preload_default_pool(int dev) {
+  void *p = atomic_load_explicit(&preload_pools[dev], memory_order_acquire);
+  if (p != NULL) return p;
+  int rc = real.cuda_default_pool ? real.cuda_default_pool(&p, dev)
+           : real.cu_default_pool ? real.cu_default_pool(&p, dev)
+                                  : PRELOAD_UNKNOWN;
+  if (rc != PRELOAD_OK || p == NULL) return NULL;
+  atomic_store_explicit(&preload_pools[dev], p, memory_order_release);
+  return p;
+}
+
+/* The device whose default pool is pool, or -1. */
+static int preload_pool_device(void *pool) {
+  if (pool == NULL || !preload_usable()) return -1;
+  int cur = -1;
+  if (real.cu_ctx_get_device(&cur) == PRELOAD_OK && cur >= 0 && cur < MAGPIE_MAX_DEVICES &&
+      preload_default_pool(cur) == pool)
+    return cur;
+  for (int d = 0; d < MAGPIE_MAX_DEVICES; d++) {
+    magpie_stats st;
+    if (d == cur) continue;
+    if (magpie_stats_get(d, &st) != MAGPIE_OK) break; /* no such device */
+    if (st.reserved_bytes > 0 && preload_default_pool(d) == pool) return d;
+  }
+  return -1;
+}
+
+static int preload_pool_usage(int attr) { return attr >= PRELOAD_POOL_RESERVED && attr <= PRELOAD_POOL_USED_HIGH; }
+
+/* rc: the real function's answer for pool's own figure in *value. */
+static int preload_pool_get(void *pool, int attr, void *value, int rc) {
+  if (rc != PRELOAD_OK || !preload_pool_usage(attr)) return rc;
+  int dev = preload_pool_device(pool);
+  magpie_stats st;
+  if (dev < 0 || magpie_stats_get(dev, &st) != MAGPIE_OK) return rc;
+  uint64_t add = attr == PRELOAD_POOL_RESERVED        ? st.reserved_bytes
+                 : attr == PRELOAD_POOL_RESERVED_HIGH ? st.peak_reserved_bytes
+                 : attr == PRELOAD_POOL_USED          ? st.in_use_bytes
+                                                      : st.peak_in_use_bytes;
+  uint64_t v;
+  memcpy(&v, value, sizeof v);
+  v += add;
+  memcpy(value, &v, sizeof v);
+  return rc;
+}
+
+static int preload_pool_set(void *pool, int attr, int rc) {
+  if (rc == PRELOAD_OK && (attr == PRELOAD_POOL_RESERVED_HIGH || attr == PRELOAD_POOL_USED_HIGH)) {
+    int dev = preload_pool_device(pool);
+    if (dev >= 0) magpie_stats_reset_peaks(dev);
+  }
+  return rc;
+}
+
+static int preload_pool_trim(void *pool, size_t keep, int rc) {
+  if (rc == PRELOAD_OK) {
+    int dev = preload_pool_device(pool);
+    if (dev >= 0) magpie_trim(dev, keep);
+  }
+  return rc;
+}
+
+PRELOAD_API cudaError_t cudaMemPoolGetAttribute(void *pool, int attr, void *value) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cuda_pool_get == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_get(pool, attr, value, real.cuda_pool_get(pool, attr, value));
+}
+
+PRELOAD_API cudaError_t cudaMemPoolSetAttribute(void *pool, int attr, void *value) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cuda_pool_set == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_set(pool, attr, real.cuda_pool_set(pool, attr, value));
+}
+
+PRELOAD_API cudaError_t cudaMemPoolTrimTo(void *pool, size_t keep) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cuda_pool_trim == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_trim(pool, keep, real.cuda_pool_trim(pool, keep));
+}
+
+PRELOAD_API CUresult cuMemPoolGetAttribute(void *pool, int attr, void *value) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cu_pool_get == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_get(pool, attr, value, real.cu_pool_get(pool, attr, value));
+}
+
+PRELOAD_API CUresult cuMemPoolSetAttribute(void *pool, int attr, void *value) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cu_pool_set == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_set(pool, attr, real.cu_pool_set(pool, attr, value));
+}
+
+PRELOAD_API CUresult cuMemPoolTrimTo(void *pool, size_t keep) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cu_pool_trim == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_trim(pool, keep, real.cu_pool_trim(pool, keep));
 }

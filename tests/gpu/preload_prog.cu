@@ -13,7 +13,8 @@
 //      cuMemFreeAsync;
 //   4. pointers from functions that are not interposed (managed memory,
 //      pitched memory, an explicit pool) freed with cudaFree / cudaFreeAsync
-//      (they must reach the real functions).
+//      (they must reach the real functions);
+//   5. the default pool's usage attributes, reset and trim.
 // With PRELOAD_EXPECT=1 it also requires that magpie served the
 // allocations (magpie_stats_get found in the process and reserved > 0).
 //
@@ -191,6 +192,39 @@ static void passthrough_case(void) {
   CHECK(cudaFree(nullptr)); // a no-op, as always
 }
 
+// 5. The default pool's usage attributes, which PyTorch's cudaMallocAsync
+// backend reads for torch.cuda.memory_allocated (served by magpie under
+// LD_PRELOAD, by the pool otherwise): a 64 MiB cudaMallocAsync shows in
+// UsedMemCurrent and ReservedMemCurrent, leaves UsedMemCurrent once freed
+// and trimmed, and resetting UsedMemHigh brings the mark below it.
+static int pool_case(void) {
+  cudaMemPool_t pool;
+  CHECK(cudaDeviceGetDefaultMemPool(&pool, 0));
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const cuuint64_t n = 64ull << 20;
+  cuuint64_t used0 = 0, used1 = 0, res1 = 0, used2 = 0, high = 0, zero = 0;
+  CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used0));
+  void *p = nullptr;
+  CHECK(cudaMallocAsync(&p, n, s));
+  CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used1));
+  CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &res1));
+  CHECK(cudaFreeAsync(p, s));
+  CHECK(cudaStreamSynchronize(s));
+  CHECK(cudaMemPoolTrimTo(pool, 0));
+  CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used2));
+  CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
+  CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  CHECK(cudaStreamDestroy(s));
+  int ok = used1 >= used0 + n && res1 >= used1 && used2 + n <= used1 && high < used1;
+  printf(
+      "preload_prog: default pool: used %llu -> %llu (reserved %llu) -> %llu after free and trim; "
+      "used high after reset %llu: %s\n",
+      (unsigned long long)used0, (unsigned long long)used1, (unsigned long long)res1, (unsigned long long)used2,
+      (unsigned long long)high, ok ? "ok" : "WRONG");
+  return ok;
+}
+
 int main(void) {
   CHECK(cudaSetDevice(0));
   CHECK(cudaFree(nullptr));
@@ -225,12 +259,13 @@ int main(void) {
   }
   printf("preload_prog: %llu checks, %llu bad words, served by %s\n", checks, bad,
          magpie ? "magpie (LD_PRELOAD)" : "the CUDA runtime");
+  int pool_ok = pool_case(); // after the figures above: its trim gives magpie's memory back
   const char *expect = getenv("PRELOAD_EXPECT");
   if (expect != nullptr && strcmp(expect, "1") == 0 && !magpie) {
     printf("preload_prog: FAIL: magpie was expected to serve the allocations\n");
     return 1;
   }
   CHECK(cudaFree(bad_counter));
-  printf("preload_prog: %s\n", bad == 0 ? "PASS" : "FAIL");
-  return bad == 0 ? 0 : 1;
+  printf("preload_prog: %s\n", bad == 0 && pool_ok ? "PASS" : "FAIL");
+  return bad == 0 && pool_ok ? 0 : 1;
 }

@@ -143,6 +143,28 @@ def record_demo(mode, use_magpie_record, out_path):
         json.dump({"reused": reused, "correct": correct}, f)
 
 
+def pool_figures(out_path):
+    """Under LD_PRELOAD with the cudaMallocAsync backend, PyTorch reads its
+    figures from the default pool's attributes, which the preload library
+    answers with magpie's: a 64 MiB tensor must show in
+    torch.cuda.memory_allocated (it read 0 before)."""
+    import torch
+
+    import magpie  # MAGPIE_LIB points at the preloaded library
+
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    res = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+           "magpie_in_use": magpie.stats()["in_use_bytes"]}
+    del x
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    res["allocated_after_free"] = torch.cuda.memory_allocated()
+    res["peak_after_reset"] = torch.cuda.max_memory_allocated()
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
 DEMOS = {
     "native": ["tensor_record"],
     "magpie": ["tensor_record", "magpie_record"],
@@ -157,6 +179,8 @@ def child(argv):
     infer(mode, out)
     for how in DEMOS.get(mode, []):
         record_demo(mode, how == "magpie_record", f"{out}.{how}.json")
+    if mode == "preload-async":
+        pool_figures(f"{out}.pool.json")
 
 
 def run_child(args, env_extra=None):
@@ -229,6 +253,11 @@ def main():
         verdict("record_stream [magpie] magpie.torch.record_stream", r is not None and not r["reused"] and r["correct"],
                 str(r))
         if preload:
+            r = demo("preload-async", "pool")
+            verdict("memory API [preload-async] torch.cuda.memory_allocated sees magpie's blocks",
+                    r is not None and r["allocated"] >= (64 << 20)
+                    and abs(r["allocated"] - r["magpie_in_use"]) <= (1 << 20) and r["reserved"] >= r["allocated"]
+                    and r["peak_after_reset"] < r["allocated"], str(r))
             r = demo("preload-async", "tensor_record")
             verdict("record_stream [preload-async] Tensor.record_stream (PyTorch orders the free)",
                     r is not None and r["correct"], str(r))
