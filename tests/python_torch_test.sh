@@ -166,7 +166,16 @@ try:
 except RuntimeError:
     pass
 
-plug = magpie.torch.use()
+# magpie's own allocator (torch_native.cpp) needs PyTorch's C++ headers,
+# which the stand-in lacks: use() says so and takes the pluggable wrapper.
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plug = magpie.torch.use()
+assert magpie.torch.kind() == "pluggable", magpie.torch.kind()
+assert any("torch_native.cpp" in str(w.message) and "CUDAPluggableAllocator wrapper" in str(w.message)
+           for w in caught), [str(w.message)[:200] for w in caught]
+assert magpie.torch.use() is plug  # once per process
 assert torch.cuda.memory.current is plug
 # Allocation goes through the C++ entry point, built into the cache once.
 cache = os.environ["MAGPIE_CACHE_DIR"]

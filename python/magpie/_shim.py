@@ -1,11 +1,20 @@
-"""Builds and loads torch_shim.cpp against the installed PyTorch (see the
-file's header for why it exists), once per PyTorch version: the library is
-kept in $MAGPIE_CACHE_DIR, else $XDG_CACHE_HOME/magpie, else
-~/.cache/magpie, under a name made of PyTorch's version, its C++ ABI and a
-hash of the source, so a new PyTorch or a new magpie builds it again.
-Needs a C++ compiler ($CXX, else c++); takes a few seconds the first time.
+"""Builds and loads magpie's C++ entry points for PyTorch against the
+installed PyTorch (see each file's header for why it exists), once per
+PyTorch version:
+  torch_native.cpp  magpie as PyTorch's allocator without the pluggable
+                    wrapper's lock (magpie.torch.use()'s default);
+  torch_shim.cpp    allocation functions for the pluggable wrapper that
+                    throw PyTorch's out-of-memory error (the fallback).
+A library is kept in $MAGPIE_CACHE_DIR, else $XDG_CACHE_HOME/magpie, else
+~/.cache/magpie, under a name made of the source's name, PyTorch's version,
+its C++ ABI and a hash of the source and flags, so a new PyTorch or a new
+magpie builds it again. Needs a C++ compiler ($CXX, else c++); takes a few
+seconds the first time (torch_native.cpp also needs the CUDA runtime's
+headers: $CUDA_HOME/include, /usr/local/cuda/include or the nvidia pip
+packages').
 """
 import ctypes
+import glob
 import hashlib
 import os
 import subprocess
@@ -13,7 +22,9 @@ import tempfile
 
 from . import _lib
 
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_shim.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SRC = os.path.join(_HERE, "torch_shim.cpp")
+_NATIVE = os.path.join(_HERE, "torch_native.cpp")
 
 
 def cache_dir():
@@ -24,28 +35,46 @@ def cache_dir():
     return d
 
 
-def _flags(torch):
+def _cuda_includes(torch_root):
+    dirs = [os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    dirs.append("/usr/local/cuda/include")
+    site = os.path.dirname(torch_root)
+    dirs += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    out = []
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, "cuda_runtime_api.h")):
+            out += ["-isystem", d]
+    return out
+
+
+def _flags(torch, native):
     root = os.path.dirname(os.path.abspath(torch.__file__))
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     lib = os.path.join(root, "lib")
-    return abi, [
+    flags = [
         "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-isystem", os.path.join(root, "include"),
-        "-L" + lib, "-Wl,-rpath," + lib, "-lc10",
+        "-L" + lib, "-Wl,-rpath," + lib,
     ]
+    if native:
+        flags += ["-isystem", os.path.join(root, "include", "torch", "csrc", "api", "include")]
+        flags += _cuda_includes(root) + ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda"]
+    return abi, flags + ["-lc10"]
 
 
-def build(torch):
-    """The path of the shim for this PyTorch, built if needed. Raises
+def build(torch, source=_SRC):
+    """The path of the library built from source (torch_shim.cpp or
+    torch_native.cpp) for this PyTorch, built if needed. Raises
     RuntimeError with the compiler's output if it cannot be built."""
-    with open(_SRC, "rb") as f:
+    with open(source, "rb") as f:
         src = f.read()
-    abi, flags = _flags(torch)
+    abi, flags = _flags(torch, source == _NATIVE)
     tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     version = str(getattr(torch, "__version__", "unknown")).replace("/", "_").replace("+", "_")
+    name = os.path.splitext(os.path.basename(source))[0]
     d = cache_dir()
-    out = os.path.join(d, f"libmagpie_torch-{version}-abi{abi}-{tag}.so")
+    out = os.path.join(d, f"lib{name}-{version}-abi{abi}-{tag}.so")
     if os.path.isfile(out):
         return out
     os.makedirs(d, exist_ok=True)
@@ -53,10 +82,10 @@ def build(torch):
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=d)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, _SRC, "-o", tmp] + flags, capture_output=True, text=True)
+        r = subprocess.run([cxx, source, "-o", tmp] + flags, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(
-                f"magpie: building {_SRC} against PyTorch {version} failed ({cxx} exited {r.returncode}):\n"
+                f"magpie: building {source} against PyTorch {version} failed ({cxx} exited {r.returncode}):\n"
                 + (r.stderr or r.stdout)[-4000:]
             )
         os.replace(tmp, out)  # atomic: processes building at once each install a whole file
@@ -86,3 +115,21 @@ def load(torch):
     if rc != 0:
         raise RuntimeError(f"magpie: {path} refused magpie's functions")
     return path, "magpie_torch_shim_malloc", "magpie_torch_shim_free"
+
+
+def install_native(torch):
+    """Build torch_native.cpp if needed and make its allocator PyTorch's
+    (MagpieAllocator: no lock on the allocation paths). Returns the
+    library's path. Raises RuntimeError if it cannot be built or PyTorch
+    refuses it."""
+    path = build(torch, _NATIVE)
+    native = ctypes.CDLL(path)
+    l = _lib.lib()
+    names = ("magpie_malloc_async", "magpie_free_async", "magpie_last_error", "magpie_last_error_message",
+             "magpie_torch_record_stream", "magpie_torch_empty_cache", "magpie_torch_set_memory_fraction")
+    fns = (ctypes.c_void_p * len(names))(*[ctypes.cast(getattr(l, n), ctypes.c_void_p).value for n in names])
+    native.magpie_torch_native_error.restype = ctypes.c_char_p
+    rc = native.magpie_torch_native_install(fns)
+    if rc != 0:
+        raise RuntimeError(f"magpie: PyTorch refused magpie's allocator: {native.magpie_torch_native_error().decode()}")
+    return path

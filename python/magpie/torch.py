@@ -4,14 +4,17 @@ torch.cuda.memory.CUDAPluggableAllocator.
     import magpie
     magpie.torch.use()     # before the first CUDA allocation
 
-Allocations go through a small C++ entry point built against the installed
-PyTorch on first use (torch_shim.cpp, _shim.py: a C++ compiler is needed
-once per PyTorch version), so that running out of memory raises
-torch.cuda.OutOfMemoryError with magpie's explanation, as PyTorch's own
-allocator does, instead of handing PyTorch a null pointer.
+magpie serves PyTorch through C++ built against the installed PyTorch on
+first use (_shim.py; a C++ compiler is needed once per PyTorch version):
+torch_native.cpp, a CUDAPluggableAllocator whose allocation paths call
+magpie without the wrapper's lock, or, where that cannot be built, the
+wrapper itself with torch_shim.cpp's allocation functions. Either way,
+running out of memory raises torch.cuda.OutOfMemoryError with magpie's
+explanation, as PyTorch's own allocator does, instead of handing PyTorch a
+null pointer.
 
-use() installs, besides the allocation and free functions, the pluggable
-allocator's hooks that PyTorch calls when they are set:
+use() installs, besides allocation and free, the pluggable allocator's
+hooks that PyTorch calls when they are set:
   Tensor.record_stream(s)        -> magpie_record_stream (the tensor's block
                                     is reused by nobody until the work
                                     enqueued on s before its free completed)
@@ -31,10 +34,12 @@ allocator passes the allocation stream to the free).
 """
 import ctypes
 import threading
+import warnings
 
 from . import _lib, _shim
 
 _allocator = None
+_kind = None
 _lock = threading.Lock()
 # Per device: the accumulated figures at the last reset_accumulated_memory_stats.
 _accumulated_base = {}
@@ -55,29 +60,52 @@ def _accumulated(s):
     return {"num_ooms": s["ladder_steps"][5], "num_sync_all_streams": s["device_syncs"]}
 
 
-def use():
+def use(native=None):
     """Make PyTorch allocate CUDA memory through magpie. Call it before the
     first CUDA allocation of the process (PyTorch's rule for changing the
-    allocator). Returns the CUDAPluggableAllocator."""
-    global _allocator
+    allocator).
+
+    native=None (default): magpie's own PyTorch allocator
+    (torch_native.cpp: no lock on the allocation paths), built against the
+    installed PyTorch on first use; if it cannot be built, a warning says
+    why and PyTorch's CUDAPluggableAllocator wrapper is used instead (one
+    lock per allocation and free). native=True: the former or an error;
+    native=False: the wrapper. Returns PyTorch's allocator object."""
+    global _allocator, _kind
     import torch as _torch
 
     with _lock:
         if _allocator is None:
-            path, alloc_fn, free_fn = _shim.load(_torch)
-            plug = _torch.cuda.memory.CUDAPluggableAllocator(path, alloc_fn, free_fn)
-            missing = install_hooks(plug)
-            if missing:
-                raise RuntimeError(
-                    "this PyTorch's CUDAPluggableAllocator lacks "
-                    + ", ".join(missing)
-                    + ": Tensor.record_stream, empty_cache or set_per_process_memory_fraction "
-                    "would not reach magpie"
-                )
-            _torch.cuda.memory.change_current_allocator(plug)
+            if native is not False:
+                try:
+                    _shim.install_native(_torch)
+                    _allocator, _kind = _torch.cuda.memory._get_current_allocator(), "native"
+                except RuntimeError as e:
+                    if native:
+                        raise
+                    warnings.warn(f"{e}\nmagpie: using PyTorch's CUDAPluggableAllocator wrapper instead "
+                                  "(one lock per allocation and free)", RuntimeWarning, stacklevel=2)
+            if _allocator is None:
+                path, alloc_fn, free_fn = _shim.load(_torch)
+                plug = _torch.cuda.memory.CUDAPluggableAllocator(path, alloc_fn, free_fn)
+                missing = install_hooks(plug)
+                if missing:
+                    raise RuntimeError(
+                        "this PyTorch's CUDAPluggableAllocator lacks "
+                        + ", ".join(missing)
+                        + ": Tensor.record_stream, empty_cache or set_per_process_memory_fraction "
+                        "would not reach magpie"
+                    )
+                _torch.cuda.memory.change_current_allocator(plug)
+                _allocator, _kind = plug, "pluggable"
             patch_memory_api(_torch)
-            _allocator = plug
     return _allocator
+
+
+def kind():
+    """How magpie serves PyTorch: "native" (MagpieAllocator), "pluggable"
+    (the CUDAPluggableAllocator wrapper), or None before use()."""
+    return _kind
 
 
 def in_use():

@@ -1,0 +1,138 @@
+// C++ threads allocating through libtorch's CUDA allocator, one stream per
+// thread (made current), 1-16 threads, in two forms: the tensor path
+// (allocator->allocate(size), a DataPtr dropped at once: what a tensor's
+// storage does) and the raw interface (raw_alloc_with_stream / raw_delete).
+// Allocators: PyTorch's own caching allocator, magpie behind
+// PyTorch's CUDAPluggableAllocator (one std::mutex and an unordered_map
+// update per call), magpie's own PyTorch allocator (python/magpie/
+// torch_native.cpp, as magpie.torch.use() installs it: no lock on the
+// allocation paths), and magpie called directly (no PyTorch at all).
+//
+// Built on a machine with PyTorch (bench/torch_threads.sh); run:
+//   torch_threads MODE LIBMAGPIE [SIZE] [SECONDS]
+//   MODE: native | pluggable | magpie | direct
+//   (magpie: $MAGPIE_TORCH_NATIVE names the built torch_native library)
+// Prints one line per thread count: total alloc+free pairs per second.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <sys/types.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using malloc_fn = void *(*)(ssize_t, int, cudaStream_t);
+using free_fn = void (*)(void *, ssize_t, int, cudaStream_t);
+using direct_malloc_fn = void *(*)(size_t, cudaStream_t);
+using direct_free_fn = int (*)(void *, cudaStream_t);
+
+direct_malloc_fn direct_malloc;
+direct_free_fn direct_free;
+
+double run(const std::string &mode, bool raw, int threads, size_t size, double seconds) {
+  std::atomic<bool> go{false}, stop{false};
+  std::atomic<int> ready{0};
+  std::vector<unsigned long long> counts(threads, 0);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; t++) {
+    ts.emplace_back([&, t] {
+      cudaSetDevice(0);
+      cudaStream_t s;
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(s, 0));
+      auto *allocator = c10::cuda::CUDACachingAllocator::get();
+      auto pair = [&] {
+        if (mode == "direct") {
+          direct_free(direct_malloc(size, s), s);
+        } else if (raw) {
+          c10::cuda::CUDACachingAllocator::raw_delete(c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(size, s));
+        } else {
+          c10::DataPtr d = allocator->allocate(size);
+        }
+      };
+      for (int i = 0; i < 1000; i++) pair();  // warm: caches, maps
+      ready++;
+      while (!go.load()) std::this_thread::yield();
+      unsigned long long n = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        for (int i = 0; i < 256; i++) pair();
+        n += 256;
+      }
+      counts[t] = n;
+      cudaStreamSynchronize(s);
+    });
+  }
+  while (ready.load() < threads) std::this_thread::yield();
+  auto t0 = std::chrono::steady_clock::now();
+  go = true;
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  for (auto &t : ts) t.join();
+  double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  unsigned long long total = 0;
+  for (auto c : counts) total += c;
+  return total / dt;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s native|pluggable|magpie|direct LIBMAGPIE [SIZE] [SECONDS]\n", argv[0]);
+    return 2;
+  }
+  std::string mode = argv[1];
+  size_t size = argc > 3 ? std::strtoull(argv[3], nullptr, 0) : 4096;
+  double seconds = argc > 4 ? std::atof(argv[4]) : 1.0;
+  cudaSetDevice(0);
+  if (mode != "native") {
+    void *lib = dlopen(argv[2], RTLD_NOW | RTLD_LOCAL);
+    if (lib == nullptr) {
+      std::fprintf(stderr, "dlopen %s: %s\n", argv[2], dlerror());
+      return 1;
+    }
+    auto m = reinterpret_cast<malloc_fn>(dlsym(lib, "magpie_torch_malloc"));
+    auto f = reinterpret_cast<free_fn>(dlsym(lib, "magpie_torch_free"));
+    direct_malloc = reinterpret_cast<direct_malloc_fn>(dlsym(lib, "magpie_malloc_async"));
+    direct_free = reinterpret_cast<direct_free_fn>(dlsym(lib, "magpie_free_async"));
+    if (mode == "pluggable")
+      torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(
+          torch::cuda::CUDAPluggableAllocator::createCustomAllocator(m, f));
+    if (mode == "magpie") {
+      const char *path = std::getenv("MAGPIE_TORCH_NATIVE");
+      void *nat = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
+      auto install = nat ? reinterpret_cast<int (*)(void *const *)>(dlsym(nat, "magpie_torch_native_install")) : nullptr;
+      const char *names[] = {"magpie_malloc_async",        "magpie_free_async",       "magpie_last_error",
+                             "magpie_last_error_message",  "magpie_torch_record_stream",
+                             "magpie_torch_empty_cache",   "magpie_torch_set_memory_fraction"};
+      void *fn[7];
+      for (int i = 0; i < 7; i++) fn[i] = dlsym(lib, names[i]);
+      if (install == nullptr || install(fn) != 0) {
+        std::fprintf(stderr, "cannot install magpie's allocator from %s\n", path ? path : "(MAGPIE_TORCH_NATIVE unset)");
+        return 1;
+      }
+    }
+  }
+  if (mode != "magpie") c10::cuda::CUDACachingAllocator::init(1);
+  for (bool raw : {false, true}) {
+    if (raw && mode == "direct") break;
+    std::printf("%s, %s, %zu-byte blocks, one stream per thread, M pairs/s at 1 2 4 8 16 threads:", mode.c_str(),
+                mode == "direct" ? "magpie_malloc_async/magpie_free_async" : raw ? "raw_alloc_with_stream" : "allocate",
+                size);
+    for (int threads : {1, 2, 4, 8, 16}) std::printf(" %.2f", run(mode, raw, threads, size, seconds) / 1e6);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  return 0;
+}

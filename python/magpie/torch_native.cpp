@@ -1,0 +1,173 @@
+// magpie as PyTorch's CUDA allocator without the pluggable wrapper's lock,
+// built against the installed PyTorch by magpie.torch on first use
+// (python/magpie/_shim.py), like torch_shim.cpp.
+//
+// Why: torch::cuda::CUDAPluggableAllocator takes one std::mutex and updates
+// an unordered_map on every allocation and free. Measured on an H100
+// (PyTorch 2.11, bench/torch_threads.cpp, 4 KiB blocks, one stream per
+// thread, alloc+free pairs per second at 1 / 16 threads): magpie behind
+// the wrapper 3.71 M / 0.54 M, magpie called directly 19.1 M / 315 M,
+// PyTorch's own allocator 1.20 M / 0.26 M. The wrapper, not magpie, set
+// the pace.
+//
+// MagpieAllocator is a CUDAPluggableAllocator (so every other method, the
+// record-stream, reset and memory-fraction hooks included, is PyTorch's own)
+// whose allocation paths call magpie without a lock:
+//   allocate: magpie on the current stream; the DataPtr's context holds the
+//     block and its stream (PyTorch frees on the allocation stream), so the
+//     free needs no table;
+//   raw_alloc / raw_alloc_with_stream / raw_delete (the raw interface, a
+//     pointer only at the free): a table of 64 shards, each with its own
+//     lock;
+//   an allocation magpie cannot serve throws c10::OutOfMemoryError with
+//     magpie's message (torch.cuda.OutOfMemoryError in Python).
+// magpie's functions arrive as pointers (magpie_torch_native_install), from
+// the libmagpie.so Python loaded.
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <sys/types.h>
+
+#include <array>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+struct MagpieFns {
+  void *(*malloc_async)(size_t, cudaStream_t);
+  int (*free_async)(void *, cudaStream_t);
+  int (*last_error)();
+  const char *(*last_message)();
+  void (*record_stream)(void *, cudaStream_t);
+  void (*empty_cache)();
+  void (*memory_fraction)(double, int);
+};
+
+MagpieFns fns;
+
+// MAGPIE_ERR_OUT_OF_MEMORY and MAGPIE_ERR_TOO_LARGE (include/magpie.h).
+constexpr int kOutOfMemory = 4;
+constexpr int kTooLarge = 5;
+
+void *magpie_alloc(size_t size, cudaStream_t stream) {
+  void *p = fns.malloc_async(size, stream);
+  if (p != nullptr) return p;
+  int code = fns.last_error();
+  const char *message = fns.last_message();
+  TORCH_CHECK_WITH(OutOfMemoryError, code != kOutOfMemory && code != kTooLarge, "CUDA out of memory (magpie). ",
+                   message);
+  TORCH_CHECK(false, "magpie could not allocate ", size, " bytes: ", message);
+  return nullptr;
+}
+
+// A tensor's block and the stream it was allocated on (and is freed on).
+struct Block {
+  void *ptr;
+  cudaStream_t stream;
+};
+
+void delete_block(void *ctx) {
+  Block *b = static_cast<Block *>(ctx);
+  fns.free_async(b->ptr, b->stream);
+  delete b;
+}
+
+class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
+ public:
+  MagpieAllocator()
+      : CUDAPluggableAllocator(
+            [](size_t size, int, cudaStream_t stream) { return magpie_alloc(size, stream); },
+            [](void *ptr, size_t, int, cudaStream_t stream) { fns.free_async(ptr, stream); }) {
+    set_record_stream_fn(fns.record_stream);
+    set_reset_fn(fns.empty_cache);
+    set_memory_fraction_fn(fns.memory_fraction);
+  }
+
+  c10::DataPtr allocate(size_t size) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+    void *p = magpie_alloc(size, stream);
+    return {p, new Block{p, stream}, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+
+  void *raw_alloc(size_t nbytes) override {
+    c10::DeviceIndex device = c10::cuda::current_device();
+    return raw_alloc_with_stream(nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    void *p = magpie_alloc(nbytes, stream);
+    Shard &s = shard(p);
+    std::lock_guard<std::mutex> g(s.lock);
+    s.streams[p] = stream;
+    return p;
+  }
+
+  void raw_delete(void *ptr) override {
+    if (ptr == nullptr) return;
+    cudaStream_t stream;
+    {
+      Shard &s = shard(ptr);
+      std::lock_guard<std::mutex> g(s.lock);
+      auto it = s.streams.find(ptr);
+      TORCH_CHECK(it != s.streams.end(), "magpie: raw_delete of a pointer not allocated here");
+      stream = it->second;
+      s.streams.erase(it);
+    }
+    fns.free_async(ptr, stream);
+  }
+
+  std::string name() override { return "magpie"; }
+
+ private:
+  struct Shard {
+    std::mutex lock;
+    std::unordered_map<void *, cudaStream_t> streams;
+  };
+  std::array<Shard, 64> shards_;
+
+  Shard &shard(void *p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 8) * 0x9E3779B97F4A7C15ull >> 58]; }
+};
+
+std::string install_error;
+
+}  // namespace
+
+extern "C" {
+
+// Makes MagpieAllocator PyTorch's CUDA allocator. fn: magpie_malloc_async,
+// magpie_free_async, magpie_last_error, magpie_last_error_message,
+// magpie_torch_record_stream, magpie_torch_empty_cache,
+// magpie_torch_set_memory_fraction. 0; -1 if one is missing; -2 if PyTorch
+// refused (e.g. its allocator was already in use), with the reason in
+// magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
+__attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
+
+__attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
+  for (int i = 0; i < 7; i++)
+    if (fn[i] == nullptr) return -1;
+  fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
+  fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);
+  fns.last_error = reinterpret_cast<int (*)()>(fn[2]);
+  fns.last_message = reinterpret_cast<const char *(*)()>(fn[3]);
+  fns.record_stream = reinterpret_cast<void (*)(void *, cudaStream_t)>(fn[4]);
+  fns.empty_cache = reinterpret_cast<void (*)()>(fn[5]);
+  fns.memory_fraction = reinterpret_cast<void (*)(double, int)>(fn[6]);
+  try {
+    auto allocator = std::make_shared<MagpieAllocator>();
+    allocator->init(c10::cuda::device_count());
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  } catch (const std::exception &e) {
+    install_error = e.what();
+    return -2;
+  }
+  return 0;
+}
+
+}  // extern "C"
