@@ -61,7 +61,7 @@ double run(const std::string &mode, bool raw, int threads, size_t size, double s
           c10::DataPtr d = allocator->allocate(size);
         }
       };
-      for (int i = 0; i < 1000; i++) pair();  // warm: caches, maps
+      for (int i = 0; i < 1000; i++) pair(); // warm: caches, maps
       ready++;
       while (!go.load()) std::this_thread::yield();
       unsigned long long n = 0;
@@ -85,7 +85,7 @@ double run(const std::string &mode, bool raw, int threads, size_t size, double s
   return total / dt;
 }
 
-}  // namespace
+} // namespace
 
 int main(int argc, char **argv) {
   if (argc < 3) {
@@ -112,14 +112,20 @@ int main(int argc, char **argv) {
     if (mode == "magpie") {
       const char *path = std::getenv("MAGPIE_TORCH_NATIVE");
       void *nat = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
-      auto install = nat ? reinterpret_cast<int (*)(void *const *)>(dlsym(nat, "magpie_torch_native_install")) : nullptr;
-      const char *names[] = {"magpie_malloc_async",        "magpie_free_async",       "magpie_last_error",
-                             "magpie_last_error_message",  "magpie_torch_record_stream",
-                             "magpie_torch_empty_cache",   "magpie_torch_set_memory_fraction"};
+      auto install =
+          nat ? reinterpret_cast<int (*)(void *const *)>(dlsym(nat, "magpie_torch_native_install")) : nullptr;
+      const char *names[] = {"magpie_malloc_async",
+                             "magpie_free_async",
+                             "magpie_last_error",
+                             "magpie_last_error_message",
+                             "magpie_torch_record_stream",
+                             "magpie_torch_empty_cache",
+                             "magpie_torch_set_memory_fraction"};
       void *fn[7];
       for (int i = 0; i < 7; i++) fn[i] = dlsym(lib, names[i]);
       if (install == nullptr || install(fn) != 0) {
-        std::fprintf(stderr, "cannot install magpie's allocator from %s\n", path ? path : "(MAGPIE_TORCH_NATIVE unset)");
+        std::fprintf(stderr, "cannot install magpie's allocator from %s\n",
+                     path ? path : "(MAGPIE_TORCH_NATIVE unset)");
         return 1;
       }
     }
@@ -128,7 +134,9 @@ int main(int argc, char **argv) {
   for (bool raw : {false, true}) {
     if (raw && mode == "direct") break;
     std::printf("%s, %s, %zu-byte blocks, one stream per thread, M pairs/s at 1 2 4 8 16 threads:", mode.c_str(),
-                mode == "direct" ? "magpie_malloc_async/magpie_free_async" : raw ? "raw_alloc_with_stream" : "allocate",
+                mode == "direct" ? "magpie_malloc_async/magpie_free_async"
+                : raw            ? "raw_alloc_with_stream"
+                                 : "allocate",
                 size);
     for (int threads : {1, 2, 4, 8, 16}) std::printf(" %.2f", run(mode, raw, threads, size, seconds) / 1e6);
     std::printf("\n");

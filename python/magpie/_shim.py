@@ -59,7 +59,7 @@ def _flags(torch, native):
     ]
     if native:
         flags += ["-isystem", os.path.join(root, "include", "torch", "csrc", "api", "include")]
-        flags += _cuda_includes(root) + ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda"]
+        flags += _cuda_includes(root) + ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda", "-ldl"]
     return abi, flags + ["-lc10"]
 
 
