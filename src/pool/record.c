@@ -207,31 +207,38 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
   return MAGPIE_OK;
 }
 
+/* The open refs to stream id of blocks recorded and not yet freed (a
+ * parked entry's free reads its refs: never touched), under t's lock. With
+ * tk NULL, only whether there is one; else each gets a copy of *tk and is
+ * closed (no driver call: references only). */
+static int record_close_refs(record_table *t, uint64_t id, const epoch_ticket *tk) {
+  int found = 0;
+  for (unsigned b = 0; b < RECORD_BUCKETS; b++)
+    for (record_entry *e = t->buckets[b]; e != NULL; e = e->hnext)
+      for (unsigned i = 0; !e->parked && i < e->nrefs; i++) {
+        record_ref *r = &e->refs[i];
+        if (r->closed || r->rec->id != id) continue;
+        if (tk == NULL) return 1;
+        epoch_ticket_copy(tk, &r->ticket);
+        r->closed = 1;
+        found = 1;
+      }
+  return found;
+}
+
 int record_retire(record_table *t, stream_rec *rec, cudaStream_t handle) {
   /* Anything recorded on the stream and not yet freed? (Entries being
    * freed are parked: their free seals the handle, still valid now.) */
-  int any = 0;
   pthread_mutex_lock(&t->lock);
-  for (unsigned b = 0; b < RECORD_BUCKETS && !any; b++)
-    for (record_entry *e = t->buckets[b]; e != NULL && !any; e = e->hnext)
-      for (unsigned i = 0; !e->parked && i < e->nrefs && !any; i++)
-        any = !e->refs[i].closed && e->refs[i].rec->id == rec->id;
+  int any = record_close_refs(t, rec->id, NULL);
   pthread_mutex_unlock(&t->lock);
   if (!any) return MAGPIE_OK;
-  /* One seal, outside the lock; a copy of its ticket for every such ref
-   * (no driver call: references only). */
+  /* One seal, outside the lock, for every such ref. */
   epoch_ticket tk;
   int rc = epoch_seal(rec, handle, &tk);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&t->lock);
-  for (unsigned b = 0; b < RECORD_BUCKETS; b++)
-    for (record_entry *e = t->buckets[b]; e != NULL; e = e->hnext)
-      for (unsigned i = 0; !e->parked && i < e->nrefs; i++) { /* a parked entry's free reads its refs */
-        record_ref *r = &e->refs[i];
-        if (r->closed || r->rec->id != rec->id) continue;
-        epoch_ticket_copy(&tk, &r->ticket);
-        r->closed = 1;
-      }
+  record_close_refs(t, rec->id, &tk);
   pthread_mutex_unlock(&t->lock);
   epoch_ticket_release(&tk);
   return MAGPIE_OK;
@@ -251,11 +258,11 @@ record_entry *record_sync_take(record_table *t) {
 
 void record_sync_done(record_table *t, record_entry *chain, int ok) {
   if (chain == NULL) return;
+  record_entry **list = ok ? &t->parked : &t->sync;
   pthread_mutex_lock(&t->lock);
   size_t n = atomic_load_relaxed(&t->sync_count);
   for (record_entry *e = chain, *next; e != NULL; e = next) {
     next = e->pnext;
-    record_entry **list = ok ? &t->parked : &t->sync;
     e->pnext = *list;
     *list = e;
     n += !ok;

@@ -23,11 +23,10 @@
  * record's (on a GPU that query crashes the process if no stream has the
  * handle value any more; the simulated device answers it); a stream that
  * is gone, or whose seal fails, is covered instead by a device
- * synchronisation: the block waits
- * on the table's sync list until the heap's maintenance thread has
- * synchronised the device (record_sync_take / record_sync_done; the hook
- * given to record_table_init wakes it), then joins the parked blocks and
- * waits for its other tickets as they do. Such a free succeeds, and the
+ * synchronisation: the block waits on the table's sync list until the
+ * heap's maintenance thread has synchronised the device (record_sync_take
+ * / record_sync_done; the hook given to record_table_init wakes it), then
+ * joins the parked blocks and waits for its other tickets as they do. Such a free succeeds, and the
  * block is reused by nobody before the destroyed stream's work completed.
  *
  * Lock order: record_table.lock is a leaf. No driver call is made while it
