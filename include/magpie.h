@@ -53,6 +53,7 @@ enum magpie_error {
   MAGPIE_ERR_NO_DEVICE = 9, /* requested backend has no device */
   MAGPIE_ERR_CONFIG = 10,   /* bad MAGPIE_CONF / config value */
   MAGPIE_ERR_ALREADY_INITIALIZED = 11,
+  MAGPIE_ERR_CAPTURE = 12, /* not permitted while a stream captures a CUDA graph */
   MAGPIE_ERR_COUNT_
 };
 
@@ -182,6 +183,10 @@ typedef struct magpie_stats {
   /* Device-wide synchronisations magpie made (draining limbo: blocks of
    * streams it can no longer order against). None on a steady path. */
   uint64_t device_syncs;
+  /* CUDA graphs: bytes held by graph pools (counted in in_use_bytes), and
+   * pools alive. */
+  size_t graph_pool_bytes;
+  uint64_t graph_pools;
 } magpie_stats;
 
 MAGPIE_API int magpie_stats_get(int device, magpie_stats *out);
@@ -221,7 +226,9 @@ MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
  * refused (MAGPIE_ERR_INVALID_STREAM); a freed block gives
  * MAGPIE_ERR_INVALID_POINTER: a large block always, a smaller one in
  * checked mode (MAGPIE_CONF=check=1; otherwise a freed block still in a
- * thread's cache cannot be told from a live one). */
+ * thread's cache cannot be told from a live one). A graph pool's block
+ * ("CUDA graphs" below) follows its pool's rules: nothing is recorded for
+ * it. */
 MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream);
 
 /* Call before destroying a stream magpie has seen (cudaStreamDestroy,
@@ -239,6 +246,72 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream);
  * as they do without it. MAGPIE_ERR_INVALID_STREAM for a destroyed or
  * special handle. */
 MAGPIE_API int magpie_stream_retire(cudaStream_t stream);
+
+/* ---- CUDA graphs ----
+ * A captured graph replays its kernels at the addresses it was captured
+ * with, for as long as it lives. Memory magpie hands out on a capturing
+ * stream therefore belongs to a *graph pool*: it is never handed to work
+ * outside the pool while the pool lives, and goes back only after the
+ * pool is released and the device finished every replay that may use it.
+ * Like torch.cuda.graph's pools:
+ *   - several captures may share a pool, one after another or at once;
+ *     graphs that share a pool must be replayed in the order they were
+ *     captured, one at a time (a block one capture freed may serve a later
+ *     capture of the pool);
+ *   - a block freed during a capture serves later allocations of the same
+ *     capture on the same stream (capture order), and any capture of the
+ *     pool once the captures under way at the free ended;
+ *   - a block allocated during a capture and freed after it (a graph's
+ *     output, freed by its user) returns to its pool, reusable once the
+ *     work on its freeing stream completed; keep it while the graph may
+ *     still be replayed, as with PyTorch.
+ * Announce every capture that allocates through magpie, and every capture
+ * at all while magpie is in use: while an announced capture runs, no
+ * magpie call anywhere in the process does what CUDA forbids during a
+ * capture (synchronising the device, querying or waiting across the
+ * capture; memory is mapped in the relaxed capture mode), and allocations
+ * and frees check the stream's capture state (one driver query each: the
+ * fast paths are left only while a capture is announced). An allocation on
+ * a capturing stream of a capture magpie was not told of fails with
+ * MAGPIE_ERR_CAPTURE; magpie looks for one on its slow paths only (it
+ * records no event on a capturing stream), so a capture it was not told
+ * of may also receive blocks from a thread's cache. A block allocated
+ * outside a capture and freed on a capturing stream waits for a device
+ * synchronisation (made once no announced capture runs) before any
+ * reuse: it must not be used by the graph. The simulated device models
+ * capture (magpie_sim.h), so all of this can be tested without a GPU. */
+
+/* A new, empty graph pool on device. Pool ids are never reused. */
+MAGPIE_API int magpie_graph_pool_create(int device, uint64_t *pool);
+/* The capture begun (or about to begin) on stream allocates into pool:
+ * from this call until magpie_capture_end(pool, stream), every magpie
+ * allocation on a stream of that capture (stream itself, or a stream
+ * that joined its capture) comes from pool. Call it right after
+ * cudaStreamBeginCapture(stream) or right before it. stream NULL
+ * announces a capture whose allocations the caller routes itself with
+ * magpie_graph_pool_malloc_async (as PyTorch's allocator hooks do: they
+ * name no stream). MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released
+ * pool or a stream of another device. */
+MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream);
+/* The capture announced with (pool, stream) is over (call it after
+ * cudaStreamEndCapture, or just before). Blocks freed during it become
+ * reusable by the pool's later captures once no capture of the pool runs. */
+MAGPIE_API int magpie_capture_end(uint64_t pool, cudaStream_t stream);
+/* An allocation from pool for work on stream, whether or not stream is
+ * capturing (outside a capture, like allocating into a PyTorch MemPool).
+ * NULL with the error set (MAGPIE_ERR_OUT_OF_MEMORY, or
+ * MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released pool). Free the
+ * block with magpie_free_async as any other. */
+MAGPIE_API void *magpie_graph_pool_malloc_async(uint64_t pool, size_t size, cudaStream_t stream);
+/* Drop the pool: call it once the graphs that used it are destroyed (their
+ * replays may still run). Its free blocks, and each of its blocks still in
+ * use when it is freed, return to magpie after the next device
+ * synchronisation, which magpie makes in the background while no
+ * announced capture runs. MAGPIE_ERR_INVALID_ARGUMENT for an unknown or
+ * released pool. */
+MAGPIE_API int magpie_graph_pool_release(uint64_t pool);
+/* Bytes pool holds, in use or free (0 for an unknown pool). */
+MAGPIE_API size_t magpie_graph_pool_bytes(uint64_t pool);
 
 /* Errors. */
 MAGPIE_API int magpie_last_error(void);

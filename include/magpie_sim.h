@@ -107,6 +107,100 @@ MAGPIE_API int magpie_sim_event_query(magpie_sim_event e);
 MAGPIE_API int magpie_sim_event_synchronize(magpie_sim_event e);
 MAGPIE_API int magpie_sim_stream_wait_event(cudaStream_t s, magpie_sim_event e);
 
+/* Stream capture, as CUDA's cudaStreamBeginCapture / cudaStreamEndCapture /
+ * cudaGraphLaunch. While a stream captures, work enqueued on it (launches,
+ * event records) is not run: it is recorded into the capture, and the graph
+ * that magpie_sim_stream_end_capture returns runs it, in capture order, on
+ * the stream it is launched on, once per launch (nodes of a simulated graph
+ * run one after another: more order than a GPU's graph, never less).
+ * An event recorded on a capturing stream belongs to the capture: nothing
+ * is enqueued for it, a graph launch records nothing into it, and it stays
+ * the capture's (even after the capture ended) until it is recorded again
+ * outside a capture. A capturing stream waiting on an event of its own
+ * capture, or on one never recorded, or on itself, is a no-op.
+ *
+ * What CUDA forbids during a capture fails here with MAGPIE_ERR_CAPTURE and
+ * invalidates the capture concerned (its end then fails with
+ * MAGPIE_ERR_CAPTURE and no graph), and is counted
+ * (magpie_sim_capture_violations):
+ *   - synchronising a capturing stream; querying, synchronising or waiting
+ *     (from outside its capture) on an event recorded in a capture, also
+ *     after that capture ended (nothing left to invalidate then); destroying
+ *     a capturing stream (it stays, capturing);
+ *   - synchronising the device while any of its streams captures (all those
+ *     captures are invalidated; nothing is synchronised);
+ *   - making a capturing stream wait on an event recorded outside the
+ *     capture or on another stream (the simulator captures one stream:
+ *     joining a second stream into a capture is refused with
+ *     MAGPIE_ERR_CAPTURE too, as CUDA refuses a join of two captures), or
+ *     another stream wait on a capturing stream;
+ *   - using the default stream (0) or the legacy handle (1) of a device
+ *     (launch, graph launch, event record, wait, synchronize) while a
+ *     global-mode capture runs there (CUDA's legacy stream synchronises with
+ *     other streams): every such capture is invalidated;
+ *   - asking a capturing stream its id or its device (magpie_sim_stream_id,
+ *     magpie_sim_stream_device): CUDA refuses cuStreamGetId,
+ *     cuStreamGetDevice and cuStreamGetFlags on a capturing stream and
+ *     invalidates its capture, in every mode (measured: H100, CUDA 13.0,
+ *     driver 580); magpie_sim_stream_capture_info is the query allowed;
+ *   - the calls CUDA calls potentially unsafe, from a thread whose capture
+ *     mode prohibits them: reserving, mapping, unmapping, allocating or
+ *     freeing device memory, querying or synchronising an event (recorded
+ *     outside any capture) or a stream (one not capturing). Prohibited in
+ *     MAGPIE_SIM_CAPTURE_GLOBAL while any other thread runs a global-mode
+ *     capture, and in GLOBAL and THREAD_LOCAL while the thread itself runs
+ *     a capture begun in a mode other than RELAXED (measured on the same
+ *     H100: in the relaxed mode these pass). The captures invalidated are
+ *     those that prohibited the call.
+ * Work enqueued (launch, record, wait) on a stream whose capture is already
+ * invalidated also fails with MAGPIE_ERR_CAPTURE, as in CUDA, but is not
+ * counted again; magpie_sim_stream_capture_info is always allowed.
+ * Capture modes are per thread (magpie_sim_thread_exchange_capture_mode,
+ * as cudaThreadExchangeStreamCaptureMode; default GLOBAL); the mode given
+ * to begin is the capture's, for the rules above, and a capture's thread is
+ * the one that began it. Host threads that enqueue work while captures are
+ * under way may become ordered with each other (as through the driver's
+ * locks); a stream's work never is.
+ * Errors that are not violations (not counted, no capture invalidated):
+ * beginning a capture on the default stream (0 or 1; CUDA cannot capture
+ * its legacy stream: capture a created or the per-thread stream) or on a
+ * stream already capturing, and ending one on a stream that does not
+ * capture, all MAGPIE_ERR_CAPTURE; an unknown mode, MAGPIE_ERR_INVALID_ARGUMENT.
+ * A capture still under way when its stream is retired (a per-thread
+ * stream at its thread's exit) is dropped. */
+#define MAGPIE_SIM_CAPTURE_GLOBAL 0
+#define MAGPIE_SIM_CAPTURE_THREAD_LOCAL 1
+#define MAGPIE_SIM_CAPTURE_RELAXED 2
+/* magpie_sim_stream_capture_info's states (as cudaStreamCaptureStatus). */
+#define MAGPIE_SIM_CAPTURE_NONE 0
+#define MAGPIE_SIM_CAPTURE_ACTIVE 1
+#define MAGPIE_SIM_CAPTURE_INVALIDATED 2
+
+typedef struct magpie_sim_graph_st *magpie_sim_graph;
+
+MAGPIE_API int magpie_sim_stream_begin_capture(cudaStream_t s, int mode);
+/* Ends the capture begun on s. *graph: the graph (destroy it with
+ * magpie_sim_graph_destroy), or NULL when the capture was invalidated
+ * (MAGPIE_ERR_CAPTURE, the reason in the last error). */
+MAGPIE_API int magpie_sim_stream_end_capture(cudaStream_t s, magpie_sim_graph *graph);
+/* *status: a MAGPIE_SIM_CAPTURE_* state; *id: the capture's id, unique in
+ * the process, while one is under way (else 0); either may be NULL. Never
+ * invalidates; NONE for the default stream, which cannot capture. */
+MAGPIE_API int magpie_sim_stream_capture_info(cudaStream_t s, int *status, uint64_t *id);
+/* Swaps the calling thread's capture mode with *mode. */
+MAGPIE_API int magpie_sim_thread_exchange_capture_mode(int *mode);
+/* Enqueues the graph's work on s (one replay); a graph may be launched any
+ * number of times, on any stream of its device, until destroyed. Each node
+ * is enqueued as a magpie_sim_launch would be (a full queue blocks, see
+ * MAGPIE_SIM_QUEUE_DEPTH); a failure (out of host memory) enqueues nothing.
+ * Launched onto a capturing stream, the graph's work is recorded into that
+ * capture (where CUDA would add the graph as a child node). */
+MAGPIE_API int magpie_sim_graph_launch(magpie_sim_graph g, cudaStream_t s);
+/* Replays already enqueued still run. */
+MAGPIE_API int magpie_sim_graph_destroy(magpie_sim_graph g);
+/* Forbidden calls made so far (each failed and counted, see above). */
+MAGPIE_API uint64_t magpie_sim_capture_violations(void);
+
 /* Capacity and use of the simulated device memory, in bytes. */
 MAGPIE_API int magpie_sim_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
 

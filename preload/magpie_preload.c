@@ -6,11 +6,13 @@
  *
  *   runtime  cudaMalloc, cudaFree, cudaMallocAsync, cudaFreeAsync
  *            (+ the _ptsz forms used under --default-stream per-thread),
- *            cudaStreamDestroy
+ *            cudaStreamDestroy, cudaStreamBeginCapture, cudaStreamEndCapture
+ *            (+ _ptsz)
  *            cudaMemPoolGetAttribute, cudaMemPoolSetAttribute,
  *            cudaMemPoolTrimTo
  *   driver   cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync
- *            (+ _ptsz), cuStreamDestroy_v2, cuMemPoolGetAttribute,
+ *            (+ _ptsz), cuStreamDestroy_v2, cuStreamBeginCapture_v2,
+ *            cuStreamEndCapture (+ _ptsz), cuMemPoolGetAttribute,
  *            cuMemPoolSetAttribute, cuMemPoolTrimTo; cuda.h maps cuMemAlloc,
  *            cuMemFree and cuStreamDestroy to the _v2 names
  *
@@ -34,6 +36,18 @@
  *   - cudaStreamDestroy / cuStreamDestroy: magpie_stream_retire first (what
  *     magpie holds under the handle is sealed while it is valid), then the
  *     real function.
+ *   - CUDA graphs: a capture begun through cudaStreamBeginCapture /
+ *     cuStreamBeginCapture is announced to magpie (magpie_capture_begin,
+ *     with a pool of this library's that stays empty) until its end, so
+ *     that nothing magpie does invalidates it. While one is under way,
+ *     cudaMallocAsync / cuMemAllocAsync on a capturing stream go to the
+ *     real functions: they become the graph's memory nodes, as without this
+ *     library (the driver's pool serves them; cudaFreeAsync of them too);
+ *     cudaMalloc / cuMemAlloc go to the real functions, which do what CUDA
+ *     does during a capture; cudaFree / cuMemFree of a magpie block, which
+ *     would synchronise the device, are refused with
+ *     cudaErrorStreamCaptureUnsupported (900) and the block stays
+ *     allocated, as CUDA refuses an unsafe call during a capture.
  *   - cudaMemPoolGetAttribute / SetAttribute / TrimTo (and cuMemPool*) on a
  *     device's default pool: the usage figures include magpie's, resets
  *     and trims reach magpie too (see "The default memory pool's figures"
@@ -48,7 +62,8 @@
  * memory. Driver-API programs must allocate in the device's primary context
  * (magpie's events and mappings live there).
  *
- * Lock order: preload_lock (private stream creation) is a leaf. */
+ * Lock order: preload_lock (private stream creation, the capture pools)
+ * is held across magpie_graph_pool_create only (magpie never calls back). */
 #include <dlfcn.h>
 #include <link.h>
 #include <pthread.h>
@@ -99,6 +114,15 @@ static struct {
   CUresult (*cu_ctx_synchronize)(void);
   CUresult (*cu_stream_create)(cudaStream_t *, unsigned);
   cudaError_t (*cuda_stream_destroy)(cudaStream_t);
+  cudaError_t (*cuda_begin_capture)(cudaStream_t, int);
+  cudaError_t (*cuda_begin_capture_ptsz)(cudaStream_t, int);
+  cudaError_t (*cuda_end_capture)(cudaStream_t, void **);
+  cudaError_t (*cuda_end_capture_ptsz)(cudaStream_t, void **);
+  CUresult (*cu_begin_capture)(cudaStream_t, int);
+  CUresult (*cu_begin_capture_ptsz)(cudaStream_t, int);
+  CUresult (*cu_end_capture)(cudaStream_t, void **);
+  CUresult (*cu_end_capture_ptsz)(cudaStream_t, void **);
+  CUresult (*cu_is_capturing)(cudaStream_t, int *);
   CUresult (*cu_stream_destroy)(cudaStream_t);
   cudaError_t (*cuda_default_pool)(void **, int);
   cudaError_t (*cuda_pool_get)(void *, int, void *);
@@ -157,6 +181,14 @@ static void preload_init(void) {
   real.cu_mem_alloc_async_ptsz = preload_sym(drv, "cuMemAllocAsync_ptsz");
   real.cu_mem_free_async_ptsz = preload_sym(drv, "cuMemFreeAsync_ptsz");
   real.cuda_stream_destroy = preload_sym(rt, "cudaStreamDestroy");
+  real.cuda_begin_capture = preload_sym(rt, "cudaStreamBeginCapture");
+  real.cuda_begin_capture_ptsz = preload_sym(rt, "cudaStreamBeginCapture_ptsz");
+  real.cuda_end_capture = preload_sym(rt, "cudaStreamEndCapture");
+  real.cuda_end_capture_ptsz = preload_sym(rt, "cudaStreamEndCapture_ptsz");
+  real.cu_begin_capture = preload_sym(drv, "cuStreamBeginCapture_v2");
+  real.cu_begin_capture_ptsz = preload_sym(drv, "cuStreamBeginCapture_v2_ptsz");
+  real.cu_end_capture = preload_sym(drv, "cuStreamEndCapture");
+  real.cu_end_capture_ptsz = preload_sym(drv, "cuStreamEndCapture_ptsz");
   real.cu_stream_destroy = preload_sym(drv, "cuStreamDestroy_v2");
   real.cuda_pool_get = preload_sym(rt, "cudaMemPoolGetAttribute");
   real.cuda_pool_set = preload_sym(rt, "cudaMemPoolSetAttribute");
@@ -174,9 +206,10 @@ static void preload_init(void) {
     real.cu_ctx_synchronize = dlsym(drv, "cuCtxSynchronize");
     real.cu_stream_create = dlsym(drv, "cuStreamCreate");
     real.cu_default_pool = dlsym(drv, "cuDeviceGetDefaultMemPool");
+    real.cu_is_capturing = dlsym(drv, "cuStreamIsCapturing");
   }
   real.usable = drv != NULL && real.cu_ctx_get_device && real.cu_primary_retain && real.cu_ctx_push &&
-                real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create &&
+                real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create && real.cu_is_capturing &&
                 magpie_active_backend() == MAGPIE_BACKEND_CUDA;
 }
 
@@ -236,6 +269,111 @@ static int preload_device_synchronize(int dev) {
   return rc;
 }
 
+/* ---- CUDA graphs ----
+ * Captures begun through the interposed functions and not yet ended:
+ * incremented (relaxed) after a begin succeeded and magpie was told,
+ * decremented at the end; read (relaxed) by the allocation paths, which
+ * then ask whether their stream captures. A capture begun elsewhere (a
+ * statically linked runtime) is not seen: magpie's own slow-path checks
+ * still refuse to record events on its stream. */
+static _Atomic int preload_captures;
+/* The announcement's pool (empty: capturing streams' requests go to the
+ * real functions), one per device, made once under preload_lock. */
+static uint64_t preload_capture_pools[MAGPIE_MAX_DEVICES];
+
+#define PRELOAD_CAPTURE_UNSUPPORTED 900 /* cudaErrorStreamCaptureUnsupported, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+
+/* The pool for a capture on s, of the current context's device: a
+ * capturing stream cannot be asked its device (cuStreamGetDevice there
+ * fails and invalidates the capture: src/device/backend.h). */
+static uint64_t preload_capture_pool(cudaStream_t s) {
+  (void)s;
+  int dev = -1;
+  if (real.cu_ctx_get_device(&dev) != 0) return 0;
+  if (dev < 0 || dev >= MAGPIE_MAX_DEVICES) return 0;
+  pthread_mutex_lock(&preload_lock);
+  if (preload_capture_pools[dev] == 0) magpie_graph_pool_create(dev, &preload_capture_pools[dev]);
+  uint64_t pool = preload_capture_pools[dev];
+  pthread_mutex_unlock(&preload_lock);
+  return pool;
+}
+
+/* After a successful begin on s: tell magpie. */
+static void preload_capture_begun(cudaStream_t s) {
+  uint64_t pool;
+  if (!preload_usable() || (pool = preload_capture_pool(s)) == 0) return;
+  if (magpie_capture_begin(pool, s) == MAGPIE_OK) atomic_fetch_add_explicit(&preload_captures, 1, memory_order_relaxed);
+}
+
+/* Before the end on s (magpie's announcement is matched by handle). */
+static void preload_capture_ending(cudaStream_t s) {
+  if (atomic_load_explicit(&preload_captures, memory_order_relaxed) == 0) return;
+  uint64_t pool = preload_capture_pool(s);
+  if (pool != 0 && magpie_capture_end(pool, s) == MAGPIE_OK)
+    atomic_fetch_sub_explicit(&preload_captures, 1, memory_order_relaxed);
+}
+
+/* Is a capture under way, and is s (0: the caller's question is about the
+ * thread, not a stream) capturing? */
+static int preload_in_capture(cudaStream_t s) {
+  if (atomic_load_explicit(&preload_captures, memory_order_relaxed) == 0) return 0;
+  if (s == NULL) return 1;
+  int st = 0;
+  return real.cu_is_capturing(s, &st) != 0 || st != 0;
+}
+
+PRELOAD_API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  cudaError_t rc = real.cuda_begin_capture ? real.cuda_begin_capture(s, mode) : PRELOAD_UNKNOWN;
+  if (rc == PRELOAD_OK) preload_capture_begun(s);
+  return rc;
+}
+
+PRELOAD_API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  cudaError_t rc = real.cuda_begin_capture_ptsz ? real.cuda_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN;
+  if (rc == PRELOAD_OK) preload_capture_begun(s ? s : PRELOAD_PER_THREAD);
+  return rc;
+}
+
+PRELOAD_API cudaError_t cudaStreamEndCapture(cudaStream_t s, void **graph) {
+  pthread_once(&preload_once, preload_init);
+  preload_capture_ending(s);
+  return real.cuda_end_capture ? real.cuda_end_capture(s, graph) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, void **graph) {
+  pthread_once(&preload_once, preload_init);
+  preload_capture_ending(s ? s : PRELOAD_PER_THREAD);
+  return real.cuda_end_capture_ptsz ? real.cuda_end_capture_ptsz(s, graph) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API CUresult cuStreamBeginCapture_v2(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  CUresult rc = real.cu_begin_capture ? real.cu_begin_capture(s, mode) : PRELOAD_UNKNOWN;
+  if (rc == PRELOAD_OK) preload_capture_begun(s);
+  return rc;
+}
+
+PRELOAD_API CUresult cuStreamBeginCapture_v2_ptsz(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  CUresult rc = real.cu_begin_capture_ptsz ? real.cu_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN;
+  if (rc == PRELOAD_OK) preload_capture_begun(s ? s : PRELOAD_PER_THREAD);
+  return rc;
+}
+
+PRELOAD_API CUresult cuStreamEndCapture(cudaStream_t s, void **graph) {
+  pthread_once(&preload_once, preload_init);
+  preload_capture_ending(s);
+  return real.cu_end_capture ? real.cu_end_capture(s, graph) : PRELOAD_UNKNOWN;
+}
+
+PRELOAD_API CUresult cuStreamEndCapture_ptsz(cudaStream_t s, void **graph) {
+  pthread_once(&preload_once, preload_init);
+  preload_capture_ending(s ? s : PRELOAD_PER_THREAD);
+  return real.cu_end_capture_ptsz ? real.cu_end_capture_ptsz(s, graph) : PRELOAD_UNKNOWN;
+}
+
 /* Memory usable by every stream of dev at once, or NULL. */
 static void *preload_alloc_sync(size_t size, int dev) {
   cudaStream_t s = preload_stream(dev);
@@ -245,6 +383,7 @@ static void *preload_alloc_sync(size_t size, int dev) {
 /* A block possibly used on any stream: wait for the device, then free it on
  * the private stream (reusable at once by anyone). */
 static int preload_free_sync(void *p, int dev) {
+  if (preload_in_capture(NULL)) return PRELOAD_CAPTURE_UNSUPPORTED;
   cudaStream_t s = preload_stream(dev);
   if (s == NULL) return PRELOAD_UNKNOWN;
   int rc = preload_device_synchronize(dev);
@@ -253,10 +392,11 @@ static int preload_free_sync(void *p, int dev) {
 }
 
 /* Stream-ordered allocation: NULL with *code set when the real function
- * should not be tried (an invalid stream). */
+ * should not be tried (an invalid stream). A capturing stream's request
+ * is the real function's (a graph memory node). */
 static void *preload_alloc_async(size_t size, cudaStream_t s, int *code) {
   *code = PRELOAD_OK;
-  if (!preload_usable()) return NULL;
+  if (!preload_usable() || preload_in_capture(s)) return NULL;
   void *p = magpie_malloc_async(size, s);
   if (p == NULL && magpie_last_error() == MAGPIE_ERR_INVALID_STREAM) *code = PRELOAD_INVALID_HANDLE;
   return p;
@@ -267,7 +407,7 @@ static void *preload_alloc_async(size_t size, cudaStream_t s, int *code) {
 PRELOAD_API cudaError_t cudaMalloc(void **devPtr, size_t size) {
   pthread_once(&preload_once, preload_init);
   int dev = -1;
-  if (devPtr != NULL && size != 0 && preload_usable() && real.cuda_get_device != NULL &&
+  if (devPtr != NULL && size != 0 && preload_usable() && !preload_in_capture(NULL) && real.cuda_get_device != NULL &&
       real.cuda_get_device(&dev) == 0) {
     void *p = preload_alloc_sync(size, dev);
     if (p != NULL) {
@@ -349,7 +489,7 @@ PRELOAD_API CUresult cuStreamDestroy_v2(cudaStream_t s) {
 PRELOAD_API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size) {
   pthread_once(&preload_once, preload_init);
   int dev = -1;
-  if (dptr != NULL && size != 0 && preload_usable() && real.cu_ctx_get_device(&dev) == 0) {
+  if (dptr != NULL && size != 0 && preload_usable() && !preload_in_capture(NULL) && real.cu_ctx_get_device(&dev) == 0) {
     void *p = preload_alloc_sync(size, dev);
     if (p != NULL) {
       *dptr = (CUdeviceptr)(uintptr_t)p;

@@ -1,6 +1,8 @@
 /* The backend table over the simulated device (sim_*.c). Every operation is
  * a thin wrapper: the simulator already returns magpie_error codes and puts
- * the reason in backend_error_detail(). The allocator reaches the table
+ * the reason in backend_error_detail(). The memory operations switch the
+ * calling thread to the relaxed capture mode around the simulator's call,
+ * as the CUDA table does (device/backend.h). The allocator reaches the table
  * through magpie_sim_device_table (below), the simulator's one entry point
  * for it, whether the simulator is linked into the program or loaded as
  * libmagpie_sim.so. */
@@ -43,31 +45,67 @@ static int backend_sim_need_vmm(void) {
   return MAGPIE_OK;
 }
 
+/* The memory operations run in the relaxed capture mode (device/backend.h):
+ * the allocator maps and frees on behalf of whatever thread allocates, and
+ * its memory is not part of any graph, so a capture in progress, on this
+ * thread or another, neither refuses them nor is invalidated by them. The
+ * thread's own mode is restored afterwards, so its other calls keep the
+ * rules it chose (the CUDA table does the same with
+ * cuThreadExchangeStreamCaptureMode). The simulator checks the mode inside
+ * sim_memory_*, so this switch is what makes them pass. */
+static int backend_sim_relaxed_begin(void) { return sim_capture_exchange_mode(MAGPIE_SIM_CAPTURE_RELAXED); }
+
+static void backend_sim_relaxed_end(int mode) { sim_capture_exchange_mode(mode); }
+
 static int backend_sim_reserve(int device, size_t size, uintptr_t *base) {
   int rc = backend_sim_need_vmm();
-  return rc != MAGPIE_OK ? rc : sim_memory_reserve(device, size, base);
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_reserve(device, size, base);
+  backend_sim_relaxed_end(mode);
+  return rc;
 }
 
 static int backend_sim_unreserve(int device, uintptr_t base, size_t size) {
   int rc = backend_sim_need_vmm();
-  return rc != MAGPIE_OK ? rc : sim_memory_unreserve(device, base, size);
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_unreserve(device, base, size);
+  backend_sim_relaxed_end(mode);
+  return rc;
 }
 
 static int backend_sim_map(int device, uintptr_t addr, size_t size) {
   int rc = backend_sim_need_vmm();
-  return rc != MAGPIE_OK ? rc : sim_memory_map(device, addr, size);
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_map(device, addr, size);
+  backend_sim_relaxed_end(mode);
+  return rc;
 }
 
 static int backend_sim_unmap(int device, uintptr_t addr, size_t size) {
   int rc = backend_sim_need_vmm();
-  return rc != MAGPIE_OK ? rc : sim_memory_unmap(device, addr, size);
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_unmap(device, addr, size);
+  backend_sim_relaxed_end(mode);
+  return rc;
 }
 
 static int backend_sim_mem_alloc(int device, size_t size, uintptr_t *out) {
-  return sim_memory_alloc(device, size, out);
+  int mode = backend_sim_relaxed_begin();
+  int rc = sim_memory_alloc(device, size, out);
+  backend_sim_relaxed_end(mode);
+  return rc;
 }
 
-static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) { return sim_memory_free(device, ptr, size); }
+static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) {
+  int mode = backend_sim_relaxed_begin();
+  int rc = sim_memory_free(device, ptr, size);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
 
 static int backend_sim_event_create(int device, void **event) {
   magpie_sim_event e;
@@ -80,20 +118,41 @@ static int backend_sim_event_destroy(void *event) { return sim_event_destroy(eve
 
 static int backend_sim_event_record(void *event, cudaStream_t stream) { return sim_event_record(event, stream); }
 
+/* Event queries and synchronisations run relaxed too (device/backend.h):
+ * the allocator's events are recorded outside any capture, and in the
+ * global mode a query while another thread captures would invalidate that
+ * capture (sim_capture_unsafe_call). */
 static int backend_sim_event_query(void *event) {
+  int mode = backend_sim_relaxed_begin();
   int rc = sim_event_query(event);
+  backend_sim_relaxed_end(mode);
   return rc == MAGPIE_SIM_NOT_READY ? BACKEND_NOT_READY : rc;
 }
 
-static int backend_sim_event_synchronize(void *event) { return sim_event_synchronize(event); }
+static int backend_sim_event_synchronize(void *event) {
+  int mode = backend_sim_relaxed_begin();
+  int rc = sim_event_synchronize(event);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
 
 static int backend_sim_stream_wait_event(cudaStream_t stream, void *event) {
   return sim_event_stream_wait(stream, event);
 }
 
+/* A stream whose identity was refused (it captures: the detail says so)
+ * gives MAGPIE_ERR_CAPTURE, as CUDA's table does. */
+static int backend_sim_identity_error(cudaStream_t stream) {
+  int st = MAGPIE_SIM_CAPTURE_NONE;
+  uint64_t cid;
+  if (sim_capture_any() && sim_capture_info(stream, &st, &cid) == MAGPIE_OK && st != MAGPIE_SIM_CAPTURE_NONE)
+    return MAGPIE_ERR_CAPTURE;
+  return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream", (void *)stream);
+}
+
 static int backend_sim_stream_id(cudaStream_t stream, uint64_t *id) {
   uint64_t v = sim_stream_id(stream);
-  if (v == 0) return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream", (void *)stream);
+  if (v == 0) return backend_sim_identity_error(stream);
   *id = v;
   return MAGPIE_OK;
 }
@@ -106,12 +165,25 @@ static int backend_sim_stream_id_fast(cudaStream_t stream, unsigned long long *i
 
 static int backend_sim_stream_device(cudaStream_t stream, int *device) {
   int d = sim_stream_device_of_handle(stream);
-  if (d < 0) return sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not a live simulated stream", (void *)stream);
+  if (d < 0) return backend_sim_identity_error(stream);
   *device = d;
   return MAGPIE_OK;
 }
 
 static int backend_sim_device_synchronize(int device) { return sim_stream_device_synchronize(device); }
+
+/* The simulator's capture states are CUDA's, as are the table's. */
+static int backend_sim_stream_capture(cudaStream_t stream, int *status, uint64_t *capture_id) {
+  int state;
+  uint64_t id;
+  int rc = sim_capture_info(stream, &state, &id);
+  if (rc != MAGPIE_OK) return rc;
+  *status = state == MAGPIE_SIM_CAPTURE_ACTIVE        ? BACKEND_CAPTURE_ACTIVE
+            : state == MAGPIE_SIM_CAPTURE_INVALIDATED ? BACKEND_CAPTURE_INVALIDATED
+                                                      : BACKEND_CAPTURE_NONE;
+  *capture_id = id;
+  return MAGPIE_OK;
+}
 
 static const backend_ops backend_sim_ops = {
     .name = "sim",
@@ -136,6 +208,7 @@ static const backend_ops backend_sim_ops = {
     .stream_id_fast = backend_sim_stream_id_fast,
     .stream_device = backend_sim_stream_device,
     .device_synchronize = backend_sim_device_synchronize,
+    .stream_capture = backend_sim_stream_capture,
     /* This copy of the device interface's detail: the allocator may be
      * another shared object with a copy of its own. */
     .error_detail = backend_local_error_detail,

@@ -448,23 +448,36 @@ struct sim_check_poison {
   uintptr_t p;
   size_t n;
   int poison;
+  int kept; /* recorded into a capture: run once per replay, never freed */
 };
 
 static void sim_check_poison_run(void *arg) {
   struct sim_check_poison *x = arg;
   if (x->poison) ASAN_POISON_MEMORY_REGION((void *)x->p, x->n);
   else ASAN_UNPOISON_MEMORY_REGION((void *)x->p, x->n);
-  free(x);
+  if (!x->kept) free(x);
 }
 #endif
 
-/* Lock not held (the launch ticks the stream's clock). */
+/* Lock not held (the launch ticks the stream's clock). The closure is the
+ * simulator's, not the user's: it bypasses the capture rules (no refusal,
+ * no invalidation, also on the default stream). On a capturing stream it
+ * is recorded into the capture, where the block's work is, and then runs
+ * once per replay and is never freed (a replay may still be pending when
+ * its graph is destroyed; a few bytes per captured hand-out or free). On a
+ * stream whose capture was invalidated no graph will run it: dropped. */
 static void sim_check_poison(cudaStream_t h, uintptr_t p, size_t n, int poison) {
 #ifdef SIM_CHECK_ASAN
+  struct sim_stream *s;
+  if (sim_stream_resolve(h, &s) != MAGPIE_OK) return;
   struct sim_check_poison *x = malloc(sizeof *x);
   if (x == NULL) return;
-  *x = (struct sim_check_poison){p, n, poison};
-  if (sim_stream_launch(h, sim_check_poison_run, x) != MAGPIE_OK) free(x);
+  *x = (struct sim_check_poison){p, n, poison, 1};
+  struct sim_closure work = {sim_check_poison_run, x};
+  int captured = sim_capture_any() ? sim_capture_adopt(s, &work) : 0;
+  if (captured > 0) return;
+  x->kept = 0; /* still private: not recorded */
+  if (captured < 0 || sim_stream_enqueue_launches(s, &work, 1) != MAGPIE_OK) free(x);
 #else
   (void)h;
   (void)p;

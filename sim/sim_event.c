@@ -19,7 +19,9 @@
  * threads touch an event; markers and waits hold cells, not events.
  *
  * Lock order: an event's lock and sim_event_pool_lock are never held
- * together; nothing else is locked under either. Workers take neither.
+ * together; under an event's lock only the leaf locks of the capture
+ * (sim_graph.c) and of the checker (sim_check.c) are taken, one at a time;
+ * nothing is locked under the pool lock. Workers take none of them.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -155,14 +157,21 @@ void sim_event_cell_unref(struct sim_cell *c) {
 
 /* ---------------------------------------------------------------- events */
 
-/* INVARIANT: live, device and cell are accessed only under lock. cell is
- * the cell of the last record (NULL if never recorded since creation); the
- * event holds one reference to it. A free event (live == 0) has no cell. */
+/* INVARIANT: live, device, cell and capture are accessed only under lock.
+ * cell is the cell of the last record (NULL if never recorded since
+ * creation, or if that record was captured); the event holds one reference
+ * to it. capture is the id of the capture the last record was made in (0:
+ * none), so capture != 0 implies cell == NULL. A free event (live == 0) has
+ * no cell and no capture. */
 struct magpie_sim_event_st {
   pthread_mutex_t lock;
   int live;
   int device;
   struct sim_cell *cell;
+  /* While nonzero, the event belongs to that capture (even after it ended):
+   * a query, a synchronize or a wait outside that capture is refused
+   * (sim_graph.c) until an ordinary record replaces it. */
+  uint64_t capture;
   struct magpie_sim_event_st *next_free; /* under sim_event_pool_lock */
 };
 
@@ -198,6 +207,7 @@ int sim_event_create(int device, magpie_sim_event *out) {
   e->live = 1;
   e->device = device;
   e->cell = NULL;
+  e->capture = 0;
   pthread_mutex_unlock(&e->lock);
   *out = e;
   return MAGPIE_OK;
@@ -220,6 +230,7 @@ int sim_event_destroy(magpie_sim_event e) {
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c = e->cell;
   e->cell = NULL;
+  e->capture = 0;
   e->live = 0;
   pthread_mutex_unlock(&e->lock);
   sim_event_cell_unref(c); /* pending work still completes the cell; waits keep theirs */
@@ -243,6 +254,25 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "event of device %d recorded on a stream of device %d", ed,
                     sim_stream_device(s));
   }
+  if (sim_capture_any()) {
+    /* Under the event lock (the capture lock nests inside it), so the
+     * event's mark and its capture agree. */
+    uint64_t capture = 0;
+    rc = sim_capture_record(h, s, &capture);
+    if (rc != MAGPIE_OK || capture != 0) {
+      struct sim_cell *old = NULL;
+      if (rc == MAGPIE_OK) {
+        /* A node of the capture: nothing enqueued; the previous record is
+         * forgotten, as the event now stands for a point of the capture. */
+        old = e->cell;
+        e->cell = NULL;
+        e->capture = capture;
+      }
+      pthread_mutex_unlock(&e->lock);
+      sim_event_cell_unref(old);
+      return rc;
+    }
+  }
   struct sim_cell *c = sim_event_cell_new(2); /* the event's and the marker's */
   if (c == NULL) {
     pthread_mutex_unlock(&e->lock);
@@ -258,6 +288,7 @@ int sim_event_record(magpie_sim_event e, cudaStream_t h) {
   }
   struct sim_cell *old = e->cell;
   e->cell = c;
+  e->capture = 0; /* an ordinary record: usable outside the capture again */
   pthread_mutex_unlock(&e->lock);
   sim_event_cell_unref(old);
   return MAGPIE_OK;
@@ -267,6 +298,16 @@ int sim_event_query(magpie_sim_event e) {
   if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
   int rc = sim_event_lock(e);
   if (rc != MAGPIE_OK) return rc;
+  if (e->capture != 0) {
+    /* Neither complete nor pending: a point of a graph not run yet. */
+    rc = sim_capture_event_refuse(e, e->capture, "queried");
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+  }
+  if (sim_capture_any() && (rc = sim_capture_unsafe_call("querying an event")) != MAGPIE_OK) {
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+  }
   /* Never recorded: complete, as in CUDA. */
   rc = e->cell == NULL || sim_event_cell_is_complete(e->cell) ? MAGPIE_OK : MAGPIE_SIM_NOT_READY;
   if (rc == MAGPIE_OK && e->cell != NULL) sim_check_observe(e->cell->vc);
@@ -275,12 +316,14 @@ int sim_event_query(magpie_sim_event e) {
 }
 
 /* The cell of e's last record with a reference for the caller, or NULL if
- * never recorded. */
-static int sim_event_take_cell(magpie_sim_event e, struct sim_cell **out) {
+ * never recorded or recorded in a capture; *capture: the id of that
+ * capture, or 0. */
+static int sim_event_take_cell(magpie_sim_event e, struct sim_cell **out, uint64_t *capture) {
   int rc = sim_event_lock(e);
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c = e->cell;
   if (c != NULL) sim_event_cell_ref(c);
+  *capture = e->capture;
   pthread_mutex_unlock(&e->lock);
   *out = c;
   return MAGPIE_OK;
@@ -288,9 +331,15 @@ static int sim_event_take_cell(magpie_sim_event e, struct sim_cell **out) {
 
 int sim_event_synchronize(magpie_sim_event e) {
   if (sim_usable() != MAGPIE_OK) return MAGPIE_ERR_NO_DEVICE;
-  struct sim_cell *c;
-  int rc = sim_event_take_cell(e, &c);
-  if (rc != MAGPIE_OK || c == NULL) return rc;
+  struct sim_cell *c = NULL;
+  uint64_t capture = 0;
+  int rc = sim_event_take_cell(e, &c, &capture);
+  if (rc == MAGPIE_OK && capture != 0) rc = sim_capture_event_refuse(e, capture, "synchronised");
+  if (rc == MAGPIE_OK && sim_capture_any()) rc = sim_capture_unsafe_call("synchronising an event");
+  if (rc != MAGPIE_OK || c == NULL) {
+    if (c != NULL) sim_event_cell_unref(c);
+    return rc;
+  }
   sim_event_cell_wait(c);
   sim_check_observe(c->vc);
   sim_event_cell_unref(c);
@@ -303,8 +352,18 @@ int sim_event_stream_wait(cudaStream_t h, magpie_sim_event e) {
   int rc = sim_stream_resolve(h, &s);
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c;
-  rc = sim_event_take_cell(e, &c);
-  if (rc != MAGPIE_OK || c == NULL) return rc; /* never recorded: nothing to wait for */
+  uint64_t capture;
+  rc = sim_event_take_cell(e, &c, &capture);
+  if (rc != MAGPIE_OK) return rc;
+  if (capture != 0 || sim_capture_any()) {
+    int skip = 0;
+    rc = sim_capture_event_wait(h, s, e, capture, c != NULL, &skip);
+    if (rc != MAGPIE_OK || skip) {
+      sim_event_cell_unref(c);
+      return rc;
+    }
+  }
+  if (c == NULL) return MAGPIE_OK; /* never recorded: nothing to wait for */
   sim_check_join_vc(s, c->vc);
   rc = sim_stream_enqueue_wait(s, c);
   if (rc != MAGPIE_OK) sim_event_cell_unref(c);

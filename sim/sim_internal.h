@@ -1,5 +1,6 @@
 /* The simulated device's internal interface, shared by sim_stream.c,
- * sim_event.c, sim_memory.c and backend_sim.c (and the module tests).
+ * sim_event.c, sim_memory.c, sim_graph.c and backend_sim.c (and the module
+ * tests).
  *
  * The design rule every part follows: the simulator creates only CUDA's
  * happens-before edges (see include/magpie_sim.h). A worker thread (one per
@@ -13,7 +14,10 @@
  *     thread that already holds every edge (the worker itself for its
  *     stream, the reaper thread for completion cells), never by whichever
  *     thread happens to drop the last reference, because a last-reference
- *     acquire would order one stream's work before another thread's.
+ *     acquire would order one stream's work before another thread's;
+ *   - stream capture (sim_graph.c) is host-side only: a capture records
+ *     closures instead of enqueueing them, a graph launch enqueues copies
+ *     of them as ordinary launches, and no worker reads either.
  * Failures set backend_set_error_detail() and return a magpie_error code;
  * the public wrappers turn the detail into the simulator's last error of
  * the thread (magpie_sim_last_error).
@@ -149,11 +153,25 @@ uint64_t sim_stream_id_slow(cudaStream_t h);
 /* The allocation hot path: a range check and one load for a created
  * stream's handle; special handles take the (still lock-free once created)
  * slow path. 0 means invalid (destroyed, or not a handle). */
+extern _Atomic uint32_t sim_capture_live;
+/* CUDA refuses a capturing stream's identity: cuStreamGetId,
+ * cuStreamGetDevice and cuStreamGetFlags on it fail with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidate the capture, in any
+ * capture mode (measured: H100, CUDA 13.0, driver 580); cuStreamGetCtx and
+ * the capture queries pass. 1 (detail set, capture invalidated, counted)
+ * if h's stream captures; 0 otherwise. what: "asked its id", ... */
+int sim_capture_identity_refused(cudaStream_t h, const char *what);
+
 static inline uint64_t sim_stream_id(cudaStream_t h) {
   uintptr_t base = (uintptr_t)sim_slots, p = (uintptr_t)h;
+  uint64_t id;
   if (p >= base && p - base < sizeof sim_slots && (p - base) % sizeof(struct sim_slot) == 0)
-    return atomic_load_explicit(&sim_slots[(p - base) / sizeof(struct sim_slot)].id, memory_order_relaxed);
-  return sim_stream_id_slow(h);
+    id = atomic_load_explicit(&sim_slots[(p - base) / sizeof(struct sim_slot)].id, memory_order_relaxed);
+  else id = sim_stream_id_slow(h);
+  if (id != 0 && atomic_load_explicit(&sim_capture_live, memory_order_relaxed) != 0 &&
+      sim_capture_identity_refused(h, "asked its id"))
+    return 0;
+  return id;
 }
 
 /* The device of the stream h names, or -1 if h is invalid. */
@@ -166,6 +184,19 @@ int sim_stream_device(const struct sim_stream *s);
 int sim_stream_create(cudaStream_t *out);
 int sim_stream_destroy(cudaStream_t h);
 int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg);
+
+/* One unit of launched work: what a launch enqueues and a graph holds. */
+struct sim_closure {
+  void (*fn)(void *);
+  void *arg;
+};
+
+/* Enqueues n launches on s, in order, as n magpie_sim_launch calls would
+ * once s is resolved (the stream-order checker sees n launches; each waits
+ * for room in s's queue, MAGPIE_SIM_QUEUE_DEPTH). Every node is allocated
+ * first, so a failure (out of host memory) enqueues nothing. Knows nothing
+ * of captures: callers have asked sim_capture_enqueue first. */
+int sim_stream_enqueue_launches(struct sim_stream *s, const struct sim_closure *work, size_t n);
 int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited);
 int sim_stream_synchronize(cudaStream_t h);
 int sim_stream_device_synchronize(int device);
@@ -177,6 +208,10 @@ int sim_stream_enqueue_marker(struct sim_stream *s, struct sim_cell *c);
 /* Enqueue on s a wait: later work on s starts after c completed. Takes over
  * one reference like sim_stream_enqueue_marker. */
 int sim_stream_enqueue_wait(struct sim_stream *s, struct sim_cell *c);
+
+/* Whether h is the default stream (0) or the legacy handle (1), both the
+ * device's default stream here; only these two. */
+static inline int sim_stream_is_legacy(cudaStream_t h) { return h == NULL || h == (cudaStream_t)1; }
 
 /* ---- completion cells and events (sim_event.c) ---- */
 
@@ -224,6 +259,78 @@ int sim_memory_map(int device, uintptr_t addr, size_t size);
 int sim_memory_unmap(int device, uintptr_t addr, size_t size);
 int sim_memory_alloc(int device, size_t size, uintptr_t *out);
 int sim_memory_free(int device, uintptr_t ptr, size_t size);
+
+/* ---- stream capture and graphs (sim_graph.c; rules in magpie_sim.h) ---- */
+
+struct sim_capture; /* one capture under way, owned by its stream's slot */
+
+/* s's capture slot: the capture under way on s, or NULL. Read and written
+ * only under the capture lock of sim_graph.c, by host threads; the worker
+ * never touches it. */
+struct sim_capture **sim_stream_capture_slot(struct sim_stream *s);
+
+/* Captures under way in the process. Written (relaxed) only under the
+ * capture lock, which orders the writers; read relaxed without the lock by
+ * the enqueue paths, which take the lock only when it is nonzero. A thread
+ * ordered after a begin (by program order or any happens-before edge) sees
+ * it nonzero by coherence; a thread not ordered with a begin or an end was
+ * concurrent with it, and either answer is a correct serialisation. */
+static inline int sim_capture_any(void) { return atomic_load_explicit(&sim_capture_live, memory_order_relaxed) != 0; }
+
+/* The hooks below are called by host threads, only while sim_capture_any()
+ * (or, for events, while the event is marked as recorded in a capture).
+ * Each returns MAGPIE_OK to let the operation go on, or an error with the
+ * detail set: MAGPIE_ERR_CAPTURE for a call the rules forbid (counted, the
+ * concerned captures invalidated) or for work enqueued on a stream whose
+ * capture was already invalidated (refused, not counted). h is the handle
+ * the caller named (for the legacy-stream rule), s the stream it resolved. */
+
+/* Launches (n closures, in order). *taken: 1 if they were recorded into
+ * s's capture (the caller enqueues nothing), 0 if they run as usual. */
+int sim_capture_enqueue(cudaStream_t h, struct sim_stream *s, const struct sim_closure *work, size_t n, int *taken);
+/* An event record on s. *capture_id: the capture the record belongs to
+ * (the caller enqueues nothing and marks the event), or 0 if it is an
+ * ordinary record. */
+int sim_capture_record(cudaStream_t h, struct sim_stream *s, uint64_t *capture_id);
+/* A stream wait: waiter (ha, a) on waited (hb, b). */
+int sim_capture_stream_wait(cudaStream_t ha, struct sim_stream *a, cudaStream_t hb, struct sim_stream *b);
+/* A wait of (h, s) on event e, whose last record belongs to capture
+ * event_capture (0: none) and made a cell (recorded != 0) or not. *skip: 1
+ * when the wait is already satisfied by the capture's order (the caller
+ * enqueues nothing). */
+int sim_capture_event_wait(cudaStream_t h, struct sim_stream *s, magpie_sim_event e, uint64_t event_capture,
+                           int recorded, int *skip);
+/* A query or synchronize (what) of event e, recorded in capture
+ * event_capture (nonzero): always refused; invalidates that capture if it
+ * is still under way. */
+int sim_capture_event_refuse(magpie_sim_event e, uint64_t event_capture, const char *what);
+int sim_capture_stream_synchronize(cudaStream_t h, struct sim_stream *s);
+int sim_capture_device_synchronize(int device);
+int sim_capture_stream_destroy(cudaStream_t h, struct sim_stream *s);
+/* s is retired (destroyed, or a per-thread stream whose thread exits):
+ * a capture still under way on it is dropped without a graph. */
+void sim_capture_stream_retire(struct sim_stream *s);
+/* For the simulator's own closures (the checker's poisoning under
+ * AddressSanitizer), with none of the rules, since they are not the user's
+ * calls: records work into s's capture if s captures. 1: recorded; -1: s's
+ * capture is invalidated, or no host memory (nothing recorded, and no
+ * graph will run it); 0: s does not capture. Any time, not only while
+ * sim_capture_any(). */
+int sim_capture_adopt(struct sim_stream *s, const struct sim_closure *work);
+/* A call CUDA counts as potentially unsafe during a capture (what:
+ * "mapping device memory", "querying an event", ...) by the calling
+ * thread: refused when the thread's capture mode prohibits it. Measured on
+ * an H100 (CUDA 13.0, driver 580): while another thread captures in the
+ * global mode, a thread in the global mode that allocates or maps memory,
+ * queries or synchronises an event recorded outside the capture, or
+ * queries or synchronises a stream of its own is refused and the capture
+ * invalidated; in the relaxed mode all of these pass. Costs one
+ * thread-local read in the relaxed mode. */
+int sim_capture_unsafe_call(const char *what);
+/* Sets the calling thread's capture mode (no validation), returns the old. */
+int sim_capture_exchange_mode(int mode);
+/* The capture state of h, as magpie_sim_stream_capture_info. */
+int sim_capture_info(cudaStream_t h, int *status, uint64_t *id);
 
 /* ---- stream-order checker (sim_check.c; model in its header comment) ---- */
 

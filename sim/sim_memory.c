@@ -12,6 +12,10 @@
  * Every region is remembered, so mapping a mapped granule, unmapping an
  * unmapped one, freeing an unknown pointer or unreserving a range that is
  * still mapped is reported as an error instead of corrupting the count.
+ * All six are the calls CUDA deems potentially unsafe during a stream
+ * capture: each first asks sim_capture_unsafe_call whether the calling thread's
+ * capture mode allows it (sim_graph.c), so a device table that does not
+ * switch to the relaxed mode around them fails as it would on CUDA.
  *
  * Lock order: one lock per device (sim_memory_devices[d].lock), never two at
  * once, nothing else taken under it.
@@ -110,6 +114,14 @@ static int sim_memory_device(int device, struct sim_memory_device **out) {
   return rc;
 }
 
+/* sim_memory_device, then the capture rules for a call that changes device
+ * memory (what names it in the refusal). */
+static int sim_memory_device_for(int device, const char *what, struct sim_memory_device **out) {
+  int rc = sim_memory_device(device, out);
+  if (rc == MAGPIE_OK) rc = sim_capture_unsafe_call(what);
+  return rc;
+}
+
 int sim_memory_set_capacity(int device, size_t bytes) {
   struct sim_memory_device *d;
   int rc = sim_memory_device(device, &d);
@@ -189,7 +201,7 @@ static void sim_memory_unlink(struct sim_memory_device *d, struct sim_region *r)
 
 int sim_memory_reserve(int device, size_t size, uintptr_t *base) {
   struct sim_memory_device *d;
-  int rc = sim_memory_device(device, &d);
+  int rc = sim_memory_device_for(device, "reserving device address space", &d);
   if (rc != MAGPIE_OK) return rc;
   if (size == 0 || size % SIM_GRANULARITY != 0)
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "reservation of %zu bytes is not a nonzero multiple of %zu", size,
@@ -221,7 +233,7 @@ int sim_memory_reserve(int device, size_t size, uintptr_t *base) {
 
 int sim_memory_unreserve(int device, uintptr_t base, size_t size) {
   struct sim_memory_device *d;
-  int rc = sim_memory_device(device, &d);
+  int rc = sim_memory_device_for(device, "releasing device address space", &d);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
   struct sim_region *r = sim_memory_find(d, base, size);
@@ -261,10 +273,11 @@ static void sim_memory_bits_set(struct sim_region *r, size_t first, size_t count
 
 /* Locks the device's memory and finds the reservation holding the range
  * (or fails, unlocked); *first and *count name its granules there. */
-static int sim_memory_lock_reserved(int device, uintptr_t addr, size_t size, struct sim_memory_device **dout,
-                                    struct sim_region **out, size_t *first, size_t *count) {
+static int sim_memory_lock_reserved(int device, const char *what, uintptr_t addr, size_t size,
+                                    struct sim_memory_device **dout, struct sim_region **out, size_t *first,
+                                    size_t *count) {
   struct sim_memory_device *d;
-  int rc = sim_memory_device(device, &d);
+  int rc = sim_memory_device_for(device, what, &d);
   if (rc == MAGPIE_OK) rc = sim_memory_check_range(addr, size);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
@@ -285,7 +298,7 @@ int sim_memory_map(int device, uintptr_t addr, size_t size) {
   struct sim_memory_device *d;
   struct sim_region *r;
   size_t first, count;
-  int rc = sim_memory_lock_reserved(device, addr, size, &d, &r, &first, &count);
+  int rc = sim_memory_lock_reserved(device, "mapping device memory", addr, size, &d, &r, &first, &count);
   if (rc != MAGPIE_OK) return rc;
   if (!sim_memory_bits_all(r, first, count, 0)) {
     rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is already (partly) mapped", (unsigned long)addr, size);
@@ -308,7 +321,7 @@ int sim_memory_unmap(int device, uintptr_t addr, size_t size) {
   struct sim_memory_device *d;
   struct sim_region *r;
   size_t first, count;
-  int rc = sim_memory_lock_reserved(device, addr, size, &d, &r, &first, &count);
+  int rc = sim_memory_lock_reserved(device, "unmapping device memory", addr, size, &d, &r, &first, &count);
   if (rc != MAGPIE_OK) return rc;
   if (!sim_memory_bits_all(r, first, count, 1)) {
     rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not (wholly) mapped", (unsigned long)addr, size);
@@ -325,7 +338,7 @@ int sim_memory_unmap(int device, uintptr_t addr, size_t size) {
 
 int sim_memory_alloc(int device, size_t size, uintptr_t *out) {
   struct sim_memory_device *d;
-  int rc = sim_memory_device(device, &d);
+  int rc = sim_memory_device_for(device, "allocating device memory", &d);
   if (rc != MAGPIE_OK) return rc;
   if (size == 0) return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "allocation of 0 bytes");
   if (size > SIZE_MAX - (SIM_GRANULARITY - 1))
@@ -353,7 +366,7 @@ int sim_memory_alloc(int device, size_t size, uintptr_t *out) {
 
 int sim_memory_free(int device, uintptr_t ptr, size_t size) {
   struct sim_memory_device *d;
-  int rc = sim_memory_device(device, &d);
+  int rc = sim_memory_device_for(device, "freeing device memory", &d);
   if (rc != MAGPIE_OK) return rc;
   pthread_mutex_lock(&d->lock);
   struct sim_region *r = sim_memory_find(d, ptr, 0);

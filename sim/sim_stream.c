@@ -76,7 +76,9 @@ struct sim_node {
    * below is ordered after it); then written once (release) by the next
    * node's producer; read by the worker (acquire), pairing with that
    * release so the next node's payload and everything its producer did
-   * before the push are visible to the work. */
+   * before the push are visible to the work. Before the push the node is
+   * its producer's alone, which may chain a batch through it (relaxed,
+   * sim_stream_enqueue_launches). */
   _Atomic(struct sim_node *) next;
   enum sim_node_kind kind;
   void (*fn)(void *);
@@ -115,6 +117,9 @@ struct sim_stream {
   /* The stream-order checker's state: host threads only, under the
    * checker's lock (sim_check.c); the worker never touches it. */
   struct sim_check_stream *chk;
+  /* The capture under way on this stream (NULL: none): host threads only,
+   * under the capture lock (sim_graph.c); the worker never touches it. */
+  struct sim_capture *capture;
 };
 
 /* The device registry: every stream of a device that can still have work
@@ -453,7 +458,9 @@ fail_reg:
  * returned. */
 static void sim_stream_retire(struct sim_stream *s) {
   struct sim_reg_entry *e = sim_stream_entry(s);
-  sim_check_stream_retire(s); /* before the push: then the worker may free s */
+  /* Both before the push: then the worker may free s. */
+  if (sim_capture_any()) sim_capture_stream_retire(s);
+  sim_check_stream_retire(s);
   atomic_fetch_add_explicit(&e->pins, 1, memory_order_relaxed);
   sim_stream_push(s, s->exit_node);
   atomic_fetch_sub_explicit(&e->pins, 1, memory_order_release);
@@ -517,7 +524,7 @@ static struct sim_slot *sim_stream_slot_of(cudaStream_t h) {
 }
 
 static int sim_stream_is_special(cudaStream_t h) {
-  return h == NULL || h == (cudaStream_t)1 || h == MAGPIE_SIM_STREAM_PER_THREAD;
+  return sim_stream_is_legacy(h) || h == MAGPIE_SIM_STREAM_PER_THREAD;
 }
 
 int sim_stream_resolve(cudaStream_t h, struct sim_stream **out) {
@@ -556,7 +563,11 @@ struct sim_check_stream **sim_stream_check_state(struct sim_stream *s) {
   return &s->chk;
 }
 
-int sim_stream_device_of_handle(cudaStream_t h) {
+struct sim_capture **sim_stream_capture_slot(struct sim_stream *s) {
+  return &s->capture;
+}
+
+static int sim_stream_device_of_handle_in(cudaStream_t h) {
   struct sim_slot *slot = sim_stream_slot_of(h);
   if (slot != NULL) {
     if (atomic_load_explicit(&slot->id, memory_order_acquire) == 0) return -1;
@@ -564,6 +575,12 @@ int sim_stream_device_of_handle(cudaStream_t h) {
   }
   if (!sim_stream_is_special(h) || sim_init() != MAGPIE_OK) return -1;
   return sim_tls_device;
+}
+
+int sim_stream_device_of_handle(cudaStream_t h) {
+  int d = sim_stream_device_of_handle_in(h);
+  if (d >= 0 && sim_capture_any() && sim_capture_identity_refused(h, "asked its device")) return -1;
+  return d;
 }
 
 int sim_stream_create(cudaStream_t *out) {
@@ -607,6 +624,16 @@ int sim_stream_destroy(cudaStream_t h) {
     if (sim_stream_is_special(h))
       return sim_fail(MAGPIE_ERR_INVALID_STREAM, "the default and per-thread streams cannot be destroyed");
     return sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device", (void *)h);
+  }
+  if (sim_capture_any()) {
+    /* A capturing stream stays (CUDA refuses to destroy it too). Checked
+     * before the slot lock, which nests no other lock; a destroy racing
+     * with a begin on the same handle is the caller's bug, as in CUDA. */
+    struct sim_stream *live;
+    if (sim_stream_resolve(h, &live) == MAGPIE_OK) {
+      int rc = sim_capture_stream_destroy(h, live);
+      if (rc != MAGPIE_OK) return rc;
+    }
   }
   pthread_mutex_lock(&sim_slot_lock);
   struct sim_stream *s = NULL;
@@ -653,13 +680,9 @@ int sim_stream_enqueue_wait(struct sim_stream *s, struct sim_cell *c) {
   return sim_stream_enqueue(s, SIM_NODE_WAIT, NULL, NULL, c);
 }
 
-int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg) {
-  if (fn == NULL) return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "no function to launch");
-  struct sim_stream *s;
-  int rc = sim_stream_resolve(h, &s);
-  if (rc != MAGPIE_OK) return rc;
-  sim_check_launch(s);
-  /* A full queue blocks the launching thread until the stream ran one. */
+/* Takes one of s's queue slots for a launch; a full queue blocks the
+ * launching thread until the stream ran one. */
+static void sim_stream_take_launch_slot(struct sim_stream *s) {
   uint32_t n = atomic_load_explicit(&s->launches, memory_order_relaxed);
   for (;;) {
     if (n >= MAGPIE_SIM_QUEUE_DEPTH) {
@@ -667,18 +690,59 @@ int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg) {
       n = atomic_load_explicit(&s->launches, memory_order_relaxed);
     } else if (atomic_compare_exchange_weak_explicit(&s->launches, &n, n + 1, memory_order_relaxed,
                                                      memory_order_relaxed)) {
-      break;
+      return;
     }
   }
-  rc = sim_stream_enqueue(s, SIM_NODE_CLOSURE, fn, arg, NULL);
-  if (rc != MAGPIE_OK) atomic_fetch_sub_explicit(&s->launches, 1, memory_order_relaxed);
-  return rc;
+}
+
+int sim_stream_enqueue_launches(struct sim_stream *s, const struct sim_closure *work, size_t n) {
+  /* The nodes, chained through their (still private) next links, all
+   * allocated before the first push. */
+  struct sim_node *first = NULL, *last = NULL;
+  for (size_t i = 0; i < n; i++) {
+    struct sim_node *node = sim_stream_node_new(SIM_NODE_CLOSURE, work[i].fn, work[i].arg, NULL);
+    if (node == NULL) {
+      while (first != NULL) {
+        struct sim_node *after = atomic_load_explicit(&first->next, memory_order_relaxed);
+        free(first);
+        first = after;
+      }
+      return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a stream's work");
+    }
+    if (last != NULL) atomic_store_explicit(&last->next, node, memory_order_relaxed); /* still private */
+    else first = node;
+    last = node;
+  }
+  for (struct sim_node *node = first; node != NULL;) {
+    /* Read before the push, which resets the link and hands the node over. */
+    struct sim_node *after = atomic_load_explicit(&node->next, memory_order_relaxed);
+    sim_check_launch(s);
+    sim_stream_take_launch_slot(s);
+    sim_stream_push(s, node);
+    node = after;
+  }
+  return MAGPIE_OK;
+}
+
+int sim_stream_launch(cudaStream_t h, void (*fn)(void *), void *arg) {
+  if (fn == NULL) return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "no function to launch");
+  struct sim_stream *s;
+  int rc = sim_stream_resolve(h, &s);
+  if (rc != MAGPIE_OK) return rc;
+  struct sim_closure work = {fn, arg};
+  if (sim_capture_any()) {
+    int taken;
+    rc = sim_capture_enqueue(h, s, &work, 1, &taken);
+    if (rc != MAGPIE_OK || taken) return rc;
+  }
+  return sim_stream_enqueue_launches(s, &work, 1);
 }
 
 int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited) {
   struct sim_stream *a, *b;
   int rc = sim_stream_resolve(waiter, &a);
   if (rc == MAGPIE_OK) rc = sim_stream_resolve(waited, &b);
+  if (rc == MAGPIE_OK && sim_capture_any()) rc = sim_capture_stream_wait(waiter, a, waited, b);
   if (rc != MAGPIE_OK) return rc;
   if (a == b) return MAGPIE_OK; /* a stream is already ordered with itself */
   struct sim_cell *c = sim_event_cell_new(2);
@@ -702,6 +766,8 @@ int sim_stream_wait(cudaStream_t waiter, cudaStream_t waited) {
 int sim_stream_synchronize(cudaStream_t h) {
   struct sim_stream *s;
   int rc = sim_stream_resolve(h, &s);
+  if (rc == MAGPIE_OK && sim_capture_any()) rc = sim_capture_stream_synchronize(h, s);
+  if (rc == MAGPIE_OK && sim_capture_any()) rc = sim_capture_unsafe_call("synchronising a stream");
   if (rc != MAGPIE_OK) return rc;
   struct sim_cell *c = sim_event_cell_new(2);
   if (c == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a synchronize");
@@ -725,6 +791,10 @@ int sim_stream_device_synchronize(int device) {
   if (rc != MAGPIE_OK) return rc;
   if (device < 0 || device >= sim_ndevices)
     return sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d does not exist (%d simulated)", device, sim_ndevices);
+  if (sim_capture_any()) {
+    rc = sim_capture_device_synchronize(device);
+    if (rc != MAGPIE_OK) return rc;
+  }
   struct sim_device *d = &sim_devices[device];
   /* The checker's clocks as of now: what the markers below will cover. */
   struct sim_vc *vc = sim_check_device_snapshot(device);
@@ -819,13 +889,29 @@ MAGPIE_API int magpie_sim_device_synchronize(void) {
   return sim_public_result("magpie_sim_device_synchronize", sim_stream_device_synchronize(sim_tls_device));
 }
 
+/* Why a stream's identity query failed: its capture (CUDA refuses a
+ * capturing stream's id and device; the refusal set the detail) or an
+ * invalid handle. */
+static int sim_stream_identity_code(cudaStream_t s) {
+  int st = MAGPIE_SIM_CAPTURE_NONE;
+  uint64_t cid;
+  if (sim_capture_any() && sim_capture_info(s, &st, &cid) == MAGPIE_OK && st != MAGPIE_SIM_CAPTURE_NONE)
+    return MAGPIE_ERR_CAPTURE;
+  return MAGPIE_ERR_INVALID_STREAM;
+}
+
 MAGPIE_API uint64_t magpie_sim_stream_id(cudaStream_t s) {
   uint64_t id = sim_stream_id(s);
   if (id == 0) {
-    if (sim_stream_slot_of(s) != NULL) sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p was destroyed", (void *)s);
-    else if (!sim_stream_is_special(s))
-      sim_fail(MAGPIE_ERR_INVALID_STREAM, "%p is not a stream of the simulated device", (void *)s);
-    sim_public_result("magpie_sim_stream_id", MAGPIE_ERR_INVALID_STREAM);
+    int rc = sim_stream_identity_code(s);
+    if (rc != MAGPIE_ERR_INVALID_STREAM) {
+      /* the refusal's detail stands */
+    } else if (sim_stream_slot_of(s) != NULL) {
+      sim_fail(rc, "stream %p was destroyed", (void *)s);
+    } else if (!sim_stream_is_special(s)) {
+      sim_fail(rc, "%p is not a stream of the simulated device", (void *)s);
+    }
+    sim_public_result("magpie_sim_stream_id", rc);
   }
   return id;
 }
@@ -833,8 +919,9 @@ MAGPIE_API uint64_t magpie_sim_stream_id(cudaStream_t s) {
 MAGPIE_API int magpie_sim_stream_device(cudaStream_t s) {
   int device = sim_stream_device_of_handle(s);
   if (device < 0) {
-    sim_fail(MAGPIE_ERR_INVALID_STREAM, "stream %p is not valid", (void *)s);
-    sim_public_result("magpie_sim_stream_device", MAGPIE_ERR_INVALID_STREAM);
+    int rc = sim_stream_identity_code(s);
+    if (rc == MAGPIE_ERR_INVALID_STREAM) sim_fail(rc, "stream %p is not valid", (void *)s);
+    sim_public_result("magpie_sim_stream_device", rc);
   }
   return device;
 }

@@ -18,6 +18,8 @@ typedef CUmemAllocationGranularity_flags cudrv_granularity_flags;
 typedef CUdriverProcAddressQueryResult cudrv_proc_query_result;
 typedef CUjit_option cudrv_jit_option;
 typedef CUmemPool_attribute cudrv_mem_pool_attr;
+typedef CUstreamCaptureStatus cudrv_capture_status;
+typedef CUstreamCaptureMode cudrv_capture_mode;
 typedef CUmemLocation cudrv_mem_location;
 typedef CUmemAllocationProp cudrv_mem_alloc_prop;
 typedef CUmemAccessDesc cudrv_mem_access_desc;

@@ -48,6 +48,8 @@ _Static_assert(sizeof(cudrv_proc_query_result) == sizeof(CUdriverProcAddressQuer
                "CUdriverProcAddressQueryResult");
 _Static_assert(sizeof(cudrv_jit_option) == sizeof(CUjit_option), "CUjit_option");
 _Static_assert(sizeof(cudrv_mem_pool_attr) == sizeof(CUmemPool_attribute), "CUmemPool_attribute");
+_Static_assert(sizeof(cudrv_capture_status) == sizeof(CUstreamCaptureStatus), "CUstreamCaptureStatus");
+_Static_assert(sizeof(cudrv_capture_mode) == sizeof(CUstreamCaptureMode), "CUstreamCaptureMode");
 
 /* Handles are CUDA's own types, and magpie.h's cudaStream_t is CUstream. */
 _Static_assert(SAME_TYPE(cudrv_context, CUcontext), "CUcontext");
@@ -56,6 +58,9 @@ _Static_assert(SAME_TYPE(cudrv_event, CUevent), "CUevent");
 _Static_assert(SAME_TYPE(cudrv_module, CUmodule), "CUmodule");
 _Static_assert(SAME_TYPE(cudrv_function, CUfunction), "CUfunction");
 _Static_assert(SAME_TYPE(cudrv_mem_pool, CUmemoryPool), "CUmemoryPool");
+_Static_assert(SAME_TYPE(cudrv_graph, CUgraph), "CUgraph");
+_Static_assert(SAME_TYPE(cudrv_graph_exec, CUgraphExec), "CUgraphExec");
+_Static_assert(SAME_TYPE(cudrv_graph_node, CUgraphNode), "CUgraphNode");
 _Static_assert(SAME_TYPE(cudaStream_t, CUstream), "magpie.h cudaStream_t");
 
 /* Struct layouts. */
@@ -107,6 +112,14 @@ _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
   X(CUDRV_ERROR_NOT_FOUND, CUDA_ERROR_NOT_FOUND)                                                   \
   X(CUDRV_ERROR_NOT_READY, CUDA_ERROR_NOT_READY)                                                   \
   X(CUDRV_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_CONTEXT_IS_DESTROYED)                             \
+  X(CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)                 \
+  X(CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)                 \
+  X(CUDRV_STREAM_CAPTURE_STATUS_NONE, CU_STREAM_CAPTURE_STATUS_NONE)                               \
+  X(CUDRV_STREAM_CAPTURE_STATUS_ACTIVE, CU_STREAM_CAPTURE_STATUS_ACTIVE)                           \
+  X(CUDRV_STREAM_CAPTURE_STATUS_INVALIDATED, CU_STREAM_CAPTURE_STATUS_INVALIDATED)                 \
+  X(CUDRV_STREAM_CAPTURE_MODE_GLOBAL, CU_STREAM_CAPTURE_MODE_GLOBAL)                               \
+  X(CUDRV_STREAM_CAPTURE_MODE_THREAD_LOCAL, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)                   \
+  X(CUDRV_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_MODE_RELAXED)                             \
   X(CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) \
   X(CUDRV_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOCATION_TYPE_PINNED)                               \
   X(CUDRV_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_NONE)                                           \
@@ -157,6 +170,8 @@ static void test_layouts(void **state) {
   EXPECT_SIZE(cudrv_proc_query_result, CUdriverProcAddressQueryResult)
   EXPECT_SIZE(cudrv_jit_option, CUjit_option)
   EXPECT_SIZE(cudrv_mem_pool_attr, CUmemPool_attribute)
+  EXPECT_SIZE(cudrv_capture_status, CUstreamCaptureStatus)
+  EXPECT_SIZE(cudrv_capture_mode, CUstreamCaptureMode)
   EXPECT_SIZE(cudrv_mem_location, CUmemLocation)
   EXPECT_FIELD(cudrv_mem_location, type, CUmemLocation, type)
   EXPECT_FIELD(cudrv_mem_location, id, CUmemLocation, id)

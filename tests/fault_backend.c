@@ -162,5 +162,6 @@ const backend_ops *fault_backend(const backend_ops *inner) {
    * simulated device's stream-order checker) as they are. */
   fault_ops.error_detail = inner->error_detail;
   fault_ops.observer = inner->observer;
+  fault_ops.stream_capture = inner->stream_capture; /* a query: no fault of its own */
   return &fault_ops;
 }

@@ -57,6 +57,8 @@ class Stats(ctypes.Structure):
         ("event_queries", ctypes.c_uint64),
         ("event_queries_pending", ctypes.c_uint64),
         ("device_syncs", ctypes.c_uint64),
+        ("graph_pool_bytes", ctypes.c_size_t),
+        ("graph_pools", ctypes.c_uint64),
     ]
 
     def as_dict(self):

@@ -29,6 +29,17 @@ memory_snapshot and torch.cuda.memory._snapshot. It does so by replacing the
 torch._C functions those Python functions call, so every caller of
 torch.cuda's API sees magpie's figures whenever it imported them.
 
+CUDA graphs (torch.cuda.graph, shared pools through pool=...,
+torch.cuda.graph_pool_handle, torch.cuda.make_graphed_callables, graph
+deletion) work with magpie's own allocator (kind() == "native"): PyTorch's
+pool hooks (beginAllocateToPool, endAllocateToPool, releasePool) map each
+PyTorch pool onto a magpie graph pool (magpie.h, "CUDA graphs"). The
+wrapper (kind() == "pluggable") cannot take them from Python in a form C
+can call (the begin hook's stream filter is a std::function): under it,
+captures are not supported (magpie refuses a capture's allocation that
+reaches its slow path, with MAGPIE_ERR_CAPTURE, but one served from a
+thread's cache is not seen); use the native allocator for graphs.
+
 PyTorch frees a block on the stream it was allocated on (the pluggable
 allocator passes the allocation stream to the free).
 """

@@ -20,7 +20,17 @@
 //     pointer only at the free): a table of 64 shards, each with its own
 //     lock;
 //   an allocation magpie cannot serve throws c10::OutOfMemoryError with
-//     magpie's message (torch.cuda.OutOfMemoryError in Python).
+//     magpie's message (torch.cuda.OutOfMemoryError in Python);
+//   CUDA graphs (torch.cuda.graph, shared pools, make_graphed_callables):
+//     PyTorch announces a capture with beginAllocateToPool(device, pool id,
+//     filter) before cudaStreamBeginCapture and ends it with
+//     endAllocateToPool after cudaStreamEndCapture; the filter tells which
+//     streams belong to the capture. Each PyTorch pool id maps to one magpie
+//     graph pool (magpie.h, "CUDA graphs"), counted like PyTorch's own: one
+//     use per capture begun into it, dropped by releasePool (a graph's
+//     reset); at 0 the magpie pool is released. While a capture is
+//     announced, allocations on streams its filter accepts come from its
+//     pool; the check costs nothing while none is.
 // magpie's functions arrive as pointers (magpie_torch_native_install), from
 // the libmagpie.so Python loaded.
 #include <c10/cuda/CUDAFunctions.h>
@@ -29,14 +39,20 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <sys/types.h>
 
 #include <array>
+#include <atomic>
 #include <exception>
+#include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace {
 
@@ -48,6 +64,11 @@ struct MagpieFns {
   void (*record_stream)(void *, cudaStream_t);
   void (*empty_cache)();
   void (*memory_fraction)(double, int);
+  int (*graph_pool_create)(int, uint64_t *);
+  int (*capture_begin)(uint64_t, cudaStream_t);
+  int (*capture_end)(uint64_t, cudaStream_t);
+  void *(*graph_pool_malloc)(uint64_t, size_t, cudaStream_t);
+  int (*graph_pool_release)(uint64_t);
 };
 
 MagpieFns fns;
@@ -72,15 +93,103 @@ c10::DeviceIndex current_device() {
 constexpr int kOutOfMemory = 4;
 constexpr int kTooLarge = 5;
 
-void *magpie_alloc(size_t size, cudaStream_t stream) {
-  void *p = fns.malloc_async(size, stream);
+// Throws for a null block from magpie (its error: out of memory, or
+// another reason). The message is formatted here, into one string: a
+// size_t streamed into TORCH_CHECK's message crashed the process when the
+// error was thrown from inside a CUDA graph capture (PyTorch 2.11, H100).
+void *magpie_checked(void *p, size_t size) {
   if (p != nullptr) return p;
   int code = fns.last_error();
   const char *message = fns.last_message();
+  char what[1024];
+  snprintf(what, sizeof what, "magpie could not allocate %zu bytes: %s", size,
+           message != nullptr ? message : "(no message)");
+  if (getenv("MAGPIE_TORCH_DEBUG") != nullptr) fprintf(stderr, "%s (code %d)\n", what, code);
   TORCH_CHECK_WITH(OutOfMemoryError, code != kOutOfMemory && code != kTooLarge, "CUDA out of memory (magpie). ",
-                   message);
-  TORCH_CHECK(false, "magpie could not allocate ", size, " bytes: ", message);
+                   static_cast<const char *>(what));
+  TORCH_CHECK(false, static_cast<const char *>(what));
   return nullptr;
+}
+
+// PyTorch's pools and the captures allocating into them.
+class Graphs {
+ public:
+  // A block for stream from the pool of the capture stream belongs to, or
+  // nullptr (with *routed false) if none claims it. No lock while no
+  // capture is announced.
+  void *alloc(size_t size, cudaStream_t stream, bool *routed) {
+    *routed = false;
+    if (active_count_.load(std::memory_order_acquire) == 0) return nullptr;
+    std::vector<Active> active;
+    {
+      std::lock_guard<std::mutex> g(lock_);
+      active = active_;
+    }
+    for (const Active &a : active) {
+      if (!a.filter(stream)) continue;
+      *routed = true;
+      return magpie_checked(fns.graph_pool_malloc(a.pool, size, stream), size);
+    }
+    return nullptr;
+  }
+
+  void begin(c10::DeviceIndex device, c10::cuda::MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
+    std::lock_guard<std::mutex> g(lock_);
+    auto it = pools_.find(id);
+    if (it == pools_.end()) {
+      uint64_t pool = 0;
+      TORCH_CHECK(fns.graph_pool_create(device, &pool) == 0,
+                  "magpie: cannot create a graph pool: ", fns.last_message());
+      it = pools_.emplace(id, Pool{pool, 0}).first;
+    }
+    TORCH_CHECK(fns.capture_begin(it->second.pool, nullptr) == 0, "magpie: ", fns.last_message());
+    it->second.uses++;
+    active_.push_back(Active{id, it->second.pool, std::move(filter)});
+    active_count_.store(active_.size(), std::memory_order_release);
+  }
+
+  void end(c10::cuda::MempoolId_t id) {
+    std::lock_guard<std::mutex> g(lock_);
+    for (auto a = active_.begin(); a != active_.end(); ++a) {
+      if (a->id != id) continue;
+      fns.capture_end(a->pool, nullptr);
+      active_.erase(a);
+      break;
+    }
+    active_count_.store(active_.size(), std::memory_order_release);
+  }
+
+  void release(c10::cuda::MempoolId_t id) {
+    std::lock_guard<std::mutex> g(lock_);
+    auto it = pools_.find(id);
+    if (it == pools_.end() || --it->second.uses > 0) return;
+    fns.graph_pool_release(it->second.pool);
+    pools_.erase(it);
+  }
+
+ private:
+  struct Pool {
+    uint64_t pool;
+    int uses;
+  };
+  struct Active {
+    c10::cuda::MempoolId_t id;
+    uint64_t pool;
+    std::function<bool(cudaStream_t)> filter;
+  };
+  std::mutex lock_;
+  std::map<c10::cuda::MempoolId_t, Pool> pools_;
+  std::vector<Active> active_;
+  std::atomic<size_t> active_count_{0};
+};
+
+Graphs graphs;
+
+void *magpie_alloc(size_t size, cudaStream_t stream) {
+  bool routed;
+  void *p = graphs.alloc(size, stream, &routed);
+  if (routed) return p;
+  return magpie_checked(fns.malloc_async(size, stream), size);
 }
 
 // A tensor's block and the stream it was allocated on (and is freed on).
@@ -138,6 +247,15 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     fns.free_async(ptr, stream);
   }
 
+  void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    graphs.begin(device, mempool_id, std::move(filter));
+  }
+
+  void endAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { graphs.end(mempool_id); }
+
+  void releasePool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { graphs.release(mempool_id); }
+
   std::string name() override { return "magpie"; }
 
  private:
@@ -159,13 +277,15 @@ extern "C" {
 // Makes MagpieAllocator PyTorch's CUDA allocator. fn: magpie_malloc_async,
 // magpie_free_async, magpie_last_error, magpie_last_error_message,
 // magpie_torch_record_stream, magpie_torch_empty_cache,
-// magpie_torch_set_memory_fraction. 0; -1 if one is missing; -2 if PyTorch
+// magpie_torch_set_memory_fraction, magpie_graph_pool_create,
+// magpie_capture_begin, magpie_capture_end, magpie_graph_pool_malloc_async,
+// magpie_graph_pool_release. 0; -1 if one is missing; -2 if PyTorch
 // refused (e.g. its allocator was already in use), with the reason in
 // magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  for (int i = 0; i < 7; i++)
+  for (int i = 0; i < 12; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
   fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);
@@ -174,6 +294,11 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.record_stream = reinterpret_cast<void (*)(void *, cudaStream_t)>(fn[4]);
   fns.empty_cache = reinterpret_cast<void (*)()>(fn[5]);
   fns.memory_fraction = reinterpret_cast<void (*)(double, int)>(fn[6]);
+  fns.graph_pool_create = reinterpret_cast<int (*)(int, uint64_t *)>(fn[7]);
+  fns.capture_begin = reinterpret_cast<int (*)(uint64_t, cudaStream_t)>(fn[8]);
+  fns.capture_end = reinterpret_cast<int (*)(uint64_t, cudaStream_t)>(fn[9]);
+  fns.graph_pool_malloc = reinterpret_cast<void *(*)(uint64_t, size_t, cudaStream_t)>(fn[10]);
+  fns.graph_pool_release = reinterpret_cast<int (*)(uint64_t)>(fn[11]);
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));

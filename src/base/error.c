@@ -20,6 +20,7 @@ static const char *const error_names[MAGPIE_ERR_COUNT_] = {
     [MAGPIE_ERR_NO_DEVICE] = "no device available for the selected backend",
     [MAGPIE_ERR_CONFIG] = "invalid configuration",
     [MAGPIE_ERR_ALREADY_INITIALIZED] = "magpie is already initialised",
+    [MAGPIE_ERR_CAPTURE] = "not permitted while a stream captures a CUDA graph",
 };
 
 MAGPIE_API const char *magpie_error_string(int code) {

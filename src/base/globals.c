@@ -14,4 +14,5 @@ global_vars globals = {
     .init_lock = PTHREAD_MUTEX_INITIALIZER,
     .tcache_key_once = PTHREAD_ONCE_INIT,
     .tcache_list_lock = PTHREAD_MUTEX_INITIALIZER,
+    .capture_lock = PTHREAD_MUTEX_INITIALIZER,
 };

@@ -36,10 +36,11 @@ struct backend_observer;
 struct heap;
 struct slab;
 struct tcache;
+struct capture_reg;
 struct CUctx_st;
 
 /* Operations backend_timed.c times (its enum's TIMED_COUNT). */
-#define GLOBALS_TIMED_OPS 20
+#define GLOBALS_TIMED_OPS 21
 
 /* A stack of empty magazines on a line of its own (pool/magazine.c). */
 typedef struct globals_mag_stack {
@@ -120,6 +121,10 @@ typedef struct global_vars {
   int reaper_timed;
   int reaper_stop;
   int reaper_busy;
+  /* Captures under way that magpie was told of (heap_capture_hold: acq_rel
+   * RMW by front/capture.c under capture_lock); heap_reap reads it
+   * (acquire) and makes no device synchronisation while it is nonzero. */
+  _Atomic int heap_captures;
 
   /* ---- front ---- */
   /* init.c: global_state_v is read (acquire) on every slow path and
@@ -148,10 +153,26 @@ typedef struct global_vars {
   int64_t tcache_retired_live[MAGPIE_MAX_DEVICES];
   int tcache_can_steal;
   void (*tcache_describe)(struct heap *h, char *buf, size_t n);
-  /* observe.c: observe_on is read (relaxed) by the allocation and free
-   * paths and mirrors the observer's switch (device/observer.c);
-   * observe_hooks is published (release) before the switch can turn on. */
-  _Atomic int observe_on;
+  /* The fast paths' one switch (front/alloc.c reads it relaxed: it only
+   * decides whether the slow paths are taken): while nonzero, every
+   * allocation and free takes its slow path. Bit SLOW_OBSERVE (observe.c
+   * attaches the word; device/observer.c sets and clears the bit, RMW)
+   * follows the device's observer; bit SLOW_CAPTURE (capture.c, RMW under
+   * capture_lock) is set while a capture magpie was told of is under way.
+   * observe_hooks is published (release) before the observer's bit can
+   * turn on. */
+  _Atomic int slow_paths;
+  /* capture.c: the captures announced (magpie_capture_begin) and their
+   * count, under capture_lock (a leaf: held across stream capture queries,
+   * never across a wait or another lock); graph pool ids, fetch_add
+   * (relaxed: only uniqueness matters). */
+  pthread_mutex_t capture_lock;
+  struct capture_reg *capture_regs;
+  uint32_t capture_count;
+  _Atomic uint64_t capture_next_pool;
+  /* tcache.c: the free of a graph pool's block (capture.c registers it at
+   * set-up; the thread caches cannot name capture.c, which calls them). */
+  int (*tcache_graph_free)(void *p, struct slab *sl, cudaStream_t stream);
   _Atomic(struct backend_observer *) observe_hooks;
 } global_vars;
 

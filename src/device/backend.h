@@ -26,6 +26,9 @@
 /* event_query's answer for an event whose work has not completed. */
 #define BACKEND_NOT_READY (-1)
 
+/* stream_capture's states (as CUstreamCaptureStatus). */
+enum { BACKEND_CAPTURE_NONE = 0, BACKEND_CAPTURE_ACTIVE = 1, BACKEND_CAPTURE_INVALIDATED = 2 };
+
 /* A watcher of the allocator's hand-outs and frees that a device offers
  * (the simulated device's stream-order checker). While it is on, the
  * allocator calls on_handout after handing a block out and on_free before
@@ -39,13 +42,16 @@ typedef struct backend_observer {
   /* On or off: changed only through backend_observer_set (by the device's
    * own switch, and by magpie's set-up for check_streams=1). */
   _Atomic int enabled;
-  /* The allocator's copy of enabled, the flag its fast paths read
-   * (relaxed: it only decides whether the calls are made); NULL until
-   * backend_observer_attach. */
+  /* The allocator's word whose bit BACKEND_OBSERVER_BIT copies enabled:
+   * its fast paths read the word (relaxed: it only decides whether the
+   * slow paths are taken, the calls made); the allocator's other bits are
+   * its own. NULL until backend_observer_attach. */
   _Atomic(_Atomic int *) mirror;
 } backend_observer;
 
-/* Switches o on or off, and the attached allocator's flag with it. */
+#define BACKEND_OBSERVER_BIT 1
+
+/* Switches o on or off, and the attached allocator's bit with it. */
 void backend_observer_set(backend_observer *o, int on);
 /* Makes *flag follow o's state from now on (set-up, once). */
 void backend_observer_attach(backend_observer *o, _Atomic int *flag);
@@ -103,8 +109,28 @@ typedef struct backend_ops {
   int (*stream_id_fast)(cudaStream_t stream, unsigned long long *id);
   int (*stream_device)(cudaStream_t stream, int *device);
 
-  /* Wait for all work on the device (never called on an allocation path). */
+  /* Wait for all work on the device (never called on an allocation path).
+   * A device synchronisation while any stream of the device captures a
+   * graph invalidates that capture, in CUDA and in the simulator: callers
+   * make it only while no capture they know of is under way (heap.c). */
   int (*device_synchronize)(int device);
+
+  /* Stream capture (CUDA graphs). The capture state of `stream` (an
+   * ordinary or per-thread handle; never the legacy stream, 0 or 1, whose
+   * use during another thread's capture is itself forbidden): *status is a
+   * BACKEND_CAPTURE_* value and, while one is under way, *capture_id the
+   * capture's id (unique in the process; 0 when none). Never invalidates a
+   * capture: it is the query CUDA allows on a capturing stream.
+   * Everything else CUDA forbids during a capture is the caller's to
+   * avoid: on a capturing stream, stream_id, stream_id_fast and
+   * stream_device fail (MAGPIE_ERR_CAPTURE: CUDA refuses them there, and
+   * the capture is invalidated), as does recording an event meant to be
+   * queried; a device synchronisation fails while any stream captures.
+   * The memory operations above (reserve, unreserve, map, unmap,
+   * mem_alloc, mem_free), event_query and event_synchronize run in the
+   * relaxed capture mode, so a capture in progress on another thread
+   * neither refuses them nor is invalidated by them. */
+  int (*stream_capture)(cudaStream_t stream, int *status, uint64_t *capture_id);
 
   /* Optional (NULL: this module's own): the calling thread's error detail
    * buffer (BACKEND_DETAIL_LEN bytes), for a table implemented in another
@@ -118,7 +144,7 @@ typedef struct backend_ops {
 /* The layout a table handed across shared objects must have
  * (magpie_sim_device_table): a version raised by hand when the table's
  * meaning changes, and its size. */
-#define BACKEND_ABI_VERSION 1u
+#define BACKEND_ABI_VERSION 2u
 #define BACKEND_ABI ((BACKEND_ABI_VERSION << 16) | (unsigned)sizeof(backend_ops))
 
 /* The CUDA driver's table; the simulated device's is found at set-up

@@ -74,6 +74,10 @@ static int cuda_stream_code(cudrv_result r) {
   case CUDRV_ERROR_INVALID_HANDLE:
   case CUDRV_ERROR_INVALID_CONTEXT:
   case CUDRV_ERROR_CONTEXT_IS_DESTROYED: return MAGPIE_ERR_INVALID_STREAM;
+  /* cuStreamGetId, cuStreamGetDevice and cuStreamGetFlags on a capturing
+   * stream (CUDA 13.0, driver 580: refused, and the capture invalidated). */
+  case CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+  case CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED: return MAGPIE_ERR_CAPTURE;
   default: return cuda_code(r);
   }
 }
@@ -180,17 +184,46 @@ static int cuda_device_ctx(int device, cudrv_context *out) {
 }
 
 /* Makes device's primary context current until cuda_pop. */
+/* The relaxed capture mode (backend.h). Measured on an H100 (CUDA 13.0,
+ * driver 580): while another thread captures in the global mode, a thread
+ * in the default global mode that queries or synchronises an event
+ * recorded outside the capture, queries or synchronises its own stream, or
+ * allocates device memory gets CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and
+ * the other thread's capture is invalidated; in the relaxed mode all of
+ * these succeed and the capture survives (a context synchronisation fails
+ * in every mode). So every such call here runs relaxed: cuda_relax swaps
+ * the thread's mode to relaxed and returns the one it had (-1 if the swap
+ * failed), cuda_unrelax puts it back. Each is one cheap driver call. */
+static int cuda_relax(void) {
+  cudrv_capture_mode mode = CUDRV_STREAM_CAPTURE_MODE_RELAXED;
+  return cudrv.thread_exchange_capture_mode(&mode) == CUDRV_SUCCESS ? mode : -1;
+}
+
+static void cuda_unrelax(int saved) {
+  cudrv_capture_mode mode = saved;
+  if (saved >= 0) cudrv.thread_exchange_capture_mode(&mode);
+}
+
+/* The mode cuda_push replaced, for cuda_pop (pushes do not nest). */
+static _Thread_local int cuda_saved_mode = -1;
+
+/* Every call between cuda_push and cuda_pop (the memory calls, device
+ * synchronisation) runs in the relaxed capture mode (see cuda_relax):
+ * PyTorch's allocator maps memory during captures the same way. */
 static int cuda_push(int device, const char *op) {
   cudrv_context ctx;
   int rc = cuda_device_ctx(device, &ctx);
   if (rc != MAGPIE_OK) return rc;
   cudrv_result r = cudrv.ctx_push_current(ctx);
   if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPushCurrent(device %d) for %s", device, op);
+  cuda_saved_mode = cuda_relax();
   return MAGPIE_OK;
 }
 
 /* Undoes cuda_push; passes rc through unless the pop itself fails. */
 static int cuda_pop(int rc, const char *op) {
+  cuda_unrelax(cuda_saved_mode);
+  cuda_saved_mode = -1;
   cudrv_context ctx;
   cudrv_result r = cudrv.ctx_pop_current(&ctx);
   if (r != CUDRV_SUCCESS && rc == MAGPIE_OK) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxPopCurrent after %s", op);
@@ -437,7 +470,9 @@ static int cuda_event_record(void *event, cudaStream_t stream) {
 
 static int cuda_event_query(void *event) {
   if (!cuda_ready()) return cuda_not_ready();
+  int saved = cuda_relax();
   cudrv_result r = cudrv.event_query((cudrv_event)event);
+  cuda_unrelax(saved);
   if (r == CUDRV_SUCCESS) return MAGPIE_OK;
   if (r == CUDRV_ERROR_NOT_READY) return BACKEND_NOT_READY;
   return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventQuery(%p)", event);
@@ -445,7 +480,9 @@ static int cuda_event_query(void *event) {
 
 static int cuda_event_synchronize(void *event) {
   if (!cuda_ready()) return cuda_not_ready();
+  int saved = cuda_relax();
   cudrv_result r = cudrv.event_synchronize((cudrv_event)event);
+  cuda_unrelax(saved);
   if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuEventSynchronize(%p)", event);
   return MAGPIE_OK;
 }
@@ -567,6 +604,32 @@ static int cuda_stream_device(cudaStream_t stream, int *device) {
   return cuda_ordinal(dev, device);
 }
 
+/* Capture state: one cuStreamIsCapturing when the stream is not capturing
+ * (the common answer); the capture's id from cuStreamGetCaptureInfo only
+ * when it is. Both are allowed on a capturing stream. */
+static int cuda_stream_capture(cudaStream_t stream, int *status, uint64_t *capture_id) {
+  if (!cuda_ready()) return cuda_not_ready();
+  cudrv_capture_status st = CUDRV_STREAM_CAPTURE_STATUS_NONE;
+  cudrv_result r = cudrv.stream_is_capturing(stream, &st);
+  if (r != CUDRV_SUCCESS && r != CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED && cuda_bind_default_ctx(stream))
+    r = cudrv.stream_is_capturing(stream, &st);
+  if (r == CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED) st = CUDRV_STREAM_CAPTURE_STATUS_INVALIDATED;
+  else if (r != CUDRV_SUCCESS)
+    return cuda_fail(cuda_stream_code(r), r, "cuStreamIsCapturing(stream %p)", (void *)stream);
+  cudrv_uint64 id = 0;
+  if (st == CUDRV_STREAM_CAPTURE_STATUS_ACTIVE) {
+    r = cudrv.stream_get_capture_info(stream, &st, &id, NULL, NULL, NULL);
+    if (r == CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED) st = CUDRV_STREAM_CAPTURE_STATUS_INVALIDATED;
+    else if (r != CUDRV_SUCCESS)
+      return cuda_fail(cuda_stream_code(r), r, "cuStreamGetCaptureInfo(stream %p)", (void *)stream);
+  }
+  *status = st == CUDRV_STREAM_CAPTURE_STATUS_ACTIVE        ? BACKEND_CAPTURE_ACTIVE
+            : st == CUDRV_STREAM_CAPTURE_STATUS_INVALIDATED ? BACKEND_CAPTURE_INVALIDATED
+                                                            : BACKEND_CAPTURE_NONE;
+  *capture_id = *status == BACKEND_CAPTURE_ACTIVE ? (uint64_t)id : 0;
+  return MAGPIE_OK;
+}
+
 static int cuda_device_synchronize(int device) {
   if (!cuda_ready()) return cuda_not_ready();
   int rc = cuda_check_device(device);
@@ -603,6 +666,7 @@ static const backend_ops cuda_ops = {
     .stream_id_fast = cuda_stream_id_fast,
     .stream_device = cuda_stream_device,
     .device_synchronize = cuda_device_synchronize,
+    .stream_capture = cuda_stream_capture,
 };
 
 const backend_ops *backend_cuda(void) { return &cuda_ops; }

@@ -39,6 +39,7 @@ enum {
   TIMED_STREAM_ID,
   TIMED_STREAM_DEVICE,
   TIMED_DEVICE_SYNC,
+  TIMED_STREAM_CAPTURE,
   TIMED_COUNT
 };
 
@@ -65,6 +66,7 @@ static const char *const timed_names[TIMED_COUNT] = {
     "stream_id",
     "stream_device",
     "device_synchronize",
+    "stream_capture",
 };
 
 static uint64_t timed_now(void) {
@@ -168,6 +170,11 @@ static int timed_device_sync(int d) {
   return timed_done(TIMED_DEVICE_SYNC, t0, globals.timed_inner->device_synchronize(d));
 }
 
+static int timed_stream_capture(cudaStream_t s, int *status, uint64_t *id) {
+  uint64_t t0 = timed_now();
+  return timed_done(TIMED_STREAM_CAPTURE, t0, globals.timed_inner->stream_capture(s, status, id));
+}
+
 static backend_ops timed_ops = {
     .init = timed_init,
     .device_count = timed_device_count,
@@ -190,6 +197,7 @@ static backend_ops timed_ops = {
     .stream_id_fast = timed_stream_id_fast,
     .stream_device = timed_stream_device,
     .device_synchronize = timed_device_sync,
+    .stream_capture = timed_stream_capture,
 };
 
 const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms) {
@@ -199,6 +207,7 @@ const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms
   timed_ops.event_prefill = inner->event_prefill;
   timed_ops.error_detail = inner->error_detail; /* not operations: as they are */
   timed_ops.observer = inner->observer;
+  if (inner->stream_capture == NULL) timed_ops.stream_capture = NULL; /* optional: as it is */
   return &timed_ops;
 }
 

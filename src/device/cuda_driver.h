@@ -31,6 +31,9 @@ typedef struct CUevent_st *cudrv_event;
 typedef struct CUmod_st *cudrv_module;
 typedef struct CUfunc_st *cudrv_function;
 typedef struct CUmemPoolHandle_st *cudrv_mem_pool;
+typedef struct CUgraph_st *cudrv_graph;
+typedef struct CUgraphExec_st *cudrv_graph_exec;
+typedef struct CUgraphNode_st *cudrv_graph_node;
 
 /* CUDRV_EXTERNAL_TYPES: the signature check defines these as the real CUDA
  * types first, so that function types compare exactly. */
@@ -45,6 +48,8 @@ typedef int cudrv_granularity_flags;         /* CUmemAllocationGranularity_flags
 typedef int cudrv_proc_query_result;         /* CUdriverProcAddressQueryResult */
 typedef int cudrv_jit_option;                /* CUjit_option */
 typedef int cudrv_mem_pool_attr;             /* CUmemPool_attribute */
+typedef int cudrv_capture_status;            /* CUstreamCaptureStatus */
+typedef int cudrv_capture_mode;              /* CUstreamCaptureMode */
 
 typedef struct cudrv_mem_location { /* CUmemLocation */
   int type;                         /* CUmemLocationType */
@@ -72,18 +77,20 @@ typedef struct cudrv_mem_access_desc { /* CUmemAccessDesc */
 
 /* Constants (the names after the colon are cuda.h's). */
 enum {
-  CUDRV_SUCCESS = 0,                      /* CUDA_SUCCESS */
-  CUDRV_ERROR_INVALID_VALUE = 1,          /* CUDA_ERROR_INVALID_VALUE */
-  CUDRV_ERROR_OUT_OF_MEMORY = 2,          /* CUDA_ERROR_OUT_OF_MEMORY */
-  CUDRV_ERROR_NOT_INITIALIZED = 3,        /* CUDA_ERROR_NOT_INITIALIZED */
-  CUDRV_ERROR_DEINITIALIZED = 4,          /* CUDA_ERROR_DEINITIALIZED */
-  CUDRV_ERROR_STUB_LIBRARY = 34,          /* CUDA_ERROR_STUB_LIBRARY */
-  CUDRV_ERROR_NO_DEVICE = 100,            /* CUDA_ERROR_NO_DEVICE */
-  CUDRV_ERROR_INVALID_CONTEXT = 201,      /* CUDA_ERROR_INVALID_CONTEXT */
-  CUDRV_ERROR_INVALID_HANDLE = 400,       /* CUDA_ERROR_INVALID_HANDLE */
-  CUDRV_ERROR_NOT_FOUND = 500,            /* CUDA_ERROR_NOT_FOUND */
-  CUDRV_ERROR_NOT_READY = 600,            /* CUDA_ERROR_NOT_READY */
-  CUDRV_ERROR_CONTEXT_IS_DESTROYED = 709, /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
+  CUDRV_SUCCESS = 0,                            /* CUDA_SUCCESS */
+  CUDRV_ERROR_INVALID_VALUE = 1,                /* CUDA_ERROR_INVALID_VALUE */
+  CUDRV_ERROR_OUT_OF_MEMORY = 2,                /* CUDA_ERROR_OUT_OF_MEMORY */
+  CUDRV_ERROR_NOT_INITIALIZED = 3,              /* CUDA_ERROR_NOT_INITIALIZED */
+  CUDRV_ERROR_DEINITIALIZED = 4,                /* CUDA_ERROR_DEINITIALIZED */
+  CUDRV_ERROR_STUB_LIBRARY = 34,                /* CUDA_ERROR_STUB_LIBRARY */
+  CUDRV_ERROR_NO_DEVICE = 100,                  /* CUDA_ERROR_NO_DEVICE */
+  CUDRV_ERROR_INVALID_CONTEXT = 201,            /* CUDA_ERROR_INVALID_CONTEXT */
+  CUDRV_ERROR_INVALID_HANDLE = 400,             /* CUDA_ERROR_INVALID_HANDLE */
+  CUDRV_ERROR_NOT_FOUND = 500,                  /* CUDA_ERROR_NOT_FOUND */
+  CUDRV_ERROR_NOT_READY = 600,                  /* CUDA_ERROR_NOT_READY */
+  CUDRV_ERROR_CONTEXT_IS_DESTROYED = 709,       /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
+  CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900, /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+  CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED = 901, /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
 };
 
 enum {
@@ -104,6 +111,12 @@ enum {
   CUDRV_GET_PROC_ADDRESS_SUCCESS = 0,         /* CU_GET_PROC_ADDRESS_SUCCESS */
   CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1,
   CUDRV_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2,
+  CUDRV_STREAM_CAPTURE_STATUS_NONE = 0,        /* CU_STREAM_CAPTURE_STATUS_NONE */
+  CUDRV_STREAM_CAPTURE_STATUS_ACTIVE = 1,      /* CU_STREAM_CAPTURE_STATUS_ACTIVE */
+  CUDRV_STREAM_CAPTURE_STATUS_INVALIDATED = 2, /* CU_STREAM_CAPTURE_STATUS_INVALIDATED */
+  CUDRV_STREAM_CAPTURE_MODE_GLOBAL = 0,        /* CU_STREAM_CAPTURE_MODE_GLOBAL */
+  CUDRV_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1,  /* CU_STREAM_CAPTURE_MODE_THREAD_LOCAL */
+  CUDRV_STREAM_CAPTURE_MODE_RELAXED = 2,       /* CU_STREAM_CAPTURE_MODE_RELAXED */
 };
 
 /* Special stream handles (cuda.h: 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD).
@@ -171,7 +184,10 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
   X(event_synchronize, cuEventSynchronize, 2000)               \
   X(stream_wait_event, cuStreamWaitEvent, 3020)                \
   X(stream_get_id, cuStreamGetId, 12000)                       \
-  X(stream_get_ctx, cuStreamGetCtx, 9020)
+  X(stream_get_ctx, cuStreamGetCtx, 9020)                      \
+  X(stream_is_capturing, cuStreamIsCapturing, 10000)           \
+  X(stream_get_capture_info, cuStreamGetCaptureInfo, 11030)    \
+  X(thread_exchange_capture_mode, cuThreadExchangeStreamCaptureMode, 10010)
 
 #define CUDRV_TOOL_FUNCS(X)                                        \
   X(device_get_name, cuDeviceGetName, 2000)                        \
@@ -192,7 +208,13 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
   X(module_load_data, cuModuleLoadData, 2000)                      \
   X(module_load_data_ex, cuModuleLoadDataEx, 2010)                 \
   X(module_get_function, cuModuleGetFunction, 2000)                \
-  X(launch_kernel, cuLaunchKernel, 4000)
+  X(launch_kernel, cuLaunchKernel, 4000)                           \
+  X(stream_begin_capture, cuStreamBeginCapture, 10010)             \
+  X(stream_end_capture, cuStreamEndCapture, 10000)                 \
+  X(graph_instantiate, cuGraphInstantiateWithFlags, 11040)         \
+  X(graph_launch, cuGraphLaunch, 10000)                            \
+  X(graph_exec_destroy, cuGraphExecDestroy, 10000)                 \
+  X(graph_destroy, cuGraphDestroy, 10000)
 
 /* cuStreamGetDevice: drivers 12.8 and later. */
 #define CUDRV_OPTIONAL_FUNCS(X) X(stream_get_device, cuStreamGetDevice, 12080)
@@ -238,6 +260,11 @@ typedef cudrv_result (*cudrv_pfn_stream_wait_event)(cudrv_stream stream, cudrv_e
 typedef cudrv_result (*cudrv_pfn_stream_get_id)(cudrv_stream stream, unsigned long long *id);
 typedef cudrv_result (*cudrv_pfn_stream_get_ctx)(cudrv_stream stream, cudrv_context *ctx);
 typedef cudrv_result (*cudrv_pfn_stream_get_device)(cudrv_stream stream, cudrv_device *device);
+typedef cudrv_result (*cudrv_pfn_stream_is_capturing)(cudrv_stream stream, cudrv_capture_status *status);
+typedef cudrv_result (*cudrv_pfn_stream_get_capture_info)(cudrv_stream stream, cudrv_capture_status *status,
+                                                          cudrv_uint64 *id, cudrv_graph *graph,
+                                                          const cudrv_graph_node **deps, size_t *ndeps);
+typedef cudrv_result (*cudrv_pfn_thread_exchange_capture_mode)(cudrv_capture_mode *mode);
 
 typedef cudrv_result (*cudrv_pfn_device_get_name)(char *name, int len, cudrv_device device);
 typedef cudrv_result (*cudrv_pfn_stream_create)(cudrv_stream *stream, unsigned int flags);
@@ -264,6 +291,13 @@ typedef cudrv_result (*cudrv_pfn_launch_kernel)(cudrv_function f, unsigned int g
                                                 unsigned int grid_z, unsigned int block_x, unsigned int block_y,
                                                 unsigned int block_z, unsigned int shared_bytes, cudrv_stream stream,
                                                 void **params, void **extra);
+typedef cudrv_result (*cudrv_pfn_stream_begin_capture)(cudrv_stream stream, cudrv_capture_mode mode);
+typedef cudrv_result (*cudrv_pfn_stream_end_capture)(cudrv_stream stream, cudrv_graph *graph);
+typedef cudrv_result (*cudrv_pfn_graph_instantiate)(cudrv_graph_exec *exec, cudrv_graph graph,
+                                                    unsigned long long flags);
+typedef cudrv_result (*cudrv_pfn_graph_launch)(cudrv_graph_exec exec, cudrv_stream stream);
+typedef cudrv_result (*cudrv_pfn_graph_exec_destroy)(cudrv_graph_exec exec);
+typedef cudrv_result (*cudrv_pfn_graph_destroy)(cudrv_graph graph);
 
 /* --- the loader (cuda_loader.c) ----------------------------------------- */
 

@@ -3,17 +3,24 @@
  * device's observer (the simulated device's stream-order checker) watches
  * hand-outs and frees here, behind one read-mostly flag (observe.h). */
 #include "base/error.h"
+#include "front/capture.h"
 #include "front/global.h"
 #include "front/observe.h"
 #include "front/tcache.h"
 #include "pool/large.h"
 
-/* Everything but a fast-path hit: the slow path, and the observer's view
- * of every hand-out while it is on. The observer's calls stay out of line
- * so that the fast paths need no frame of their own. */
+/* Everything but a fast-path hit: the slow path; while a capture is
+ * announced, capturing streams' allocations go to their graph pools
+ * (capture.c); and the observer's view of every other hand-out while it is
+ * on (it does not follow graph pools' blocks, which replays reuse). The
+ * calls stay out of line so that the fast paths need no frame of their
+ * own. */
 static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
-  void *p = tcache_alloc_slow(size, stream, id);
-  if (unlikely(atomic_load_relaxed(&globals.observe_on)) && p != NULL) {
+  int slow = atomic_load_relaxed(&globals.slow_paths);
+  void *p;
+  if (unlikely(slow & SLOW_CAPTURE) && capture_alloc(size, stream, &p)) return p;
+  p = tcache_alloc_slow(size, stream, id);
+  if (unlikely(slow & SLOW_OBSERVE) && p != NULL) {
     size_t usable = magpie_usable_size(p);
     observe_handout(p, usable > size ? usable : size, stream);
   }
@@ -22,7 +29,7 @@ static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64
 
 static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
   uint64_t id = 0;
-  if (likely(!atomic_load_relaxed(&globals.observe_on))) {
+  if (likely(!atomic_load_relaxed(&globals.slow_paths))) {
     void *p = tcache_alloc_fast(size, stream, &id);
     if (likely(p != NULL)) return p;
   }
@@ -30,12 +37,14 @@ static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
 }
 
 static MAGPIE_NOINLINE int free_watched(void *ptr, cudaStream_t stream) {
-  observe_free(ptr, stream);
+  int slow = atomic_load_relaxed(&globals.slow_paths), rc;
+  if ((slow & SLOW_CAPTURE) && capture_free(ptr, stream, &rc)) return rc;
+  if (slow & SLOW_OBSERVE) observe_free(ptr, stream);
   return tcache_free(ptr, stream);
 }
 
 static MAGPIE_INLINE int free_checked(void *ptr, cudaStream_t stream) {
-  if (unlikely(atomic_load_relaxed(&globals.observe_on))) return free_watched(ptr, stream);
+  if (unlikely(atomic_load_relaxed(&globals.slow_paths))) return free_watched(ptr, stream);
   return tcache_free(ptr, stream);
 }
 

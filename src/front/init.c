@@ -21,6 +21,7 @@
 #include "base/globals.h"
 #include "base/sizeclass.h"
 #include "device/backend_timed.h"
+#include "front/capture.h"
 #include "front/observe.h"
 #include "front/stats.h"
 #include "front/tcache.h"
@@ -213,6 +214,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   magazine_module_init();
   tcache_module_init();
   tcache_set_describe(stats_describe);
+  capture_module_init();
   epoch_module_init();
   heap_module_init(ops, &c);
   if (c.verbose) atexit(init_verbose_atexit);

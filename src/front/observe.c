@@ -4,14 +4,14 @@
 #include "base/globals.h"
 
 /* The attached observer and the switch are globals.observe_hooks and
- * observe_on: stored (release) at set-up before the switch can follow the
+ * slow_paths' observer bit: stored (release) at set-up before the switch can follow the
  * observer; loaded (acquire) by the hooks. */
 
 void observe_install(const backend_ops *ops, int on) {
   backend_observer *o = ops->observer;
   if (o == NULL) return;
   atomic_store_explicit(&globals.observe_hooks, o, memory_order_release);
-  backend_observer_attach(o, &globals.observe_on);
+  backend_observer_attach(o, &globals.slow_paths);
   if (on) backend_observer_set(o, 1);
 }
 

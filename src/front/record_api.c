@@ -14,6 +14,9 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
   slab *sl = pagemap_lookup((uintptr_t)ptr);
   if (sl == NULL)
     return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not a pointer returned by magpie", ptr);
+  /* A graph pool's block: the pool's rules decide its reuse (pool/gpool.h);
+   * no entry is kept for it. */
+  if (sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)ptr)) return MAGPIE_OK;
   uint32_t bi = 0;
   size_t bytes = sl->bsize;
   if (!slab_block_index(sl, (uintptr_t)ptr, &bi) ||
@@ -33,7 +36,16 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
                      ptr);
   const backend_ops *ops = global_ops();
   uint64_t id = 0;
-  int dev = -1;
+  int dev = -1, st = BACKEND_CAPTURE_NONE;
+  /* A capturing stream cannot be asked its id (device/backend.h), and a
+   * use recorded there happens at each replay, not now. */
+  if ((uintptr_t)stream > 1 && ops->stream_capture != NULL && ops->stream_capture(stream, &st, &id) == MAGPIE_OK &&
+      st != BACKEND_CAPTURE_NONE)
+    return error_set(MAGPIE_ERR_CAPTURE,
+                     "magpie_record_stream(%p): stream %p is capturing a CUDA graph; a block the graph uses must "
+                     "stay allocated while the graph may be replayed (blocks allocated during the capture follow "
+                     "their graph pool's rules)",
+                     ptr, (void *)stream);
   if (ops->stream_id(stream, &id) != MAGPIE_OK || ops->stream_device(stream, &dev) != MAGPIE_OK)
     return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_record_stream(%p): stream %p is not valid: %s", ptr,
                      (void *)stream, backend_error_detail());

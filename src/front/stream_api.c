@@ -22,7 +22,13 @@ MAGPIE_API int magpie_stream_retire(cudaStream_t stream) {
                      (void *)stream);
   const backend_ops *ops = global_ops();
   uint64_t id = 0;
-  int dev = -1;
+  int dev = -1, st = BACKEND_CAPTURE_NONE;
+  /* A capturing stream cannot be asked its id (device/backend.h) nor
+   * destroyed. */
+  if (ops->stream_capture != NULL && ops->stream_capture(stream, &st, &id) == MAGPIE_OK && st != BACKEND_CAPTURE_NONE)
+    return error_set(MAGPIE_ERR_CAPTURE,
+                     "magpie_stream_retire(%p): the stream is capturing a CUDA graph; end the capture first",
+                     (void *)stream);
   if (ops->stream_id(stream, &id) != MAGPIE_OK || ops->stream_device(stream, &dev) != MAGPIE_OK)
     return error_set(MAGPIE_ERR_INVALID_STREAM,
                      "magpie_stream_retire(%p): not a valid stream (call it before destroying the stream): %s",

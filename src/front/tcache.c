@@ -16,6 +16,7 @@
 #include "base/globals.h"
 #include "base/meta.h"
 #include "front/global.h"
+#include "front/observe.h"
 #include "pool/record.h"
 
 __thread tcache *tcache_tls;
@@ -491,6 +492,32 @@ static int tcache_mark_free(slab *sl, uintptr_t p, uint32_t bi) {
 
 static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id);
 
+/* The error of an allocation on a capturing stream magpie was not told
+ * of. */
+static void tcache_capture_error(cudaStream_t s, size_t size) {
+  error_set(MAGPIE_ERR_CAPTURE,
+            "magpie_malloc_async(%zu bytes): stream %p is capturing a CUDA graph that magpie was not told of (on a "
+            "GPU, CUDA also refuses the stream's id there and invalidates the capture): call "
+            "magpie_capture_begin(pool, stream) when the capture begins (magpie.h, \"CUDA graphs\")",
+            size, (void *)s);
+}
+
+/* Before an allocation takes what threads share (a refill, a large
+ * block): is s capturing a graph magpie was not told of? Its blocks would
+ * belong to the graph and be reused outside it. One driver query, on
+ * these paths only (with a capture announced, front/capture.c has
+ * routed capturing streams already). 1 with the error set: refused. */
+static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
+  int st = BACKEND_CAPTURE_NONE;
+  uint64_t cid = 0;
+  if ((uintptr_t)s <= 1 || tc->ops->stream_capture == NULL ||
+      (atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 ||
+      tc->ops->stream_capture(s, &st, &cid) != MAGPIE_OK || st == BACKEND_CAPTURE_NONE)
+    return 0;
+  tcache_capture_error(s, size);
+  return 1;
+}
+
 void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return NULL;
@@ -502,14 +529,18 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
 
 static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id) {
   if (size == 0) size = 1; /* a unique minimum block, like malloc(0) */
-  if (id == 0 && tc->ops->stream_id(s, &id) != MAGPIE_OK) {
-    error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_malloc_async: stream %p is not valid: %s", (void *)s,
-              backend_error_detail());
+  int idrc;
+  if (id == 0 && (idrc = tc->ops->stream_id(s, &id)) != MAGPIE_OK) {
+    if (idrc == MAGPIE_ERR_CAPTURE) tcache_capture_error(s, size);
+    else
+      error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_malloc_async: stream %p is not valid: %s", (void *)s,
+                backend_error_detail());
     return NULL;
   }
   tslot *ts = tcache_slot_for_alloc(tc, s, id);
   if (ts == NULL) return NULL;
-  if (size > SIZECLASS_MAX_SIZE) return tcache_alloc_large(tc, ts, size, id, s);
+  if (size > SIZECLASS_MAX_SIZE)
+    return tcache_capture_refused(tc, s, size) ? NULL : tcache_alloc_large(tc, ts, size, id, s);
   unsigned c = sizeclass_of(size);
   atomic_owner_inc_u64(&ts->cl[c].misses);
   int publish = 0;
@@ -524,6 +555,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       if (fresh == NULL) {
         /* Taking from what all threads share: what waits in the outbox
          * goes there first, so that its slabs and segments may serve. */
+        if (tcache_capture_refused(tc, s, size)) return NULL;
         tcache_outbox_seal(ts, s);
         int rc = heap_refill(ts->heap, c, id, s, &fresh);
         if (rc == MAGPIE_ERR_OUT_OF_MEMORY && tcache_give_back_own(tc, ts, s) > 0)
@@ -641,12 +673,55 @@ int tcache_free_slow(void *p, cudaStream_t s) {
   if (p == NULL) return MAGPIE_OK;
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
-  tcache_enter_slow(tc);
   slab *sl = pagemap_lookup((uintptr_t)p);
+  /* A graph pool's block goes back to its pool (capture.c). */
+  if (sl != NULL && sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)p))
+    return globals.tcache_graph_free(p, sl, s);
+  tcache_enter_slow(tc);
   int rc = (sl != NULL && tcache_keep_large(tc, sl, p, s)) || tcache_free_switch(tc, sl, p, s)
                ? MAGPIE_OK
                : tcache_free_slow_in(tc, sl, p, s);
   tcache_leave(tc);
+  return rc;
+}
+
+int tcache_free_to_limbo(void *p, slab *sl, cudaStream_t s) {
+  tcache *tc = tcache_tls;
+  if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
+  uint32_t bi = 0;
+  if (!slab_block_index(sl, (uintptr_t)p, &bi))
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not the start of a block magpie handed out",
+                     p);
+  heap *h = sl->heap;
+  unsigned c = large_block_class(sl, (uintptr_t)p);
+  size_t bsize;
+  int rc = MAGPIE_OK;
+  tcache_enter_slow(tc);
+  if (c == SLAB_LARGE) {
+    lblock *b = NULL;
+    if (!large_keep_block(&h->large, (uintptr_t)p, SIZE_MAX, &b)) {
+      rc = error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not an allocated large block (double free?)",
+                     p);
+    } else if (heap_limbo_put_large(h, b) != MAGPIE_OK) {
+      large_unkeep(b);
+      rc = error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory; the block stays allocated",
+                     p);
+    }
+    bsize = b != NULL ? b->size : 0;
+  } else {
+    bsize = globals.sizeclass_table[c].size;
+    if (tc->check && !tcache_mark_free(sl, (uintptr_t)p, bi))
+      rc = error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
+    else if (heap_limbo_block(h, c, p) != MAGPIE_OK)
+      rc = error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory; the block stays allocated",
+                     p);
+  }
+  if (rc == MAGPIE_OK) {
+    atomic_owner_add_i64(&tc->live[h->device], -(int64_t)bsize);
+    tcache_publish(tc, h);
+  }
+  tcache_leave(tc);
+  (void)s;
   return rc;
 }
 
@@ -667,7 +742,14 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   unsigned c = large_block_class(sl, (uintptr_t)p);
   size_t bsize = c == SLAB_LARGE ? sl->bsize : globals.sizeclass_table[c].size;
   uint64_t id = 0;
-  if (tc->ops->stream_id(s, &id) != MAGPIE_OK)
+  int idrc = tc->ops->stream_id(s, &id);
+  if (idrc == MAGPIE_ERR_CAPTURE)
+    return error_set(idrc,
+                     "magpie_free_async(%p): stream %p is capturing a CUDA graph that magpie was not told of (CUDA "
+                     "refuses its id there and invalidates the capture): call magpie_capture_begin(pool, stream) "
+                     "when the capture begins; the block stays allocated",
+                     p, (void *)s);
+  if (idrc != MAGPIE_OK)
     return error_set(MAGPIE_ERR_INVALID_STREAM,
                      "magpie_free_async(%p): stream %p is not valid (%s); the block "
                      "stays allocated",

@@ -163,6 +163,10 @@ extern __thread tcache *tcache_tls;
 /* id: the stream's id if the fast path looked it up, else 0. */
 void *tcache_alloc_slow(size_t size, cudaStream_t stream, uint64_t id);
 int tcache_free_slow(void *ptr, cudaStream_t stream);
+/* A block (slab sl) freed on a capturing stream s: out of the calling
+ * thread's in-use count and into the heap's limbo, where it waits for a
+ * device synchronisation (heap_limbo_block, heap_limbo_put_large). */
+int tcache_free_to_limbo(void *ptr, struct slab *sl, cudaStream_t s);
 
 static inline int tcache_special_handle(cudaStream_t s) { return (uintptr_t)s <= 2; }
 

@@ -7,7 +7,7 @@
  * (region.lock, span_set.span_lock), large_cache.lock, one at a time; and
  * heap_recycle's record_table.lock and slab_set.reclaim_lock ->
  * (slab_set.slab_lock, large_cache.lock)).
- * reaper_lock and klimbo_lock are leaves.
+ * reaper_lock, klimbo_lock and gpool_set.lock are leaves.
  * None is held across a device synchronisation (the exit handler waits on
  * reaper_idle_cv, which releases reaper_lock). */
 #include "heap/heap.h"
@@ -76,6 +76,7 @@ static heap *heap_create(int device) {
   stack_init(&h->limbo);
   pthread_mutex_init(&h->klimbo_lock, NULL);
   large_init(&h->large, &h->region, ops, total, h->reuse_wait, h);
+  gpool_set_init(&h->graphs);
   span_set_init(&h->spans, &h->region);
   slab_set_init(&h->slabs, &h->region, &h->spans, h->depots, h);
   record_table_init(&h->records, heap_records_sync, h);
@@ -413,13 +414,30 @@ static void heap_reap_kept(heap *h, heap_kept *chain, int ok) {
   }
 }
 
+/* Partial magazines of blocks freed on capturing streams go to limbo.
+ * Under klimbo_lock. */
+static void heap_lpart_flush_locked(heap *h) {
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    magazine *m = h->lpart[c];
+    if (m == NULL) continue;
+    h->lpart[c] = NULL;
+    atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
+    atomic_add_relaxed(&h->stat_limbo, 1);
+    stack_push(&h->limbo, &globals.magazine_registry, &m->link);
+  }
+}
+
 static void heap_reap(heap *h) {
+  /* Acquire pairs with heap_capture_hold's release: a capture announced
+   * before this reap began is seen, and no synchronisation is made. */
+  if (atomic_load_acquire(&globals.heap_captures) > 0) return;
   atomic_add_relaxed(&h->reaping, 1);
-  registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
   pthread_mutex_lock(&h->klimbo_lock);
+  heap_lpart_flush_locked(h);
   heap_kept *kchain = h->klimbo;
   h->klimbo = NULL;
   pthread_mutex_unlock(&h->klimbo_lock);
+  registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
   struct record_entry *rchain = record_sync_take(&h->records);
   if (chain != NULL || kchain != NULL || rchain != NULL) {
     atomic_add_relaxed(&h->stat_device_syncs, 1);
@@ -587,6 +605,58 @@ int heap_limbo_put_large(heap *h, lblock *b) {
   heap_klimbo_push(h, n);
   heap_limbo_wake(h);
   return MAGPIE_OK;
+}
+
+int heap_limbo_block(heap *h, unsigned cls, void *p) {
+  pthread_mutex_lock(&h->klimbo_lock);
+  magazine *m = h->lpart[cls];
+  if (m == NULL) {
+    if ((m = magazine_get_empty(cls)) == NULL) {
+      pthread_mutex_unlock(&h->klimbo_lock);
+      return MAGPIE_ERR_OUT_OF_MEMORY;
+    }
+    m->cap = MAGAZINE_MAX;
+    m->ticket = (epoch_ticket){0};
+    h->lpart[cls] = m;
+  }
+  m->slots[m->count++] = p;
+  int full = m->count == m->cap;
+  if (full) heap_lpart_flush_locked(h);
+  pthread_mutex_unlock(&h->klimbo_lock);
+  heap_limbo_wake(h);
+  return MAGPIE_OK;
+}
+
+void heap_capture_hold(int delta) {
+  /* Release: see heap_reap. */
+  if (atomic_fetch_add_explicit(&globals.heap_captures, delta, memory_order_acq_rel) + delta == 0) {
+    pthread_mutex_lock(&globals.reaper_lock);
+    heap_reaper_signal_locked();
+    pthread_mutex_unlock(&globals.reaper_lock);
+  }
+}
+
+int heap_graph_alloc(heap *h, size_t size, uintptr_t *out, size_t *bsize) {
+  /* EPOCH_NO_STREAM: only blocks ready for every stream; no flag lets a
+   * stream wait. Cheapest relief first, none that waits on the host. */
+  static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_UNMAP};
+  int rc = large_alloc(&h->large, size, EPOCH_NO_STREAM, NULL, 0, out, bsize);
+  for (unsigned i = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && i < sizeof steps / sizeof steps[0]; i++)
+    if (heap_relieve(h, steps[i])) rc = large_alloc(&h->large, size, EPOCH_NO_STREAM, NULL, 0, out, bsize);
+  if (rc != MAGPIE_OK) return rc;
+  large_graph_mark(&h->large, *out, 1);
+  heap_publish_in_use(h, (int64_t)*bsize);
+  return MAGPIE_OK;
+}
+
+void heap_graph_retire(heap *h, uintptr_t p, size_t size) {
+  lblock *b = NULL;
+  large_graph_mark(&h->large, p, 0);
+  heap_publish_in_use(h, -(int64_t)size);
+  if (large_keep_block(&h->large, p, SIZE_MAX, &b) && heap_limbo_put_large(h, b) == MAGPIE_OK) return;
+  /* Host metadata ran out: the block stays handed out (lost to reuse, never
+   * to another user while a replay may touch it). */
+  if (b != NULL) large_unkeep(b);
 }
 
 void heap_limbo_put(heap *h, magazine *m) {

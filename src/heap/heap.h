@@ -6,9 +6,11 @@
  *   large    — free large blocks waiting for reuse
  *   limbo    — magazines of streams that died before their blocks could be
  *              sealed (and, in the record table, recorded blocks whose
- *              recorded stream died before their free); a background
- *              thread synchronises the device and returns them to the
- *              pools.
+ *              recorded stream died before their free; blocks freed on a
+ *              capturing stream; graph pools' blocks after their release);
+ *              a background thread synchronises the device, while no
+ *              capture it knows of runs, and returns them to the pools.
+ *   graphs   — graph pools (pool/gpool.h): memory of captured CUDA graphs
  *
  * Heaps are created on first use of their device and live for the process. */
 #ifndef MAGPIE_HEAP_H
@@ -23,6 +25,7 @@
 #include "device/backend.h"
 #include "pool/depot.h"
 #include "pool/epoch.h"
+#include "pool/gpool.h"
 #include "pool/large.h"
 #include "pool/record.h"
 #include "pool/region.h"
@@ -60,7 +63,12 @@ typedef struct heap {
    * next device synchronisation (heap_reap). Under klimbo_lock. */
   pthread_mutex_t klimbo_lock;
   struct heap_kept *klimbo;
+  /* Blocks freed on a capturing stream (heap_limbo_block), per class, in
+   * a magazine that goes to limbo when full or at the next reap. Under
+   * klimbo_lock. */
+  magazine *lpart[SIZECLASS_COUNT];
   large_cache large;
+  gpool_set graphs;
   span_set spans;                        /* granules shared by classes' slabs */
   slab_set slabs;                        /* class slabs, for release and snapshots */
   record_table records;                  /* blocks with record_stream entries */
@@ -134,6 +142,27 @@ void heap_limbo_put(heap *h, magazine *m);
  * stat_kept_bytes already): freed after the next device synchronisation.
  * MAGPIE_ERR_OUT_OF_MEMORY (host metadata): nothing done. */
 int heap_limbo_put_large(heap *h, lblock *b);
+
+/* A block of class cls (a slab's or a class block) freed on a capturing
+ * stream: no event can be recorded there and the graph's position of the
+ * free is no point of the stream's real order, so it waits in limbo for a
+ * device synchronisation. MAGPIE_ERR_OUT_OF_MEMORY (host): nothing done. */
+int heap_limbo_block(heap *h, unsigned cls, void *p);
+
+/* ---- CUDA graphs ----
+ * Captures under way that magpie was told of (front/capture.c): while
+ * their count is nonzero, heap_reap makes no device synchronisation (it
+ * would invalidate them); when it drops to 0 the maintenance thread is
+ * woken to drain what waited. */
+void heap_capture_hold(int delta);
+/* A large block of at least size bytes for a graph pool: ready for every
+ * stream (no stream wait, no host wait), mapped in relaxed capture mode,
+ * marked as a graph pool's (large_graph_mark); counted in use. */
+int heap_graph_alloc(heap *h, size_t size, uintptr_t *out, size_t *bsize);
+/* A graph pool's block [p, p+size) leaves the pool: unmarked, no longer in
+ * use, and freed to the large cache after the next device
+ * synchronisation (limbo). */
+void heap_graph_retire(heap *h, uintptr_t p, size_t size);
 
 /* In a child of fork() (its only thread): forget the parent's maintenance
  * thread, so that exit does not wait for it. */

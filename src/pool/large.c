@@ -639,7 +639,7 @@ int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t st
 
 int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, uint64_t stream_id, cudaStream_t stream,
                       int flags, void **slots, uint32_t *got) {
-  MAGPIE_ASSERT(bsize % LARGE_QUANTUM == 0 && cls < LARGE_CLASS_LIMIT);
+  MAGPIE_ASSERT(bsize % LARGE_QUANTUM == 0 && cls + 1 < LARGE_CLASS_LIMIT);
   lticket *deferred = NULL;
   int rc = MAGPIE_OK;
   *got = 0;
@@ -736,6 +736,18 @@ out:
   lticket_release_all(deferred);
   meta_free(lt); /* not taken: the caller keeps (and releases) its ticket */
   return rc;
+}
+
+int large_graph_mark(large_cache *c, uintptr_t p, int on) {
+  pthread_mutex_lock(&c->lock);
+  lblock *b = large_hash_find(c, p, 0);
+  int ok = b != NULL && b->klass == 0;
+  if (ok) {
+    lseg *sg = b->seg;
+    atomic_store_relaxed(&sg->ucls[(p - sg->base) / LARGE_QUANTUM], on ? LARGE_GRAPH_MARK : 0);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return ok;
 }
 
 int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out) {

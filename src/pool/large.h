@@ -194,7 +194,10 @@ static inline void large_unkeep(lblock *b) { atomic_store_release(&b->kept, 0); 
  * (for its give-back), and marked in its segment's ucls table, which
  * frees read without the lock. */
 #define LARGE_CLASS_USED 0x80u
-#define LARGE_CLASS_LIMIT 0x7fu /* classes that fit the table's byte */
+#define LARGE_CLASS_LIMIT 0x7fu /* classes that fit the table's byte: cls + 1 below it */
+/* The ucls mark of a large block that a graph pool holds (pool/gpool.h):
+ * its frees go to the pool, never to the large cache or a thread. */
+#define LARGE_GRAPH_MARK LARGE_CLASS_LIMIT
 
 /* Up to n class blocks of class cls (bsize bytes, a multiple of
  * LARGE_QUANTUM) that stream_id may use now, into slots; *got set. flags
@@ -214,8 +217,20 @@ static inline int large_class_of(const lseg *sg, uintptr_t p) {
   uintptr_t off = p - sg->base;
   if (off >= sg->size || off % LARGE_QUANTUM != 0) return -1;
   unsigned v = atomic_load_relaxed(&sg->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
-  return (int)v - 1;
+  return v == LARGE_GRAPH_MARK ? -1 : (int)v - 1;
 }
+
+/* Is p the start of a large block a graph pool holds? No lock (as
+ * large_class_of: a free is ordered after the allocation that marked it). */
+static inline int large_is_graph(const lseg *sg, uintptr_t p) {
+  uintptr_t off = p - sg->base;
+  if (off >= sg->size || off % LARGE_QUANTUM != 0) return 0;
+  return (atomic_load_relaxed(&sg->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT) == LARGE_GRAPH_MARK;
+}
+
+/* Mark (on) or unmark the handed-out large block at p as a graph pool's.
+ * 0 if p is not a handed-out large block. */
+int large_graph_mark(large_cache *c, uintptr_t p, int on);
 
 /* The size class of the block starting at p in sl: sl's class for a slab,
  * the class block's for a segment, SLAB_LARGE for a large block. */

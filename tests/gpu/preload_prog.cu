@@ -14,7 +14,13 @@
 //   4. pointers from functions that are not interposed (managed memory,
 //      pitched memory, an explicit pool) freed with cudaFree / cudaFreeAsync
 //      (they must reach the real functions);
-//   5. the default pool's usage attributes, reset and trim.
+//   5. the default pool's usage attributes, reset and trim;
+//   6. a CUDA graph capturing cudaMallocAsync / cudaFreeAsync (graph memory
+//      nodes, which stay CUDA's under the preload library) and a kernel
+//      copying through the temporary into a block allocated before the
+//      capture; replayed 200 times while another thread allocates, fills
+//      and frees through cudaMallocAsync on its own streams; every replay's
+//      output is checked.
 // With PRELOAD_EXPECT=1 it also requires that magpie served the
 // allocations (magpie_stats_get found in the process and reserved > 0).
 //
@@ -192,6 +198,88 @@ static void passthrough_case(void) {
   CHECK(cudaFree(nullptr)); // a no-op, as always
 }
 
+__global__ void copy_words(unsigned *dst, const unsigned *src, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dst[i] = src[i];
+}
+
+static volatile int graph_stop;
+
+static void *graph_neighbour(void *arg) {
+  (void)arg;
+  CHECK(cudaSetDevice(0));
+  cudaStream_t s[2];
+  for (auto &x : s) CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  unsigned rng = 99u;
+  for (int it = 0; !graph_stop; it++) {
+    size_t n = pick_size(&rng);
+    void *p = nullptr;
+    CHECK(cudaMallocAsync(&p, n, s[it % 2]));
+    use_then_check(p, n, 5000u + it, s[it % 2], 0);
+    CHECK(cudaFreeAsync(p, s[it % 2]));
+  }
+  for (auto &x : s) {
+    CHECK(cudaStreamSynchronize(x));
+    CHECK(cudaStreamDestroy(x));
+  }
+  return nullptr;
+}
+
+// 6. (see the top). Returns 1 if every replay's output was right.
+static int graph_case(void) {
+  const size_t n = 1 << 18, bytes = n * 4;
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  unsigned *out = nullptr;
+  CHECK(cudaMallocAsync((void **)&out, bytes, s));
+  CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  unsigned *tmp = nullptr;
+  cudaError_t e = cudaMallocAsync((void **)&tmp, bytes, s);
+  if (e != cudaSuccess) {
+    typedef const char *(*msg_fn)(void);
+    msg_fn msg = (msg_fn)dlsym(RTLD_DEFAULT, "magpie_last_error_message");
+    printf("preload_prog: cudaMallocAsync in a capture: %s (magpie: %s)\n", cudaGetErrorString(e),
+           msg != nullptr ? msg() : "not loaded");
+    return 0;
+  }
+  fill<<<64, 256, 0, s>>>(tmp, n, 0x6a09u);
+  copy_words<<<64, 256, 0, s>>>(out, tmp, n);
+  CHECK(cudaFreeAsync(tmp, s));
+  CHECK(cudaStreamEndCapture(s, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  pthread_t t;
+  graph_stop = 0;
+  pthread_create(&t, nullptr, graph_neighbour, nullptr);
+  unsigned *host = (unsigned *)malloc(bytes), *want = (unsigned *)malloc(bytes), *ref = nullptr;
+  CHECK(cudaMalloc((void **)&ref, bytes));
+  fill<<<64, 256, 0, s>>>(ref, n, 0x6a09u);
+  CHECK(cudaMemcpyAsync(want, ref, bytes, cudaMemcpyDeviceToHost, s));
+  int wrong = 0;
+  for (int r = 0; r < 200; r++) {
+    CHECK(cudaMemsetAsync(out, 0, bytes, s));
+    CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaMemcpyAsync(host, out, bytes, cudaMemcpyDeviceToHost, s));
+    CHECK(cudaStreamSynchronize(s));
+    wrong += memcmp(host, want, bytes) != 0;
+  }
+  graph_stop = 1;
+  pthread_join(t, nullptr);
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  CHECK(cudaFree(ref));
+  CHECK(cudaFreeAsync(out, s));
+  CHECK(cudaStreamSynchronize(s));
+  CHECK(cudaStreamDestroy(s));
+  free(host);
+  free(want);
+  printf("preload_prog: graph with cudaMallocAsync captured, 200 replays, %d wrong: %s\n", wrong,
+         wrong == 0 ? "ok" : "WRONG");
+  return wrong == 0;
+}
+
 // 5. The default pool's usage attributes, which PyTorch's cudaMallocAsync
 // backend reads for torch.cuda.memory_allocated (served by magpie under
 // LD_PRELOAD, by the pool otherwise): a 64 MiB cudaMallocAsync shows in
@@ -259,7 +347,9 @@ int main(void) {
   }
   printf("preload_prog: %llu checks, %llu bad words, served by %s\n", checks, bad,
          magpie ? "magpie (LD_PRELOAD)" : "the CUDA runtime");
-  int pool_ok = pool_case(); // after the figures above: its trim gives magpie's memory back
+  int graph_ok = graph_case();
+  bad = *bad_counter;
+  int pool_ok = pool_case() && graph_ok; // after the figures above: its trim gives magpie's memory back
   const char *expect = getenv("PRELOAD_EXPECT");
   if (expect != nullptr && strcmp(expect, "1") == 0 && !magpie) {
     printf("preload_prog: FAIL: magpie was expected to serve the allocations\n");

@@ -1,0 +1,322 @@
+/* See capture.h and magpie.h ("CUDA graphs").
+ *
+ * An announcement (magpie_capture_begin) is a registration: a pool, the
+ * stream whose capture it names (NULL: the caller routes allocations
+ * itself) and, once known, that capture's id. While any is registered,
+ * globals.slow_paths has SLOW_CAPTURE set (every allocation and free
+ * comes here first) and heap_capture_hold keeps the maintenance thread
+ * from synchronising the device.
+ *
+ * Lock order: capture_lock alone (capture.h); gpool_set.lock and the
+ * heap's locks are taken outside it. */
+#include "front/capture.h"
+
+#include "base/error.h"
+#include "base/globals.h"
+#include "base/meta.h"
+#include "base/pagemap.h"
+#include "front/global.h"
+#include "front/observe.h"
+#include "front/tcache.h"
+#include "heap/heap.h"
+#include "pool/gpool.h"
+#include "pool/large.h"
+
+/* INVARIANT: on globals.capture_regs iff announced and not ended;
+ * capture_count is the list's length; SLOW_CAPTURE is set iff it is
+ * nonzero. All under capture_lock. */
+typedef struct capture_reg {
+  uint64_t pool;
+  cudaStream_t stream; /* NULL: the caller routes the capture's allocations */
+  uint64_t capture_id; /* 0 until seen capturing */
+  struct capture_reg *next;
+} capture_reg;
+
+/* Pool ids carry their device: (device + 1) << 48 | a serial number. */
+#define CAPTURE_POOL_SHIFT 48
+
+static int capture_pool_device(uint64_t pool) {
+  uint64_t d = pool >> CAPTURE_POOL_SHIFT;
+  return d >= 1 && d <= HEAP_MAX_DEVICES && (pool & ((UINT64_C(1) << CAPTURE_POOL_SHIFT) - 1)) != 0 ? (int)d - 1 : -1;
+}
+
+/* The heap of pool's device (it exists once the pool was created), or NULL
+ * with the error set for fn. */
+static heap *capture_pool_heap(uint64_t pool, const char *fn) {
+  int dev = capture_pool_device(pool);
+  heap *h = dev >= 0 ? heap_peek(dev) : NULL;
+  if (h == NULL)
+    error_set(MAGPIE_ERR_INVALID_ARGUMENT, "%s: %#llx is not a graph pool (magpie_graph_pool_create makes one)", fn,
+              (unsigned long long)pool);
+  return h;
+}
+
+/* The capture state of an ordinary or per-thread handle; NONE for the
+ * legacy handles (they cannot capture) and when the device cannot tell. */
+static int capture_state(const backend_ops *ops, cudaStream_t s, uint64_t *id) {
+  int st = BACKEND_CAPTURE_NONE;
+  *id = 0;
+  if ((uintptr_t)s <= 1 || ops->stream_capture == NULL || ops->stream_capture(s, &st, id) != MAGPIE_OK)
+    return BACKEND_CAPTURE_NONE;
+  return st;
+}
+
+/* The pool announced for capture id, or 0. Registrations that do not know
+ * their capture's id yet (announced before their stream began capturing)
+ * learn it here. */
+static uint64_t capture_pool_of(const backend_ops *ops, uint64_t id) {
+  uint64_t pool = 0;
+  pthread_mutex_lock(&globals.capture_lock);
+  for (capture_reg *r = globals.capture_regs; r != NULL && pool == 0; r = r->next) {
+    if (r->capture_id == 0 && r->stream != NULL) {
+      uint64_t cid;
+      if (capture_state(ops, r->stream, &cid) == BACKEND_CAPTURE_ACTIVE) r->capture_id = cid;
+    }
+    if (r->capture_id == id) pool = r->pool;
+  }
+  pthread_mutex_unlock(&globals.capture_lock);
+  return pool;
+}
+
+/* The key a stream's frees and allocations in a pool are matched by:
+ * during a capture, the handle (CUDA refuses a capturing stream's id, and
+ * invalidates the capture: see device/backend.h; a capturing stream
+ * cannot be destroyed, so its handle names it for the capture's length);
+ * outside, the stream's id. 0 with the error set for fn if s is not
+ * valid; *dev its device (outside a capture: during one, the caller's). */
+static uint64_t capture_stream_key(cudaStream_t s, int capturing, int *dev, const char *fn) {
+  if (capturing) return (uint64_t)(uintptr_t)s;
+  const backend_ops *ops = global_ops();
+  uint64_t sid = 0;
+  if (ops->stream_id(s, &sid) != MAGPIE_OK || (dev != NULL && ops->stream_device(s, dev) != MAGPIE_OK)) {
+    error_set(MAGPIE_ERR_INVALID_STREAM, "%s: stream %p is not valid: %s", fn, (void *)s, backend_error_detail());
+    return 0;
+  }
+  return sid;
+}
+
+/* A block of pool for stream, during capture id (0: outside any). */
+static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream, uint64_t id, const char *fn) {
+  heap *h = capture_pool_heap(pool, fn);
+  if (h == NULL) return NULL;
+  int sdev = h->device;
+  uint64_t sid = capture_stream_key(stream, id != 0, &sdev, fn);
+  if (sid == 0) return NULL;
+  if (sdev != h->device) {
+    error_set(MAGPIE_ERR_INVALID_ARGUMENT, "%s: stream %p is on device %d, graph pool %#llx on device %d", fn,
+              (void *)stream, sdev, (unsigned long long)pool, h->device);
+    return NULL;
+  }
+  if (size == 0) size = 1;
+  if (size > SIZE_MAX - LARGE_QUANTUM) {
+    error_set(MAGPIE_ERR_SIZE_OVERFLOW, "%s: %zu bytes cannot be rounded to a block size", fn, size);
+    return NULL;
+  }
+  size_t need = large_round(size), bsize = 0;
+  uintptr_t p = 0;
+  int rc = gpool_take(&h->graphs, pool, need, id, sid, &p, &bsize);
+  if (rc == MAGPIE_OK) return (void *)p;
+  if (rc == MAGPIE_ERR_INVALID_ARGUMENT) {
+    error_set(rc, "%s: graph pool %#llx was released (or never made)", fn, (unsigned long long)pool);
+    return NULL;
+  }
+  rc = heap_graph_alloc(h, need, &p, &bsize);
+  if (rc != MAGPIE_OK) {
+    error_set(rc, "%s(%zu bytes) into graph pool %#llx: device %d has no memory left for it (%s)", fn, size,
+              (unsigned long long)pool, h->device, magpie_error_string(rc));
+    return NULL;
+  }
+  rc = gpool_add(&h->graphs, pool, p, bsize);
+  if (rc != MAGPIE_OK) {
+    heap_graph_retire(h, p, bsize);
+    error_set(rc, "%s: graph pool %#llx was released meanwhile, or host memory ran out", fn, (unsigned long long)pool);
+    return NULL;
+  }
+  return (void *)p;
+}
+
+int capture_alloc(size_t size, cudaStream_t stream, void **out) {
+  const backend_ops *ops = global_ops();
+  uint64_t id;
+  int st = capture_state(ops, stream, &id);
+  if (st == BACKEND_CAPTURE_NONE) return 0;
+  *out = NULL;
+  if (st == BACKEND_CAPTURE_INVALIDATED) {
+    error_set(MAGPIE_ERR_CAPTURE,
+              "magpie_malloc_async: the capture on stream %p was invalidated by an earlier error; end it and "
+              "capture again",
+              (void *)stream);
+    return 1;
+  }
+  uint64_t pool = capture_pool_of(ops, id);
+  if (pool == 0) {
+    error_set(MAGPIE_ERR_CAPTURE,
+              "magpie_malloc_async(%zu bytes): stream %p is capturing a CUDA graph that magpie was not told of: "
+              "call magpie_capture_begin(pool, stream) when the capture begins (magpie.h, \"CUDA graphs\")",
+              size, (void *)stream);
+    return 1;
+  }
+  *out = capture_pool_alloc(pool, size, stream, id, "magpie_malloc_async");
+  return 1;
+}
+
+/* The free of graph pool block p (segment descriptor sl) on stream: during
+ * a capture, tagged with it; outside, sealed on the stream. */
+static int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
+  const backend_ops *ops = global_ops();
+  heap *h = sl->heap;
+  uint64_t id = 0;
+  int st = capture_state(ops, stream, &id);
+  uint64_t sid = capture_stream_key(stream, st != BACKEND_CAPTURE_NONE, NULL, "magpie_free_async");
+  if (sid == 0) return magpie_last_error();
+  epoch_ticket t = {0};
+  if (st == BACKEND_CAPTURE_NONE) {
+    stream_rec *rec = epoch_stream_acquire(&h->epochs, sid);
+    if (rec == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory", p);
+    int rc = epoch_seal(rec, stream, &t);
+    epoch_stream_release(rec);
+    if (rc != MAGPIE_OK)
+      return error_set(rc, "magpie_free_async(%p): cannot record an event on stream %p (%s); the block stays allocated",
+                       p, (void *)stream, backend_error_detail());
+  }
+  size_t bsize = 0;
+  gpool_retired *retired = NULL;
+  int rc = gpool_free(&h->graphs, (uintptr_t)p, st == BACKEND_CAPTURE_NONE ? 0 : id, sid, &t, &bsize, &retired);
+  if (t.rec != NULL) epoch_ticket_release(&t); /* not taken over */
+  if (rc == MAGPIE_ERR_DOUBLE_FREE)
+    return error_set(rc, "magpie_free_async(%p): graph pool block already free (double free)", p);
+  if (rc != MAGPIE_OK) return error_set(rc, "magpie_free_async(%p): not the start of a graph pool's block", p);
+  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size);
+  gpool_retired_free(retired);
+  return MAGPIE_OK;
+}
+
+int capture_free(void *p, cudaStream_t stream, int *rc) {
+  slab *sl = pagemap_lookup((uintptr_t)p);
+  if (sl == NULL || p == NULL) return 0;
+  if (sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)p)) {
+    *rc = capture_graph_free(p, sl, stream);
+    return 1;
+  }
+  uint64_t id;
+  if (capture_state(global_ops(), stream, &id) == BACKEND_CAPTURE_NONE) return 0;
+  /* Recorded blocks keep their record entries' way (their seal is
+   * refused on a capturing stream: limbo). */
+  if (atomic_load_relaxed(&sl->recorded) != 0) return 0;
+  *rc = tcache_free_to_limbo(p, sl, stream);
+  return 1;
+}
+
+void capture_module_init(void) { globals.tcache_graph_free = capture_graph_free; }
+
+/* ---- the public API ---- */
+
+MAGPIE_API int magpie_graph_pool_create(int device, uint64_t *pool) {
+  int rc = global_device_check(device, "magpie_graph_pool_create");
+  if (rc != MAGPIE_OK) return rc;
+  if (pool == NULL) return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_graph_pool_create: pool is NULL");
+  heap *h = heap_get(device);
+  if (h == NULL) return magpie_last_error();
+  uint64_t id = ((uint64_t)(device + 1) << CAPTURE_POOL_SHIFT) |
+                (atomic_fetch_add_explicit(&globals.capture_next_pool, 1, memory_order_relaxed) + 1);
+  rc = gpool_create(&h->graphs, id);
+  if (rc != MAGPIE_OK) return error_set(rc, "magpie_graph_pool_create: out of host memory");
+  *pool = id;
+  return MAGPIE_OK;
+}
+
+MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  heap *h = capture_pool_heap(pool, "magpie_capture_begin");
+  if (h == NULL) return magpie_last_error();
+  const backend_ops *ops = global_ops();
+  uint64_t id = 0;
+  if (stream != NULL) {
+    int sdev = h->device;
+    if ((uintptr_t)stream == 1)
+      return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_capture_begin: the legacy stream (1) cannot capture");
+    /* A stream already capturing cannot be asked its device (device/backend.h). */
+    int st = capture_state(ops, stream, &id);
+    if (st == BACKEND_CAPTURE_NONE && ops->stream_device(stream, &sdev) != MAGPIE_OK)
+      return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_capture_begin: stream %p is not valid: %s", (void *)stream,
+                       backend_error_detail());
+    if (st != BACKEND_CAPTURE_ACTIVE) id = 0;
+    if (sdev != h->device)
+      return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
+                       "magpie_capture_begin: stream %p is on device %d, pool %#llx on device %d", (void *)stream, sdev,
+                       (unsigned long long)pool, h->device);
+  }
+  capture_reg *r = meta_alloc(sizeof *r);
+  if (r == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_capture_begin: out of host memory");
+  if (gpool_capture(&h->graphs, pool, 1) != MAGPIE_OK) {
+    meta_free(r);
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_capture_begin: graph pool %#llx was released",
+                     (unsigned long long)pool);
+  }
+  r->pool = pool;
+  r->stream = stream;
+  r->capture_id = id;
+  heap_capture_hold(1);
+  pthread_mutex_lock(&globals.capture_lock);
+  r->next = globals.capture_regs;
+  globals.capture_regs = r;
+  if (globals.capture_count++ == 0) atomic_fetch_or_explicit(&globals.slow_paths, SLOW_CAPTURE, memory_order_seq_cst);
+  pthread_mutex_unlock(&globals.capture_lock);
+  return MAGPIE_OK;
+}
+
+MAGPIE_API int magpie_capture_end(uint64_t pool, cudaStream_t stream) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  heap *h = capture_pool_heap(pool, "magpie_capture_end");
+  if (h == NULL) return magpie_last_error();
+  capture_reg *found = NULL;
+  pthread_mutex_lock(&globals.capture_lock);
+  for (capture_reg **r = &globals.capture_regs; *r != NULL; r = &(*r)->next) {
+    if ((*r)->pool != pool || (*r)->stream != stream) continue;
+    found = *r;
+    *r = found->next;
+    if (--globals.capture_count == 0)
+      atomic_fetch_and_explicit(&globals.slow_paths, ~SLOW_CAPTURE, memory_order_seq_cst);
+    break;
+  }
+  pthread_mutex_unlock(&globals.capture_lock);
+  if (found == NULL)
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
+                     "magpie_capture_end: no capture was announced with pool %#llx and stream %p",
+                     (unsigned long long)pool, (void *)stream);
+  meta_free(found);
+  gpool_capture(&h->graphs, pool, -1);
+  heap_capture_hold(-1);
+  return MAGPIE_OK;
+}
+
+MAGPIE_API void *magpie_graph_pool_malloc_async(uint64_t pool, size_t size, cudaStream_t stream) {
+  if (global_ensure() != MAGPIE_OK) return NULL;
+  uint64_t id;
+  int st = capture_state(global_ops(), stream, &id);
+  return capture_pool_alloc(pool, size, stream, st == BACKEND_CAPTURE_NONE ? 0 : id, "magpie_graph_pool_malloc_async");
+}
+
+MAGPIE_API int magpie_graph_pool_release(uint64_t pool) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  heap *h = capture_pool_heap(pool, "magpie_graph_pool_release");
+  if (h == NULL) return magpie_last_error();
+  gpool_retired *retired = NULL;
+  rc = gpool_release(&h->graphs, pool, &retired);
+  if (rc != MAGPIE_OK)
+    return error_set(rc, "magpie_graph_pool_release: graph pool %#llx was released already (or never made)",
+                     (unsigned long long)pool);
+  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size);
+  gpool_retired_free(retired);
+  return MAGPIE_OK;
+}
+
+MAGPIE_API size_t magpie_graph_pool_bytes(uint64_t pool) {
+  if (global_ensure() != MAGPIE_OK) return 0;
+  int dev = capture_pool_device(pool);
+  heap *h = dev >= 0 ? heap_peek(dev) : NULL;
+  return h != NULL ? gpool_pool_bytes(&h->graphs, pool) : 0;
+}
