@@ -322,20 +322,38 @@ static int preload_in_capture(cudaStream_t s) {
   return real.cu_is_capturing(s, &st) != 0 || st != 0;
 }
 
-PRELOAD_API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
-  pthread_once(&preload_once, preload_init);
-  cudaError_t rc = real.cuda_begin_capture ? real.cuda_begin_capture(s, mode) : PRELOAD_UNKNOWN;
+/* The begin's result, after telling magpie of a capture it began on s. */
+static int preload_begun(int rc, cudaStream_t s) {
   if (rc == PRELOAD_OK) preload_capture_begun(s);
   return rc;
 }
 
-PRELOAD_API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
+/* The handle _ptsz entry points mean by s (0: the thread's own stream). */
+static cudaStream_t preload_ptsz(cudaStream_t s) { return s ? s : PRELOAD_PER_THREAD; }
+
+PRELOAD_API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
   pthread_once(&preload_once, preload_init);
-  cudaError_t rc = real.cuda_begin_capture_ptsz ? real.cuda_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN;
-  if (rc == PRELOAD_OK) preload_capture_begun(s ? s : PRELOAD_PER_THREAD);
-  return rc;
+  return preload_begun(real.cuda_begin_capture ? real.cuda_begin_capture(s, mode) : PRELOAD_UNKNOWN, s);
 }
 
+PRELOAD_API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  return preload_begun(real.cuda_begin_capture_ptsz ? real.cuda_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN,
+                       preload_ptsz(s));
+}
+
+PRELOAD_API CUresult cuStreamBeginCapture_v2(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  return preload_begun(real.cu_begin_capture ? real.cu_begin_capture(s, mode) : PRELOAD_UNKNOWN, s);
+}
+
+PRELOAD_API CUresult cuStreamBeginCapture_v2_ptsz(cudaStream_t s, int mode) {
+  pthread_once(&preload_once, preload_init);
+  return preload_begun(real.cu_begin_capture_ptsz ? real.cu_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN,
+                       preload_ptsz(s));
+}
+
+/* The ends tell magpie first (its announcement is matched by handle). */
 PRELOAD_API cudaError_t cudaStreamEndCapture(cudaStream_t s, void **graph) {
   pthread_once(&preload_once, preload_init);
   preload_capture_ending(s);
@@ -344,22 +362,8 @@ PRELOAD_API cudaError_t cudaStreamEndCapture(cudaStream_t s, void **graph) {
 
 PRELOAD_API cudaError_t cudaStreamEndCapture_ptsz(cudaStream_t s, void **graph) {
   pthread_once(&preload_once, preload_init);
-  preload_capture_ending(s ? s : PRELOAD_PER_THREAD);
+  preload_capture_ending(preload_ptsz(s));
   return real.cuda_end_capture_ptsz ? real.cuda_end_capture_ptsz(s, graph) : PRELOAD_UNKNOWN;
-}
-
-PRELOAD_API CUresult cuStreamBeginCapture_v2(cudaStream_t s, int mode) {
-  pthread_once(&preload_once, preload_init);
-  CUresult rc = real.cu_begin_capture ? real.cu_begin_capture(s, mode) : PRELOAD_UNKNOWN;
-  if (rc == PRELOAD_OK) preload_capture_begun(s);
-  return rc;
-}
-
-PRELOAD_API CUresult cuStreamBeginCapture_v2_ptsz(cudaStream_t s, int mode) {
-  pthread_once(&preload_once, preload_init);
-  CUresult rc = real.cu_begin_capture_ptsz ? real.cu_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN;
-  if (rc == PRELOAD_OK) preload_capture_begun(s ? s : PRELOAD_PER_THREAD);
-  return rc;
 }
 
 PRELOAD_API CUresult cuStreamEndCapture(cudaStream_t s, void **graph) {
@@ -370,7 +374,7 @@ PRELOAD_API CUresult cuStreamEndCapture(cudaStream_t s, void **graph) {
 
 PRELOAD_API CUresult cuStreamEndCapture_ptsz(cudaStream_t s, void **graph) {
   pthread_once(&preload_once, preload_init);
-  preload_capture_ending(s ? s : PRELOAD_PER_THREAD);
+  preload_capture_ending(preload_ptsz(s));
   return real.cu_end_capture_ptsz ? real.cu_end_capture_ptsz(s, graph) : PRELOAD_UNKNOWN;
 }
 

@@ -376,7 +376,8 @@ int sim_capture_stream_destroy(cudaStream_t h, struct sim_stream *s) {
   return rc;
 }
 
-void sim_capture_stream_retire(struct sim_stream *s) {
+/* Takes s's capture (if any) out of the list and off the stream. */
+static struct sim_capture *sim_capture_detach(struct sim_stream *s) {
   pthread_mutex_lock(&sim_capture_lock);
   struct sim_capture **slot = sim_stream_capture_slot(s);
   struct sim_capture *c = *slot;
@@ -385,6 +386,11 @@ void sim_capture_stream_retire(struct sim_stream *s) {
     *slot = NULL;
   }
   pthread_mutex_unlock(&sim_capture_lock);
+  return c;
+}
+
+void sim_capture_stream_retire(struct sim_stream *s) {
+  struct sim_capture *c = sim_capture_detach(s);
   if (c != NULL) sim_capture_free(c);
 }
 
@@ -520,14 +526,7 @@ static int sim_capture_end(cudaStream_t h, magpie_sim_graph *graph) {
    * want of memory and leave the stream half out of capture mode. */
   struct magpie_sim_graph_st *g = malloc(sizeof *g);
   if (g == NULL) return sim_fail(MAGPIE_ERR_BACKEND, "out of host memory for a graph");
-  pthread_mutex_lock(&sim_capture_lock);
-  struct sim_capture **slot = sim_stream_capture_slot(s);
-  struct sim_capture *c = *slot;
-  if (c != NULL) {
-    sim_capture_unlink(c);
-    *slot = NULL;
-  }
-  pthread_mutex_unlock(&sim_capture_lock);
+  struct sim_capture *c = sim_capture_detach(s);
   if (c == NULL) {
     free(g);
     return sim_fail(MAGPIE_ERR_CAPTURE, "stream %p is not capturing a graph", (void *)h);

@@ -114,20 +114,6 @@ static void test_capture_and_replay(void **state) {
   assert_no_capture();
 }
 
-struct order_log {
-  int next;
-  int seen[64];
-};
-struct order_item {
-  struct order_log *log;
-  int index;
-};
-
-static void order_append(void *arg) {
-  struct order_item *it = arg;
-  it->log->seen[it->log->next++] = it->index;
-}
-
 /* Capture order is replay order; an empty capture gives an empty graph. */
 static void test_replay_keeps_capture_order(void **state) {
   (void)state;

@@ -11,20 +11,6 @@
 
 /* ---------------------------------------------------------------- streams */
 
-struct order_log {
-  int next;
-  int seen[1000];
-};
-struct order_item {
-  struct order_log *log;
-  int index;
-};
-
-static void order_append(void *arg) {
-  struct order_item *it = arg;
-  it->log->seen[it->log->next++] = it->index;
-}
-
 static void test_in_order_on_one_stream(void **state) {
   (void)state;
   static struct order_log log;

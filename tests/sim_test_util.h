@@ -50,6 +50,22 @@ static inline void sleep_ms(int ms) {
   nanosleep(&t, NULL);
 }
 
+/* Closures that append their index to a log, to check the order in which
+ * a stream (or a graph's replay) ran them. */
+struct order_log {
+  int next;
+  int seen[1000];
+};
+struct order_item {
+  struct order_log *log;
+  int index;
+};
+
+static inline void order_append(void *arg) {
+  struct order_item *it = arg;
+  it->log->seen[it->log->next++] = it->index;
+}
+
 /* A closure that waits for a gate (bounded), then sets a flag and posts a
  * completion semaphore. The flag is plain memory: reading it is correct only
  * after an edge from the stream (synchronize, event, device synchronize). */

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The drop-in checks on a GPU machine: the GPU tests, the LD_PRELOAD program,
-# PyTorch (tests/gpu/torch_test.py, tests/gpu/torch_memory_api.py) and CuPy (tests/gpu/cupy_test.py), plus
+# PyTorch (tests/gpu/torch_test.py, tests/gpu/torch_memory_api.py,
+# tests/gpu/torch_graph_test.py) and CuPy (tests/gpu/cupy_test.py), plus
 # what the installed PyTorch does with record_stream.
 #
 #   tools/gpu_dropin.sh build        here: builds the bundle (.gpu_bundle/, or
@@ -15,7 +16,8 @@ if [[ ${1:-} == build ]]; then
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
   "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog || exit 1
-  cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$bundle/"
+  cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" \
+    "$root/tests/gpu/torch_graph_test.py" "$bundle/"
   mkdir -p "$bundle/python"
   cp -r "$root/python/magpie" "$bundle/python/"
   rm -rf "$bundle/python/magpie/__pycache__"
@@ -48,6 +50,8 @@ echo "### torch_test"
 timeout 200 python3 "$B/torch_test.py" || status=1
 echo "### torch_memory_api"
 timeout 300 python3 "$B/torch_memory_api.py" || status=1
+echo "### torch_graph_test"
+timeout 400 python3 "$B/torch_graph_test.py" --variants pytorch,magpie || status=1
 echo "### cupy_test"
 timeout 120 python3 "$B/cupy_test.py" || status=1
 echo "### dropin: $([[ $status == 0 ]] && echo PASS || echo FAIL)"

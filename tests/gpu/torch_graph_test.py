@@ -54,7 +54,9 @@ Cases:
   (e) torch.compile(mode="reduce-overhead") of a tiny function (cudagraph
       trees), called 8 times and compared with eager; SKIP when Triton or
       inductor is unavailable; FAIL when inductor skipped cudagraphs
-      (counters["inductor"]["cudagraph_skips"]).
+      (counters["inductor"]["cudagraph_skips"]). Under magpie it is a KNOWN
+      limitation (see KNOWN_LIMITS below): reported, not counted as a
+      failure, as long as it fails with the allocator-checkpoint error.
   (f) the same with torch._inductor.config.triton.cudagraph_trees = False:
       inductor then captures each compiled function with torch.cuda.graph
       (the pool hooks), not through cudagraph trees, which need the
@@ -722,6 +724,29 @@ def run_child(variant, case, args, tmp):
     return res
 
 
+# A limitation of PyTorch's pluggable-allocator interface, documented in
+# the README ("CUDA graphs") and python/magpie/torch.py: cudagraph trees
+# checkpoint the allocator's pool, which the interface does not offer (its
+# cudaMallocAsync backend fails the same way); case (f) is the workaround.
+# Reported as KNOWN, not counted as a failure, only with exactly that error;
+# if the case passes one day, it says so and fails, so the documentation is
+# updated.
+KNOWN_LIMITS = {("magpie", "e"): ("checkPoolLiveAllocations", "getCheckpointState", "setCheckpointPoolState")}
+
+
+def known_limit(variant, case, res):
+    marks = KNOWN_LIMITS.get((variant, case))
+    if marks is None:
+        return res
+    if res["status"] == "FAIL" and any(m in res["detail"] for m in marks):
+        res["status"] = "KNOWN"
+        res["detail"] = "known limitation (cudagraph trees need allocator checkpoints): " + res["detail"]
+    elif res["status"] == "PASS":
+        res["status"] = "FAIL"
+        res["detail"] = "passed, but is documented as a known limitation: update the documentation"
+    return res
+
+
 TIMING_ROWS = (
     ("capture_ms", "capture (ms, mean)", "{:.2f}"),
     ("capture_ms_min", "capture (ms, min)", "{:.2f}"),
@@ -758,7 +783,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
             for c in cases:
-                res = run_child(v, c, args, tmp)
+                res = known_limit(v, c, run_child(v, c, args, tmp))
                 results[(v, c)] = res
                 print(f"{res['status']} [{v}] ({c}) {CASES[c]}: {res['detail']}", flush=True)
 
@@ -781,8 +806,9 @@ def main():
         if devs:
             print(f"device: {', '.join(sorted(devs))}")
 
-    counts = {s: sum(r["status"] == s for r in results.values()) for s in ("PASS", "FAIL", "SKIP")}
-    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    counts = {s: sum(r["status"] == s for r in results.values()) for s in ("PASS", "FAIL", "SKIP", "KNOWN")}
+    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped, "
+          f"{counts['KNOWN']} known limitations")
     decisive = "magpie" if "magpie" in variants else None
     failed = [(v, c) for (v, c), r in results.items() if r["status"] == "FAIL" and (decisive is None or v == decisive)]
     refs = [(v, c) for (v, c), r in results.items() if r["status"] == "FAIL" and decisive is not None and v != decisive]
