@@ -6,6 +6,7 @@
  * Lock order: gpool_set.lock is a leaf (see gpool.h). */
 #include "pool/gpool.h"
 
+#include "base/assert.h"
 #include "base/meta.h"
 #include "magpie.h"
 
@@ -53,6 +54,30 @@ static int gpool_hash_grow(gpool_set *s) {
   }
   meta_free(old);
   return MAGPIE_OK;
+}
+
+/* The INVARIANTs of gpool.h, walked whole (MAGPIE_ASSERT evaluates it in
+ * debug builds only; lock held): every
+ * block of every pool is in the hash and on its pool's list once, used
+ * blocks carry no ticket, and the byte counts add up. */
+__attribute__((unused)) static int gpool_consistent(gpool_set *s) {
+  size_t bytes = 0, used = 0, blocks = 0;
+  for (gpool *g = s->pools; g != NULL; g = g->next) {
+    size_t gb = 0, gu = 0;
+    for (gblock *b = g->blocks; b != NULL; b = b->pnext) {
+      if (b->pool != g || (b->pnext != NULL && b->pnext->pprev != b)) return 0;
+      if (b->used && b->ticket.rec != NULL) return 0;
+      if (gpool_find_ref(s, b->base) == NULL) return 0;
+      gb += b->size;
+      if (b->used) gu += b->size;
+      blocks++;
+    }
+    if (gb != g->bytes || gu != g->used_bytes) return 0;
+    bytes += gb;
+    used += gu;
+  }
+  return blocks == s->hash_count && bytes == atomic_load_relaxed(&s->bytes) &&
+         used == atomic_load_relaxed(&s->used_bytes);
 }
 
 static gpool *gpool_find(gpool_set *s, uint64_t id) {
@@ -129,6 +154,7 @@ int gpool_capture(gpool_set *s, uint64_t id, int delta) {
     if (--g->captures == 0) g->quiet++;
     gpool_maybe_drop(s, g);
   }
+  MAGPIE_ASSERT(gpool_consistent(s));
   pthread_mutex_unlock(&s->lock);
   return rc;
 }
@@ -167,6 +193,7 @@ int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_
     *bsize = best->size;
     rc = MAGPIE_OK;
   }
+  MAGPIE_ASSERT(gpool_consistent(s));
   pthread_mutex_unlock(&s->lock);
   return rc;
 }
@@ -194,6 +221,7 @@ int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size) {
     atomic_add_relaxed(&s->bytes, size);
     atomic_add_relaxed(&s->used_bytes, size);
   }
+  MAGPIE_ASSERT(gpool_consistent(s));
   pthread_mutex_unlock(&s->lock);
   if (rc != MAGPIE_OK) meta_free(b);
   return rc;
@@ -230,6 +258,7 @@ int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, epo
     if (t != NULL) *t = (epoch_ticket){0}; /* taken over */
     if (g->released && gpool_retire(s, b, retired) == MAGPIE_OK) gpool_maybe_drop(s, g);
   }
+  MAGPIE_ASSERT(gpool_consistent(s));
   pthread_mutex_unlock(&s->lock);
   return rc;
 }
@@ -249,6 +278,7 @@ int gpool_release(gpool_set *s, uint64_t id, gpool_retired **retired) {
     }
     gpool_maybe_drop(s, g);
   }
+  MAGPIE_ASSERT(gpool_consistent(s));
   pthread_mutex_unlock(&s->lock);
   return rc;
 }
