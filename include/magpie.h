@@ -283,18 +283,22 @@ MAGPIE_API int magpie_stream_retire(cudaStream_t stream);
 
 /* A new, empty graph pool on device. Pool ids are never reused. */
 MAGPIE_API int magpie_graph_pool_create(int device, uint64_t *pool);
-/* The capture begun (or about to begin) on stream allocates into pool:
- * from this call until magpie_capture_end(pool, stream), every magpie
- * allocation on a stream of that capture (stream itself, or a stream
- * that joined its capture) comes from pool. Call it right after
- * cudaStreamBeginCapture(stream) or right before it. stream NULL
+/* The capture about to begin on stream allocates into pool: from this
+ * call until magpie_capture_end(pool, stream), every magpie allocation on
+ * a stream of that capture (stream itself, or a stream that joined its
+ * capture) comes from pool. Call it before cudaStreamBeginCapture(stream),
+ * as PyTorch calls its allocator's beginAllocateToPool: it returns once no
+ * device synchronisation of magpie's is under way (one that began earlier
+ * may have to finish), and none starts until magpie_capture_end. Called
+ * just after the capture began, it works too, but a synchronisation of
+ * magpie's maintenance thread in between would invalidate the capture. stream NULL
  * announces a capture whose allocations the caller routes itself with
  * magpie_graph_pool_malloc_async (as PyTorch's allocator hooks do: they
  * name no stream). MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released
  * pool or a stream of another device. */
 MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream);
 /* The capture announced with (pool, stream) is over (call it after
- * cudaStreamEndCapture, or just before). Blocks freed during it become
+ * cudaStreamEndCapture). Blocks freed during it become
  * reusable by the pool's later captures once no capture of the pool runs. */
 MAGPIE_API int magpie_capture_end(uint64_t pool, cudaStream_t stream);
 /* An allocation from pool for work on stream, whether or not stream is

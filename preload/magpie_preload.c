@@ -37,8 +37,9 @@
  *     magpie holds under the handle is sealed while it is valid), then the
  *     real function.
  *   - CUDA graphs: a capture begun through cudaStreamBeginCapture /
- *     cuStreamBeginCapture is announced to magpie (magpie_capture_begin,
- *     with a pool of this library's that stays empty) until its end, so
+ *     cuStreamBeginCapture is announced to magpie first
+ *     (magpie_capture_begin, with a pool of this library's that stays
+ *     empty), until its end, so
  *     that nothing magpie does invalidates it. While one is under way,
  *     cudaMallocAsync / cuMemAllocAsync on a capturing stream go to the
  *     real functions: they become the graph's memory nodes, as without this
@@ -271,7 +272,8 @@ static int preload_device_synchronize(int dev) {
 
 /* ---- CUDA graphs ----
  * Captures begun through the interposed functions and not yet ended:
- * incremented (relaxed) after a begin succeeded and magpie was told,
+ * incremented (relaxed) when magpie is told, before the real begin
+ * (magpie.h: announce, then begin; a begin that fails takes it back),
  * decremented at the end; read (relaxed) by the allocation paths, which
  * then ask whether their stream captures. A capture begun elsewhere (a
  * statically linked runtime) is not seen: magpie's own slow-path checks
@@ -298,11 +300,14 @@ static uint64_t preload_capture_pool(cudaStream_t s) {
   return pool;
 }
 
-/* After a successful begin on s: tell magpie. */
-static void preload_capture_begun(cudaStream_t s) {
+/* Before a begin on s: tell magpie (magpie.h: announce, then begin).
+ * Returns the pool announced with, or 0. */
+static uint64_t preload_capture_announce(cudaStream_t s) {
   uint64_t pool;
-  if (!preload_usable() || (pool = preload_capture_pool(s)) == 0) return;
-  if (magpie_capture_begin(pool, s) == MAGPIE_OK) atomic_fetch_add_explicit(&preload_captures, 1, memory_order_relaxed);
+  if (!preload_usable() || (pool = preload_capture_pool(s)) == 0) return 0;
+  if (magpie_capture_begin(pool, s) != MAGPIE_OK) return 0;
+  atomic_fetch_add_explicit(&preload_captures, 1, memory_order_relaxed);
+  return pool;
 }
 
 /* Before the end on s (magpie's announcement is matched by handle). */
@@ -322,9 +327,11 @@ static int preload_in_capture(cudaStream_t s) {
   return real.cu_is_capturing(s, &st) != 0 || st != 0;
 }
 
-/* The begin's result, after telling magpie of a capture it began on s. */
-static int preload_begun(int rc, cudaStream_t s) {
-  if (rc == PRELOAD_OK) preload_capture_begun(s);
+/* The begin's result; a begin that failed takes magpie's announcement
+ * (pool, from preload_capture_announce) back. */
+static int preload_begun(int rc, uint64_t pool, cudaStream_t s) {
+  if (rc != PRELOAD_OK && pool != 0 && magpie_capture_end(pool, s) == MAGPIE_OK)
+    atomic_fetch_sub_explicit(&preload_captures, 1, memory_order_relaxed);
   return rc;
 }
 
@@ -333,23 +340,27 @@ static cudaStream_t preload_ptsz(cudaStream_t s) { return s ? s : PRELOAD_PER_TH
 
 PRELOAD_API cudaError_t cudaStreamBeginCapture(cudaStream_t s, int mode) {
   pthread_once(&preload_once, preload_init);
-  return preload_begun(real.cuda_begin_capture ? real.cuda_begin_capture(s, mode) : PRELOAD_UNKNOWN, s);
+  uint64_t pool = preload_capture_announce(s);
+  return preload_begun(real.cuda_begin_capture ? real.cuda_begin_capture(s, mode) : PRELOAD_UNKNOWN, pool, s);
 }
 
 PRELOAD_API cudaError_t cudaStreamBeginCapture_ptsz(cudaStream_t s, int mode) {
   pthread_once(&preload_once, preload_init);
-  return preload_begun(real.cuda_begin_capture_ptsz ? real.cuda_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN,
+  uint64_t pool = preload_capture_announce(preload_ptsz(s));
+  return preload_begun(real.cuda_begin_capture_ptsz ? real.cuda_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN, pool,
                        preload_ptsz(s));
 }
 
 PRELOAD_API CUresult cuStreamBeginCapture_v2(cudaStream_t s, int mode) {
   pthread_once(&preload_once, preload_init);
-  return preload_begun(real.cu_begin_capture ? real.cu_begin_capture(s, mode) : PRELOAD_UNKNOWN, s);
+  uint64_t pool = preload_capture_announce(s);
+  return preload_begun(real.cu_begin_capture ? real.cu_begin_capture(s, mode) : PRELOAD_UNKNOWN, pool, s);
 }
 
 PRELOAD_API CUresult cuStreamBeginCapture_v2_ptsz(cudaStream_t s, int mode) {
   pthread_once(&preload_once, preload_init);
-  return preload_begun(real.cu_begin_capture_ptsz ? real.cu_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN,
+  uint64_t pool = preload_capture_announce(preload_ptsz(s));
+  return preload_begun(real.cu_begin_capture_ptsz ? real.cu_begin_capture_ptsz(s, mode) : PRELOAD_UNKNOWN, pool,
                        preload_ptsz(s));
 }
 

@@ -62,10 +62,10 @@ static uint64_t pool_new(void) {
   return pool;
 }
 
-/* Begin a capture on s and announce it for pool. */
+/* Announce a capture on s for pool, then begin it (magpie.h's order). */
 static void capture_begin(cudaStream_t s, uint64_t pool, int mode) {
-  assert_int_equal(magpie_sim_stream_begin_capture(s, mode), MAGPIE_OK);
   assert_int_equal(magpie_capture_begin(pool, s), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_begin_capture(s, mode), MAGPIE_OK);
 }
 
 static magpie_sim_graph capture_end(cudaStream_t s, uint64_t pool) {

@@ -121,9 +121,10 @@ typedef struct global_vars {
   int reaper_timed;
   int reaper_stop;
   int reaper_busy;
-  /* Captures under way that magpie was told of (heap_capture_hold: acq_rel
-   * RMW by front/capture.c under capture_lock); heap_reap reads it
-   * (acquire) and makes no device synchronisation while it is nonzero. */
+  /* Captures under way that magpie was told of (heap_capture_hold: seq_cst
+   * RMW, then it reads each heap's reaping count); heap_reap raises its
+   * reaping count, then reads this (seq_cst both: one of the two sees the
+   * other) and makes no device synchronisation while it is nonzero. */
   _Atomic int heap_captures;
 
   /* ---- front ---- */

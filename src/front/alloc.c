@@ -11,10 +11,9 @@
 
 /* Everything but a fast-path hit: the slow path; while a capture is
  * announced, capturing streams' allocations go to their graph pools
- * (capture.c); and the observer's view of every other hand-out while it is
- * on (it does not follow graph pools' blocks, which replays reuse). The
- * calls stay out of line so that the fast paths need no frame of their
- * own. */
+ * (capture.c, which shows them to the observer itself); and the observer's
+ * view of every other hand-out while it is on. The calls stay out of line
+ * so that the fast paths need no frame of their own. */
 static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
   int slow = atomic_load_relaxed(&globals.slow_paths);
   void *p;

@@ -95,6 +95,16 @@ static uint64_t capture_stream_key(cudaStream_t s, int capturing, int *dev, cons
   return sid;
 }
 
+/* A pool's block goes to the device's observer like any hand-out (the
+ * simulated device's checker then unpoisons it under AddressSanitizer,
+ * where a capture records the unpoisoning into the graph). Its frees
+ * during a capture are not shown to the observer: a replay may use the
+ * block again, in the capture's order, which the observer cannot see. */
+static void *capture_handed_out(uintptr_t p, size_t bsize, cudaStream_t stream) {
+  if (unlikely(atomic_load_relaxed(&globals.slow_paths) & SLOW_OBSERVE)) observe_handout((void *)p, bsize, stream);
+  return (void *)p;
+}
+
 /* A block of pool for stream, during capture id (0: outside any). */
 static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream, uint64_t id, const char *fn) {
   heap *h = capture_pool_heap(pool, fn);
@@ -115,7 +125,7 @@ static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream,
   size_t need = large_round(size), bsize = 0;
   uintptr_t p = 0;
   int rc = gpool_take(&h->graphs, pool, need, id, sid, &p, &bsize);
-  if (rc == MAGPIE_OK) return (void *)p;
+  if (rc == MAGPIE_OK) return capture_handed_out(p, bsize, stream);
   if (rc == MAGPIE_ERR_INVALID_ARGUMENT) {
     error_set(rc, "%s: graph pool %#llx was released (or never made)", fn, (unsigned long long)pool);
     return NULL;
@@ -132,7 +142,7 @@ static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream,
     error_set(rc, "%s: graph pool %#llx was released meanwhile, or host memory ran out", fn, (unsigned long long)pool);
     return NULL;
   }
-  return (void *)p;
+  return capture_handed_out(p, bsize, stream);
 }
 
 int capture_alloc(size_t size, cudaStream_t stream, void **out) {

@@ -428,10 +428,15 @@ static void heap_lpart_flush_locked(heap *h) {
 }
 
 static void heap_reap(heap *h) {
-  /* Acquire pairs with heap_capture_hold's release: a capture announced
-   * before this reap began is seen, and no synchronisation is made. */
-  if (atomic_load_acquire(&globals.heap_captures) > 0) return;
-  atomic_add_relaxed(&h->reaping, 1);
+  /* Announced, then looked at (seq_cst both, against heap_capture_hold's
+   * "hold, then look at reaping"): either this reap sees the capture and
+   * makes no synchronisation, or the capture's announcement waits for this
+   * reap to end before it returns. */
+  atomic_fetch_add_explicit(&h->reaping, 1, memory_order_seq_cst);
+  if (atomic_load_explicit(&globals.heap_captures, memory_order_seq_cst) > 0) {
+    atomic_sub_acq_rel(&h->reaping, 1);
+    return;
+  }
   pthread_mutex_lock(&h->klimbo_lock);
   heap_lpart_flush_locked(h);
   heap_kept *kchain = h->klimbo;
@@ -628,8 +633,15 @@ int heap_limbo_block(heap *h, unsigned cls, void *p) {
 }
 
 void heap_capture_hold(int delta) {
-  /* Release: see heap_reap. */
-  if (atomic_fetch_add_explicit(&globals.heap_captures, delta, memory_order_acq_rel) + delta == 0) {
+  int now = atomic_fetch_add_explicit(&globals.heap_captures, delta, memory_order_seq_cst) + delta;
+  if (delta > 0) {
+    /* A reap that began before the hold may be synchronising the device:
+     * wait for it (see heap_reap), so that none runs once this returns. */
+    for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
+      heap *h = heap_peek(d);
+      while (h != NULL && atomic_load_explicit(&h->reaping, memory_order_seq_cst) > 0) sched_yield();
+    }
+  } else if (now == 0) {
     pthread_mutex_lock(&globals.reaper_lock);
     heap_reaper_signal_locked();
     pthread_mutex_unlock(&globals.reaper_lock);
@@ -637,12 +649,16 @@ void heap_capture_hold(int delta) {
 }
 
 int heap_graph_alloc(heap *h, size_t size, uintptr_t *out, size_t *bsize) {
-  /* EPOCH_NO_STREAM: only blocks ready for every stream; no flag lets a
-   * stream wait. Cheapest relief first, none that waits on the host. */
+  /* EPOCH_NO_STREAM: only blocks ready for every stream; LARGE_READY_ONLY:
+   * no stream is made to wait (a wait on a capturing stream from outside
+   * its capture would invalidate it; found by tests/fuzz/alloc_fuzz.c,
+   * where the large cache's reserve rule had one made on the legacy
+   * stream). Cheapest relief first, none that waits on the host. */
   static const enum heap_step steps[] = {HEAP_STEP_RECLAIM, HEAP_STEP_SLABS, HEAP_STEP_UNMAP};
-  int rc = large_alloc(&h->large, size, EPOCH_NO_STREAM, NULL, 0, out, bsize);
+  int rc = large_alloc(&h->large, size, EPOCH_NO_STREAM, NULL, LARGE_READY_ONLY, out, bsize);
   for (unsigned i = 0; rc == MAGPIE_ERR_OUT_OF_MEMORY && i < sizeof steps / sizeof steps[0]; i++)
-    if (heap_relieve(h, steps[i])) rc = large_alloc(&h->large, size, EPOCH_NO_STREAM, NULL, 0, out, bsize);
+    if (heap_relieve(h, steps[i]))
+      rc = large_alloc(&h->large, size, EPOCH_NO_STREAM, NULL, LARGE_READY_ONLY, out, bsize);
   if (rc != MAGPIE_OK) return rc;
   large_graph_mark(&h->large, *out, 1);
   heap_publish_in_use(h, (int64_t)*bsize);

@@ -86,7 +86,10 @@ typedef struct heap {
    * bytes at the last one that gave nothing back (relaxed; a heuristic). */
   _Atomic uint64_t stat_recycles;
   _Atomic size_t recycle_mark;
-  _Atomic int reaping; /* threads inside heap_reap (release/acquire) */
+  /* Threads inside heap_reap: raised (seq_cst, against heap_capture_hold)
+   * on entry, lowered (release) on exit, read with acquire by
+   * heap_reap_wait and with seq_cst by heap_capture_hold. */
+  _Atomic int reaping;
   /* Per class allocations served by magazines / slow paths, folded in from
    * thread slots when they are retired. */
   _Atomic uint64_t stat_class_hits[SIZECLASS_COUNT];
@@ -152,8 +155,9 @@ int heap_limbo_block(heap *h, unsigned cls, void *p);
 /* ---- CUDA graphs ----
  * Captures under way that magpie was told of (front/capture.c): while
  * their count is nonzero, heap_reap makes no device synchronisation (it
- * would invalidate them); when it drops to 0 the maintenance thread is
- * woken to drain what waited. */
+ * would invalidate them); a hold returns only once no reap that began
+ * before it is still under way; when the count drops to 0 the maintenance
+ * thread is woken to drain what waited. */
 void heap_capture_hold(int delta);
 /* A large block of at least size bytes for a graph pool: ready for every
  * stream (no stream wait, no host wait), mapped in relaxed capture mode,

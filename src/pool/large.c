@@ -554,7 +554,8 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
      * with internal dependencies allowed). */
     size_t held = atomic_load_relaxed(&c->mapped_bytes), used = atomic_load_relaxed(&c->in_use_bytes);
     int soft = c->reuse_wait && held > used && held - used > large_keep(c);
-    int use_wait = ((flags & LARGE_MAY_WAIT_EVENT) || soft) && wait.b != NULL && wait.cost == 0;
+    int use_wait =
+        !(flags & LARGE_READY_ONLY) && ((flags & LARGE_MAY_WAIT_EVENT) || soft) && wait.b != NULL && wait.cost == 0;
     if (!use_wait && (flags & LARGE_NO_MAP)) return LARGE_WOULD_MAP;
     if (best.b != NULL && !use_wait) goto carve_best;
     if (use_wait) {

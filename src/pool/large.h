@@ -156,6 +156,7 @@ static inline size_t lseg_mapped_in(const lseg *sg, size_t g, uintptr_t a, size_
 /* Flags of large_alloc. */
 #define LARGE_MAY_WAIT_EVENT 1 /* pressure: reuse another stream's block via stream_wait_event */
 #define LARGE_NO_MAP 2         /* only mapped memory: else LARGE_WOULD_MAP */
+#define LARGE_READY_ONLY 4     /* never a stream wait, not even under a reserve (graph pools) */
 #define LARGE_WOULD_MAP 1      /* a return value, as SPAN_WOULD_MAP */
 
 /* A request's block size: size rounded up to LARGE_QUANTUM (size at most

@@ -8,11 +8,17 @@
  *   an event); enqueue a use of block i; free block i from a new thread;
  *   destroy stream k (its blocks are handed to another stream first) and
  *   create a new one (usually getting the same handle); synchronize a
- *   stream; trim (when the library has magpie_trim).
+ *   stream; trim (when the library has magpie_trim); a captured step on
+ *   stream k (a CUDA graph of the simulated device, announced with
+ *   magpie_capture_begin into the input's graph pool): allocations, uses
+ *   and frees inside the capture, the blocks still held kept as graph
+ *   outputs, then one replay on stream j.
  * After every operation: magpie's in-use bytes equal the usable sizes of the
- * blocks the input holds; in use + cached = reserved; reserved equals the
- * device memory in use; no stream-order violation. At the end of each input
- * everything is freed, and nothing may stay in use.
+ * blocks the input holds plus what the graph pool holds; in use + cached =
+ * reserved; reserved equals the device memory in use; no stream-order
+ * violation; no call the simulator forbids during a capture. At the end of
+ * each input everything is freed and the pool released, and nothing may
+ * stay in use.
  *
  * Build and run (also done by tools/test.sh for 60 s):
  *   bazel build --config=fuzz //tests/fuzz:alloc_fuzz
@@ -39,17 +45,19 @@ typedef struct blk {
   uint64_t *p;
   size_t size;
   int stream;
+  int pooled; /* a block of the graph pool (counted in its bytes) */
 } blk;
 
 static cudaStream_t streams[NSTREAMS];
 static blk live[MAXLIVE];
 static int nlive;
+static uint64_t pool; /* the input's graph pool, 0 before its first capture */
 
 static void fuzz_fail(const char *what) {
   char msg[512];
   magpie_sim_check_message(msg, sizeof msg);
-  fprintf(stderr, "alloc_fuzz: invariant broken: %s\n  last error: %s\n  checker: %s\n", what,
-          magpie_last_error_message(), msg);
+  fprintf(stderr, "alloc_fuzz: invariant broken: %s\n  last error: %s\n  simulator: %s\n  checker: %s\n", what,
+          magpie_last_error_message(), magpie_sim_last_error_message(), msg);
   abort();
 }
 
@@ -94,13 +102,75 @@ static void check_invariants(void) {
   size_t dev_free, dev_total;
   if (magpie_stats_get(0, &st) != MAGPIE_OK) fuzz_fail("magpie_stats_get");
   if (magpie_sim_mem_info(0, &dev_free, &dev_total) != MAGPIE_OK) fuzz_fail("mem_info");
-  size_t want = 0;
-  for (int i = 0; i < nlive; i++) want += magpie_usable_size(live[i].p);
+  size_t want = st.graph_pool_bytes;
+  for (int i = 0; i < nlive; i++)
+    if (!live[i].pooled) want += magpie_usable_size(live[i].p);
+  if (magpie_sim_capture_violations() != 0) fuzz_fail("a call the simulator forbids during a capture");
   if (st.in_use_bytes != want) fuzz_fail("in_use_bytes differs from the blocks held");
   if (st.in_use_bytes + st.cached_bytes != st.reserved_bytes) fuzz_fail("in use + cached != reserved");
   if (st.reserved_bytes != dev_total - dev_free) fuzz_fail("reserved differs from device memory in use");
   if (st.peak_reserved_bytes < st.reserved_bytes || st.peak_in_use_bytes < st.in_use_bytes) fuzz_fail("peaks");
   if (magpie_sim_check_violations() != 0) fuzz_fail("stream-order violation");
+}
+
+static void order(int j, int i);
+static size_t pick_size(uint8_t a, uint8_t b);
+
+/* Device work a graph replays: the same stamp and check as use_block, on
+ * an argument that lives as long as the input's replays (use_block frees
+ * its own; a graph's closure runs once per replay). */
+#define CAPTURE_USES 64
+static use_arg capture_uses[CAPTURE_USES];
+static int ncapture_uses;
+
+static void use_block_replayed(void *a) {
+  use_arg *u = a;
+  u->p[0] = u->tag;
+  u->p[u->words - 1] = u->tag;
+  if (u->p[0] != u->tag || u->p[u->words - 1] != u->tag) fuzz_fail("a graph block's stamp changed under a replay");
+}
+
+/* A captured step on stream k (see the top), replayed once on stream j. */
+static void captured_step(int k, int j, const uint8_t *ops, int nops, uint64_t *tag) {
+  cudaStream_t s = streams[k];
+  if (pool == 0 && magpie_graph_pool_create(0, &pool) != MAGPIE_OK) fuzz_fail("graph pool create");
+  if (magpie_capture_begin(pool, s) != MAGPIE_OK) fuzz_fail("magpie_capture_begin");
+  if (magpie_sim_stream_begin_capture(s, MAGPIE_SIM_CAPTURE_GLOBAL) != MAGPIE_OK) fuzz_fail("begin capture");
+  blk tmp[8];
+  int ntmp = 0;
+  for (int o = 0; o + 1 < nops; o += 2) {
+    uint8_t a = ops[o], b = ops[o + 1];
+    if ((a & 1) && ntmp > 0) { /* free a temporary inside the capture */
+      int i = b % ntmp;
+      if (magpie_free_async(tmp[i].p, s) != MAGPIE_OK) fuzz_fail("free inside a capture");
+      tmp[i] = tmp[--ntmp];
+    } else if (ntmp < 8 && ncapture_uses < CAPTURE_USES) {
+      size_t size = pick_size(a >> 1, b);
+      uint64_t *p = magpie_malloc_async(size, s);
+      if (p == NULL) fuzz_fail("allocation inside a capture");
+      tmp[ntmp] = (blk){p, magpie_usable_size(p), k, 1};
+      if (tmp[ntmp].size < size || tmp[ntmp].size < 8) fuzz_fail("a graph block smaller than requested");
+      use_arg *u = &capture_uses[ncapture_uses++];
+      *u = (use_arg){p, tmp[ntmp].size / 8, (*tag)++};
+      if (magpie_sim_launch(s, use_block_replayed, u) != MAGPIE_OK) fuzz_fail("launch inside a capture");
+      ntmp++;
+    }
+  }
+  magpie_sim_graph g = NULL;
+  if (magpie_sim_stream_end_capture(s, &g) != MAGPIE_OK) fuzz_fail("the capture was invalidated");
+  if (magpie_capture_end(pool, s) != MAGPIE_OK) fuzz_fail("magpie_capture_end");
+  /* What the capture did not free is its output: held, or freed now. */
+  for (int i = 0; i < ntmp; i++) {
+    if (nlive < MAXLIVE) live[nlive++] = tmp[i];
+    else if (magpie_free_async(tmp[i].p, s) != MAGPIE_OK) fuzz_fail("free of a graph's output");
+  }
+  order(j, k);
+  if (magpie_sim_graph_launch(g, streams[j]) != MAGPIE_OK) fuzz_fail("graph launch");
+  if (magpie_sim_graph_destroy(g) != MAGPIE_OK) fuzz_fail("graph destroy");
+  /* The replay's arguments are reused by the next capture: let it finish,
+   * and order the outputs' holders after it. */
+  if (magpie_sim_stream_synchronize(streams[j]) != MAGPIE_OK) fuzz_fail("synchronize after a replay");
+  ncapture_uses = 0;
 }
 
 static void free_block(int i) {
@@ -138,7 +208,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
 #define NEXT() (at < n ? data[at++] : 0)
   while (at < n) {
     uint8_t op = NEXT();
-    switch (op % 9) {
+    switch (op % 10) {
     case 0:
     case 1: { /* alloc */
       uint8_t a = NEXT(), b = NEXT(), k = NEXT() % NSTREAMS;
@@ -191,14 +261,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
     case 7: /* the host waits for a stream */
       if (magpie_sim_stream_synchronize(streams[NEXT() % NSTREAMS]) != MAGPIE_OK) fuzz_fail("synchronize");
       break;
-    default: /* trim */
+    case 8: /* trim */
       if (magpie_trim != NULL && magpie_trim(0, (size_t)NEXT() << 20) != MAGPIE_OK) fuzz_fail("trim");
       break;
+    default: { /* a captured step */
+      int k = NEXT() % NSTREAMS, j = NEXT() % NSTREAMS, nops = NEXT() % 17;
+      uint8_t ops[16];
+      for (int o = 0; o < nops; o++) ops[o] = NEXT();
+      captured_step(k, j, ops, nops, &tag);
+      break;
+    }
     }
     check_invariants();
   }
 #undef NEXT
   while (nlive > 0) free_block(nlive - 1);
+  if (pool != 0) {
+    if (magpie_graph_pool_release(pool) != MAGPIE_OK) fuzz_fail("graph pool release");
+    pool = 0;
+  }
   check_invariants();
   /* Bound the streams' queues between inputs. */
   if (magpie_sim_device_synchronize() != MAGPIE_OK) fuzz_fail("device synchronize");

@@ -109,8 +109,8 @@ static void test_graph_pool(void **state) {
   assert_int_equal(pthread_create(&nt, NULL, neighbour_main, &during), 0);
   sleep_ms(20);
   uint64_t t0 = gpu_now_ns();
-  GPU_CHECK(cudrv.stream_begin_capture(cs, CU_STREAM_CAPTURE_MODE_GLOBAL));
   assert_int_equal(magpie_capture_begin(pool, cs), MAGPIE_OK);
+  GPU_CHECK(cudrv.stream_begin_capture(cs, CU_STREAM_CAPTURE_MODE_GLOBAL));
   void *blk[NBLK];
   for (int i = 0; i < NBLK; i++) {
     blk[i] = magpie_malloc_async(sizes[i], cs);
