@@ -141,6 +141,21 @@ typedef struct backend_ops {
   backend_observer *observer;
 } backend_ops;
 
+/* The capture state (BACKEND_CAPTURE_*) of handle s through ops, with
+ * *id the capture's id while one is active (else 0): NONE for the legacy
+ * handles 0 and 1 (they cannot capture, and must not be asked during
+ * another thread's capture), for a table without stream_capture and when
+ * the query fails (the caller's next use of s reports an invalid handle).
+ * The one form every caller uses: the query CUDA allows on a capturing
+ * stream, where it refuses the stream's id. */
+static inline int backend_capture_state(const backend_ops *ops, cudaStream_t s, uint64_t *id) {
+  int st = BACKEND_CAPTURE_NONE;
+  *id = 0;
+  if ((uintptr_t)s <= 1 || ops->stream_capture == NULL || ops->stream_capture(s, &st, id) != MAGPIE_OK)
+    return BACKEND_CAPTURE_NONE;
+  return st;
+}
+
 /* The layout a table handed across shared objects must have
  * (magpie_sim_device_table): a version raised by hand when the table's
  * meaning changes, and its size. */

@@ -51,16 +51,6 @@ static heap *capture_pool_heap(uint64_t pool, const char *fn) {
   return h;
 }
 
-/* The capture state of an ordinary or per-thread handle; NONE for the
- * legacy handles (they cannot capture) and when the device cannot tell. */
-static int capture_state(const backend_ops *ops, cudaStream_t s, uint64_t *id) {
-  int st = BACKEND_CAPTURE_NONE;
-  *id = 0;
-  if ((uintptr_t)s <= 1 || ops->stream_capture == NULL || ops->stream_capture(s, &st, id) != MAGPIE_OK)
-    return BACKEND_CAPTURE_NONE;
-  return st;
-}
-
 /* The pool announced for capture id, or 0. Registrations that do not know
  * their capture's id yet (announced before their stream began capturing)
  * learn it here. */
@@ -70,7 +60,7 @@ static uint64_t capture_pool_of(const backend_ops *ops, uint64_t id) {
   for (capture_reg *r = globals.capture_regs; r != NULL && pool == 0; r = r->next) {
     if (r->capture_id == 0 && r->stream != NULL) {
       uint64_t cid;
-      if (capture_state(ops, r->stream, &cid) == BACKEND_CAPTURE_ACTIVE) r->capture_id = cid;
+      if (backend_capture_state(ops, r->stream, &cid) == BACKEND_CAPTURE_ACTIVE) r->capture_id = cid;
     }
     if (r->capture_id == id) pool = r->pool;
   }
@@ -148,7 +138,7 @@ static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream,
 int capture_alloc(size_t size, cudaStream_t stream, void **out) {
   const backend_ops *ops = global_ops();
   uint64_t id;
-  int st = capture_state(ops, stream, &id);
+  int st = backend_capture_state(ops, stream, &id);
   if (st == BACKEND_CAPTURE_NONE) return 0;
   *out = NULL;
   if (st == BACKEND_CAPTURE_INVALIDATED) {
@@ -160,10 +150,7 @@ int capture_alloc(size_t size, cudaStream_t stream, void **out) {
   }
   uint64_t pool = capture_pool_of(ops, id);
   if (pool == 0) {
-    error_set(MAGPIE_ERR_CAPTURE,
-              "magpie_malloc_async(%zu bytes): stream %p is capturing a CUDA graph that magpie was not told of: "
-              "call magpie_capture_begin(pool, stream) when the capture begins (magpie.h, \"CUDA graphs\")",
-              size, (void *)stream);
+    tcache_capture_error(stream, size);
     return 1;
   }
   *out = capture_pool_alloc(pool, size, stream, id, "magpie_malloc_async");
@@ -176,7 +163,7 @@ static int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
   const backend_ops *ops = global_ops();
   heap *h = sl->heap;
   uint64_t id = 0;
-  int st = capture_state(ops, stream, &id);
+  int st = backend_capture_state(ops, stream, &id);
   uint64_t sid = capture_stream_key(stream, st != BACKEND_CAPTURE_NONE, NULL, "magpie_free_async");
   if (sid == 0) return magpie_last_error();
   epoch_ticket t = {0};
@@ -209,7 +196,7 @@ int capture_free(void *p, cudaStream_t stream, int *rc) {
     return 1;
   }
   uint64_t id;
-  if (capture_state(global_ops(), stream, &id) == BACKEND_CAPTURE_NONE) return 0;
+  if (backend_capture_state(global_ops(), stream, &id) == BACKEND_CAPTURE_NONE) return 0;
   /* Recorded blocks keep their record entries' way (their seal is
    * refused on a capturing stream: limbo). */
   if (atomic_load_relaxed(&sl->recorded) != 0) return 0;
@@ -247,7 +234,7 @@ MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream) {
     if ((uintptr_t)stream == 1)
       return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_capture_begin: the legacy stream (1) cannot capture");
     /* A stream already capturing cannot be asked its device (device/backend.h). */
-    int st = capture_state(ops, stream, &id);
+    int st = backend_capture_state(ops, stream, &id);
     if (st == BACKEND_CAPTURE_NONE && ops->stream_device(stream, &sdev) != MAGPIE_OK)
       return error_set(MAGPIE_ERR_INVALID_STREAM, "magpie_capture_begin: stream %p is not valid: %s", (void *)stream,
                        backend_error_detail());
@@ -305,7 +292,7 @@ MAGPIE_API int magpie_capture_end(uint64_t pool, cudaStream_t stream) {
 MAGPIE_API void *magpie_graph_pool_malloc_async(uint64_t pool, size_t size, cudaStream_t stream) {
   if (global_ensure() != MAGPIE_OK) return NULL;
   uint64_t id;
-  int st = capture_state(global_ops(), stream, &id);
+  int st = backend_capture_state(global_ops(), stream, &id);
   return capture_pool_alloc(pool, size, stream, st == BACKEND_CAPTURE_NONE ? 0 : id, "magpie_graph_pool_malloc_async");
 }
 

@@ -36,11 +36,10 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
                      ptr);
   const backend_ops *ops = global_ops();
   uint64_t id = 0;
-  int dev = -1, st = BACKEND_CAPTURE_NONE;
+  int dev = -1;
   /* A capturing stream cannot be asked its id (device/backend.h), and a
    * use recorded there happens at each replay, not now. */
-  if ((uintptr_t)stream > 1 && ops->stream_capture != NULL && ops->stream_capture(stream, &st, &id) == MAGPIE_OK &&
-      st != BACKEND_CAPTURE_NONE)
+  if (backend_capture_state(ops, stream, &id) != BACKEND_CAPTURE_NONE)
     return error_set(MAGPIE_ERR_CAPTURE,
                      "magpie_record_stream(%p): stream %p is capturing a CUDA graph; a block the graph uses must "
                      "stay allocated while the graph may be replayed (blocks allocated during the capture follow "

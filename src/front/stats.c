@@ -20,7 +20,8 @@ void stats_collect(heap *h, magpie_stats *out) {
   size_t reserved = atomic_load_relaxed(&h->region.mapped);
   /* Graph pools' blocks (pool/gpool.h) are in use: the graphs own them,
    * free in their pool or not; the large cache counts them in use too. */
-  out->in_use_bytes = stats_nonneg(live) + atomic_load_relaxed(&h->graphs.bytes);
+  out->graph_pool_bytes = atomic_load_relaxed(&h->graphs.bytes);
+  out->in_use_bytes = stats_nonneg(live) + out->graph_pool_bytes;
   out->reserved_bytes = reserved;
   out->cached_bytes = reserved > out->in_use_bytes ? reserved - out->in_use_bytes : 0;
   out->peak_reserved_bytes = atomic_load_relaxed(&h->region.peak_mapped);
@@ -74,7 +75,6 @@ void stats_collect(heap *h, magpie_stats *out) {
   out->threads_flushed = atomic_load_relaxed(&h->stat_threads_flushed);
   out->threads_stolen = atomic_load_relaxed(&h->stat_threads_stolen);
   out->device_syncs = atomic_load_relaxed(&h->stat_device_syncs);
-  out->graph_pool_bytes = atomic_load_relaxed(&h->graphs.bytes); /* read again: a statistic */
   out->graph_pools = atomic_load_relaxed(&h->graphs.npools);
   for (unsigned i = 0; i < HEAP_STEP_COUNT && i < MAGPIE_STATS_LADDER; i++)
     out->ladder_steps[i] = atomic_load_relaxed(&h->stat_ladder[i]);

@@ -22,10 +22,10 @@ MAGPIE_API int magpie_stream_retire(cudaStream_t stream) {
                      (void *)stream);
   const backend_ops *ops = global_ops();
   uint64_t id = 0;
-  int dev = -1, st = BACKEND_CAPTURE_NONE;
+  int dev = -1;
   /* A capturing stream cannot be asked its id (device/backend.h) nor
    * destroyed. */
-  if (ops->stream_capture != NULL && ops->stream_capture(stream, &st, &id) == MAGPIE_OK && st != BACKEND_CAPTURE_NONE)
+  if (backend_capture_state(ops, stream, &id) != BACKEND_CAPTURE_NONE)
     return error_set(MAGPIE_ERR_CAPTURE,
                      "magpie_stream_retire(%p): the stream is capturing a CUDA graph; end the capture first",
                      (void *)stream);

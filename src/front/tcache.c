@@ -492,9 +492,7 @@ static int tcache_mark_free(slab *sl, uintptr_t p, uint32_t bi) {
 
 static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id);
 
-/* The error of an allocation on a capturing stream magpie was not told
- * of. */
-static void tcache_capture_error(cudaStream_t s, size_t size) {
+void tcache_capture_error(cudaStream_t s, size_t size) {
   error_set(MAGPIE_ERR_CAPTURE,
             "magpie_malloc_async(%zu bytes): stream %p is capturing a CUDA graph that magpie was not told of (on a "
             "GPU, CUDA also refuses the stream's id there and invalidates the capture): call "
@@ -508,11 +506,9 @@ static void tcache_capture_error(cudaStream_t s, size_t size) {
  * these paths only (with a capture announced, front/capture.c has
  * routed capturing streams already). 1 with the error set: refused. */
 static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
-  int st = BACKEND_CAPTURE_NONE;
-  uint64_t cid = 0;
-  if ((uintptr_t)s <= 1 || tc->ops->stream_capture == NULL ||
-      (atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 ||
-      tc->ops->stream_capture(s, &st, &cid) != MAGPIE_OK || st == BACKEND_CAPTURE_NONE)
+  uint64_t cid;
+  if ((atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 ||
+      backend_capture_state(tc->ops, s, &cid) == BACKEND_CAPTURE_NONE)
     return 0;
   tcache_capture_error(s, size);
   return 1;

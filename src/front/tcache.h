@@ -163,6 +163,11 @@ extern __thread tcache *tcache_tls;
 /* id: the stream's id if the fast path looked it up, else 0. */
 void *tcache_alloc_slow(size_t size, cudaStream_t stream, uint64_t id);
 int tcache_free_slow(void *ptr, cudaStream_t stream);
+/* Sets the error of an allocation of size bytes on stream s, which is
+ * capturing a graph magpie was not told of (MAGPIE_ERR_CAPTURE, the
+ * message naming magpie_capture_begin); the thread caches and capture.c
+ * report it alike. */
+void tcache_capture_error(cudaStream_t s, size_t size);
 /* A block (slab sl) freed on a capturing stream s: out of the calling
  * thread's in-use count and into the heap's limbo, where it waits for a
  * device synchronisation (heap_limbo_block, heap_limbo_put_large). */

@@ -118,21 +118,14 @@ static void epoch_event_unref(epoch_table *t, event_node *e) {
   if (atomic_sub_acq_rel(&e->refs, 1) == 1) stack_push(&t->free_events, &globals.event_registry, &e->link);
 }
 
-/* Is the ordinary or per-thread handle s capturing a graph? An event
- * recorded there would belong to the capture, and querying it later would
- * invalidate the capture: a seal is refused instead (its callers send the
- * blocks to limbo). One driver call per seal, a seal per eight magazines
- * or a large free. Handles 0 and 1 (the legacy stream) cannot capture. */
-static int epoch_capturing(const backend_ops *ops, cudaStream_t s) {
-  int st = BACKEND_CAPTURE_NONE;
-  uint64_t id = 0;
-  if ((uintptr_t)s <= 1 || ops->stream_capture == NULL || ops->stream_capture(s, &st, &id) != MAGPIE_OK) return 0;
-  return st != BACKEND_CAPTURE_NONE;
-}
-
 int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
   epoch_table *t = r->table;
-  if (epoch_capturing(t->ops, handle)) {
+  /* An event recorded on a capturing stream would belong to the capture,
+   * and querying it later would invalidate the capture: the seal is
+   * refused instead (its callers send the blocks to limbo). One driver
+   * call per seal, a seal per eight magazines or a large free. */
+  uint64_t capture;
+  if (backend_capture_state(t->ops, handle, &capture) != BACKEND_CAPTURE_NONE) {
     backend_set_error_detail("stream %p is capturing a CUDA graph: no event is recorded on it", (void *)handle);
     return MAGPIE_ERR_CAPTURE;
   }

@@ -227,13 +227,6 @@ int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size) {
   return rc;
 }
 
-int gpool_owns(gpool_set *s, uintptr_t p) {
-  pthread_mutex_lock(&s->lock);
-  int found = gpool_find_ref(s, p) != NULL;
-  pthread_mutex_unlock(&s->lock);
-  return found;
-}
-
 int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, epoch_ticket *t, size_t *bsize,
                gpool_retired **retired) {
   *retired = NULL;

@@ -110,8 +110,6 @@ int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_
 /* A new block [p, p+size) of pool id, handed out. MAGPIE_ERR_INVALID_ARGUMENT
  * when the pool is gone or released (the caller retires the block). */
 int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size);
-/* Is p the start of a block of some pool of the set? */
-int gpool_owns(gpool_set *s, uintptr_t p);
 /* Free block p: during capture `capture` (0: outside any) on stream id
  * `stream`, with the free's ticket t (taken over on success; NULL or
  * t->rec NULL: ready). *retired: the block when its pool was released
