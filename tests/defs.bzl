@@ -55,3 +55,24 @@ def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], en
         data = [":" + name + "_bin"],
         env = env,
     )
+
+def magpie_python_test(name, size = "small"):
+    """A shell test NAME.sh of the Python package (python/magpie) against
+    this build's libmagpie.so on the simulated device: its arguments are the
+    library and the package's files; libmagpie_sim.so lies beside
+    libmagpie.so, which loads it; tests/python_test_prelude.sh is sourced."""
+    native.sh_test(
+        name = name,
+        size = size,
+        srcs = [name + ".sh"],
+        args = [
+            "$(location //:libmagpie.so)",
+            "$(locations //:python_pkg)",
+        ],
+        data = [
+            "python_test_prelude.sh",
+            "//:libmagpie.so",
+            "//:libmagpie_sim.so",
+            "//:python_pkg",
+        ],
+    )

@@ -8,16 +8,14 @@
 # (no GPU here), allocates and reports. pip fetches setuptools and wheel
 # for the build (PyPI).
 set -euo pipefail
+. "$(dirname "$0")/python_test_prelude.sh"
 lib=$1
 sim=$2
 shift 2
 src=""
 for f in "$@"; do [[ $f == */pyproject.toml ]] && src=$(dirname "$f"); done
 [[ -n $src ]] || { echo "python/pyproject.toml not among the arguments"; exit 1; }
-if grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib"; then
-  echo "skipped: $lib is a sanitizer build (python3 cannot load it)"
-  exit 0
-fi
+python_test_skip_sanitized "$lib"
 tmp=${TEST_TMPDIR:-$(mktemp -d)}
 mkdir -p "$tmp/prebuilt"
 cp -L "$lib" "$sim" "$tmp/prebuilt/"

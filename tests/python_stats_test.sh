@@ -5,17 +5,11 @@
 # added in C but not in Python would make magpie_stats_get write past the
 # Python buffer), and magpie.stats() reports an allocation.
 set -euo pipefail
+. "$(dirname "$0")/python_test_prelude.sh"
 lib=$1
 shift
-pkg=""
-for f in "$@"; do pkg=$(dirname "$(dirname "$f")"); done
-# Sanitizer builds make a library that needs the sanitizer's runtime in the
-# executable, which python3 is not; the binding is the same in every build,
-# and the plain build checks it.
-if grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib"; then
-  echo "skipped: $lib is a sanitizer build (python3 cannot load it)"
-  exit 0
-fi
+pkg=$(python_test_pkg "$@")
+python_test_skip_sanitized "$lib"
 export MAGPIE_LIB=$PWD/$lib MAGPIE_BACKEND=sim PYTHONPATH=$PWD/$pkg
 # No GLIBC_TUNABLES: loading libmagpie.so with dlopen after start-up works
 # with glibc's defaults (no initial-exec TLS: tools/build_jemalloc.sh,

@@ -8,14 +8,11 @@
 # hooks are called through their C function pointers, as PyTorch calls
 # them. tests/gpu/torch_memory_api.py checks the same with PyTorch on a GPU.
 set -euo pipefail
+. "$(dirname "$0")/python_test_prelude.sh"
 lib=$1
 shift
-pkg=""
-for f in "$@"; do pkg=$(dirname "$(dirname "$f")"); done
-if grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib"; then
-  echo "skipped: $lib is a sanitizer build (python3 cannot load it)"
-  exit 0
-fi
+pkg=$(python_test_pkg "$@")
+python_test_skip_sanitized "$lib"
 tmp=${TEST_TMPDIR:-$(mktemp -d)}
 fake=$tmp/fake_torch
 mkdir -p "$fake/torch/cuda" "$fake/torch/include/c10/util" "$fake/torch/lib"

@@ -216,7 +216,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
       size_t size = pick_size(a, b);
       uint64_t *p = magpie_malloc_async(size, streams[k]);
       if (p == NULL) fuzz_fail("allocation failed on a 4 GiB device");
-      live[nlive] = (blk){p, magpie_usable_size(p), k};
+      live[nlive] = (blk){p, magpie_usable_size(p), k, 0};
       if (live[nlive].size < size || live[nlive].size < 256) fuzz_fail("usable size smaller than requested");
       enqueue_use(&live[nlive++], tag++);
       break;
