@@ -128,8 +128,9 @@ struct sim_stream {
  *
  * stream: claimed by a creator with a CAS NULL -> SIM_REG_CLAIMED
  *   (relaxed), published with an exchange to the stream (release); cleared
- *   by the dying worker with an exchange to NULL (release), after all its
- *   work ran. Read (acquire) only by device synchronize of this device.
+ *   by the dying worker with an exchange to NULL (seq_cst), after all its
+ *   work ran and it counted itself in sim_device.retired. Read (seq_cst)
+ *   only by device synchronize of this device.
  *   The edge from workers that already finished comes from
  *   sim_device.retired, not from this entry (a creator's later claim
  *   would have to carry it through a release sequence).
@@ -158,13 +159,22 @@ struct sim_device {
    * scan: a claim that happens before the synchronize is seen by coherence. */
   _Atomic uint32_t reg_high;
   /* Streams of this device whose workers finished (all their work ran).
-   * Incremented by each dying worker as its last act, with a release
-   * read-modify-write; read with acquire by device synchronize. Every
-   * release RMW merges into what the next acquire sees, so one load orders
-   * the work of every finished worker before the synchronize, without
-   * leaning on release sequences through other threads' RMWs (which
+   * Incremented by each dying worker once its last work ran, before it
+   * leaves the registry, with a seq_cst read-modify-write; read (seq_cst)
+   * by device synchronize after its scan of the registry. Every release
+   * RMW merges into what the next acquire sees, so one load orders the
+   * work of every finished worker before the synchronize, without leaning
+   * on release sequences through other threads' RMWs (which
    * ThreadSanitizer does not follow) and without giving stream creators an
-   * edge from dead streams that CUDA does not have. */
+   * edge from dead streams that CUDA does not have.
+   * INVARIANT: a synchronize that finds a dying stream's registry entry
+   * gone (NULL, or claimed again by a new stream) sees its increment: the
+   * increment precedes the entry's clearing, which precedes the scan's
+   * read of the entry, which precedes the load, all in the seq_cst order.
+   * (Incremented after the clearing, as it once was, a synchronize between
+   * the two found neither the stream nor its count when a new stream had
+   * claimed the entry, and ThreadSanitizer reported the reuse that
+   * followed in about one run of sim_stress_test in eight.) */
   _Atomic uint64_t retired;
   struct sim_reg_entry reg[SIM_MAX_STREAMS];
 };
@@ -357,13 +367,16 @@ static struct sim_reg_entry *sim_stream_entry(const struct sim_stream *s) {
  * they pushed, free everything. */
 static void sim_stream_finish(struct sim_stream *s) {
   struct sim_reg_entry *e = sim_stream_entry(s);
-  atomic_exchange_explicit(&e->stream, NULL, memory_order_release);
+  /* Every work node ran before EXIT (nothing is launched on a destroyed
+   * stream); what pinned pushers add later are synchronize markers, which
+   * their own cells order. */
+  atomic_fetch_add_explicit(&sim_devices[s->device].retired, 1, memory_order_seq_cst);
+  atomic_exchange_explicit(&e->stream, NULL, memory_order_seq_cst);
   atomic_thread_fence(memory_order_seq_cst);
   while (atomic_load_explicit(&e->pins, memory_order_acquire) != 0)
     sched_yield(); /* a pin lasts one push: a few instructions */
   struct sim_node *n;
   while ((n = sim_stream_pop(s)) != NULL) sim_stream_run(s, n);
-  atomic_fetch_add_explicit(&sim_devices[s->device].retired, 1, memory_order_release);
   free(s->head);
   free(s);
 }
@@ -805,7 +818,7 @@ int sim_stream_device_synchronize(int device) {
     struct sim_reg_entry *e = &d->reg[i];
     atomic_fetch_add_explicit(&e->pins, 1, memory_order_relaxed);
     atomic_thread_fence(memory_order_seq_cst);
-    struct sim_stream *s = atomic_load_explicit(&e->stream, memory_order_acquire);
+    struct sim_stream *s = atomic_load_explicit(&e->stream, memory_order_seq_cst);
     if (s != NULL && s != SIM_REG_CLAIMED) {
       if (ncells == cap) {
         size_t ncap = cap ? 2 * cap : 16;
@@ -840,7 +853,7 @@ int sim_stream_device_synchronize(int device) {
   free(cells);
   /* Destroyed streams whose workers already finished: their work is done,
    * and this acquire orders it before the caller (see sim_device.retired). */
-  (void)atomic_load_explicit(&d->retired, memory_order_acquire);
+  (void)atomic_load_explicit(&d->retired, memory_order_seq_cst);
   if (rc == MAGPIE_OK) sim_check_observe(vc);
   sim_vc_free(vc);
   return rc;
