@@ -32,6 +32,8 @@ static inline void atomic_owner_add_i64(_Atomic int64_t *p, int64_t v) {
   atomic_store_relaxed(p, atomic_load_relaxed(p) + v);
 }
 
+static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) { atomic_store_relaxed(p, atomic_load_relaxed(p) + 1); }
+
 /* Raise *p to at least v (release: a reader that acquires the new maximum
  * sees what the raiser saw). */
 static inline void atomic_max_u64_release(_Atomic uint64_t *p, uint64_t v) {

@@ -37,122 +37,10 @@
 #include "base/pagemap.h"
 #include "base/sizeclass.h"
 #include "device/backend.h"
+#include "front/tslot.h"
 #include "heap/heap.h"
 #include "pool/magazine.h"
 #include "pool/slab.h"
-
-#define TCACHE_SLOTS 32
-
-/* The outbox (tslot.outbox): at most this many magazines or bytes wait
- * for one seal. With a seal per magazine, one thread of the mixed
- * 256 B-2 MiB workload recorded an event every 5.6 operations on the H200
- * (about 1 us each). The outbox is sealed early when its slot takes memory
- * from what threads share (a refill or a large block) and when a large
- * free seals anyway: kept until full, it held the mixed workload at 2.07
- * times its peaks instead of 2.01. Measured on the H200 against a seal
- * per magazine: cross-thread frees 26-30 -> 32-33 M pairs/s at half the
- * peak reserved memory, the pipeline's time in the allocator 2.6-2.7 ->
- * 2.0-2.2 us a step, events of the mixed workload a fifth to a third
- * fewer (bench/HISTORY.md). */
-/* A thread that allocates on one stream keeps one large block freed on it
- * (of at most this size) for that stream's next large allocation that it
- * fits within an eighth: the same stream reuses it at once, with no event
- * and no lock, as it reuses small blocks. Only such threads: the block is
- * stranded, like a slot's magazines, while its thread works on other
- * streams. */
-#define TCACHE_KEEP_MAX ((size_t)64 << 20)
-
-#define TCACHE_OUTBOX 8
-#define TCACHE_OUTBOX_BYTES ((size_t)1 << 20)
-
-typedef struct tclass {
-  magazine *loaded;
-  _Atomic uint64_t hits;   /* allocations served by the fast path */
-  _Atomic uint64_t misses; /* and by the slow path */
-} tclass;
-
-typedef struct tslot {
-  uint64_t id;           /* stream id; meaningful while heap != NULL */
-  cudaStream_t handle;   /* handle the slot was created with */
-  heap *heap;            /* heap of the cached blocks; NULL = unused slot */
-  stream_rec *rec;       /* the stream's record (one reference held) */
-  _Atomic int64_t *live; /* this thread's in-use counter for heap's device */
-  int alloc_ok;          /* heap is the stream's own device */
-  /* Per class, what an allocation reads and writes: the loaded magazine
-   * and the allocation counts. Side by side, so that a class whose lines
-   * went out of the cache (a thread taking turns on several streams) costs
-   * one miss here. Counts: owner-written (relaxed load + store); read by
-   * statistics under tcache_list_lock; folded into the heap when the slot
-   * retires. */
-  tclass cl[SIZECLASS_COUNT];
-  magazine *prev[SIZECLASS_COUNT];
-  /* Full magazines that left loaded/prev on a free, not sealed yet: one
-   * event seals them all once TCACHE_OUTBOX of them or TCACHE_OUTBOX_BYTES
-   * wait, before the slot refills or allocates a large block, and with a
-   * large block's free (tcache.c, tcache_outbox_seal); an allocation of
-   * their class takes one back first (no seal needed on the slot's own
-   * stream). They count as the thread's until sealed. Owner only.
-   * INVARIANT: as for loaded/prev, every block in them may be used by work
-   * enqueued on the slot's stream after now; out_bytes is the sum of
-   * depot_magazine_bytes over outbox[0..nout). */
-  magazine *outbox[TCACHE_OUTBOX];
-  uint32_t nout;
-  size_t out_bytes;
-  /* The large block kept for this stream (TCACHE_KEEP_MAX; LARGE_KEPT in
-   * the large layer; tcache.kept names this slot), or NULL. It leaves with
-   * the slot's magazines, sealed on a caller's handle or to limbo, or for a
-   * large allocation it does not fit. Owner only. INVARIANT: as for the
-   * magazines. */
-  lblock *lkeep;
-  /* Capacity of the empty magazines this slot takes for its frees, per
-   * class (mag_cap..mag_max), the class's allocation count at the last
-   * exchange with the depot, and the frees in a row (no allocation between)
-   * that ended at exchanges since the last growth. Owner only. */
-  uint8_t cap[SIZECLASS_COUNT];
-  uint64_t mark[SIZECLASS_COUNT];
-  uint8_t run[SIZECLASS_COUNT];
-  /* heap, for statistics readers (owner-written, relaxed; a reader may
-   * miss a slot being set up or retired). */
-  _Atomic(heap *) stats_heap;
-} tslot;
-
-typedef struct tcache {
-  /* Owner: 1 (relaxed store) on entry to any operation, 0 (release store,
-   * pairing with the reclaimer's acquire load after its membarrier) on
-   * exit. */
-  _Atomic uint32_t busy;
-  /* Reclaimer: 1 (exchange, acq_rel, under tcache_list_lock: it acquires
-   * the previous reclaimer's release of 0) while it decides and possibly
-   * takes this cache's magazines; 0 (release) when done, pairing with the
-   * owner's acquire loads in tcache_enter and tcache_enter_slow, which
-   * come after the owner marked itself busy, and with the next
-   * reclaimer's exchange. */
-  _Atomic uint32_t steal;
-  /* Reclaimer -> owner: empty your magazines at your next slow path
-   * (relaxed both sides: the owner's give-back publishes through the
-   * depot's stacks). */
-  _Atomic uint32_t flush_req;
-  tslot *last;     /* the fast paths' slot */
-  tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
-  uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */
-  const backend_ops *ops;
-  int check;
-  unsigned next_evict;
-  /* Bytes handed out minus freed by this thread, per device. Written by the
-   * owner only (relaxed load + store); read (relaxed) by statistics under
-   * tcache_list_lock. */
-  _Atomic int64_t live[HEAP_MAX_DEVICES];
-  int64_t published[HEAP_MAX_DEVICES]; /* owner only */
-  struct tcache *lnext, *lprev;        /* under tcache_list_lock */
-  /* Per slot, so that the slow paths find a slot without touching every
-   * slot's lines: the id and handle of an alloc-capable slot, 0 and
-   * UINTPTR_MAX for any other. Owner only; after the fast paths' fields,
-   * which share the first cache line. */
-  uint64_t alloc_id[TCACHE_SLOTS];
-  cudaStream_t alloc_handle[TCACHE_SLOTS];
-  tslot dummy;
-  tslot slots[TCACHE_SLOTS];
-} tcache;
 
 /* The calling thread's cache. Not initial-exec: that model makes the whole
  * library need static TLS, which a dlopen after start-up cannot get with
@@ -189,8 +77,6 @@ static inline int tcache_enter(tcache *tc) {
 
 static inline void tcache_leave(tcache *tc) { atomic_store_release(&tc->busy, 0); }
 
-static inline void atomic_owner_inc_u64(_Atomic uint64_t *p) { atomic_store_relaxed(p, atomic_load_relaxed(p) + 1); }
-
 /* The stream's id for the fast paths: ordinary handles straight from the
  * backend's fast form; special ones through stream_id (cached by context).
  * Returns 0 on any failure (ids are never 0). */
@@ -225,7 +111,7 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
   if (unlikely(m->count == 0)) return NULL;
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->cls == c);
-  atomic_owner_add_i64(ts->live, (int64_t)globals.sizeclass_table[c].size);
+  tslot_count(ts, (int64_t)globals.sizeclass_table[c].size);
   atomic_owner_inc_u64(&ts->cl[c].hits);
   void *p = m->slots[--m->count];
   tcache_leave(tc);
@@ -255,11 +141,13 @@ static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaS
    * (sl->recorded, record.h). */
   if (unlikely(ts->handle != stream || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0)) return 0;
   magazine *m = ts->cl[c].loaded;
-  if (unlikely(m->count >= m->cap)) return 0;
+  /* A full magazine, or the free that brings an armed slot back to its
+   * level (tcache_slot_drain): the slow path. */
+  if (unlikely(m->count >= m->cap || ts->held - (int64_t)bsize <= ts->drain_at)) return 0;
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->cls == c);
   m->slots[m->count++] = ptr;
-  atomic_owner_add_i64(ts->live, -(int64_t)bsize);
+  tslot_count(ts, -(int64_t)bsize);
   return 1;
 }
 

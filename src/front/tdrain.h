@@ -1,0 +1,52 @@
+/* Threads that take turns on many streams.
+ *
+ * A thread keeps TCACHE_SLOTS stream slots (front/tslot.h). When it takes
+ * turns on more streams than that, a slot must be taken for another
+ * stream while it still holds blocks freed on its own; its handle may be
+ * gone by then (a stored handle is never passed to the driver again), so
+ * those blocks went to limbo and waited for a device synchronisation: one
+ * thread visiting 33 streams in turn held 1.9-3.4 GB where one stream
+ * needed 6 MB.
+ *
+ * So a thread with TDRAIN_SLOTS streams or more arms each slot it moves to
+ * (tdrain_enter), and the free that brings the slot back to its level at
+ * that moment -- the visit gave back what it took -- drains it
+ * (tdrain_slot) with one seal on the handle that free passed: the slot
+ * keeps nothing that needs a seal, and is taken for the next stream as it
+ * is. The thread carries the blocks ready for every stream (tcache.carry)
+ * from slot to slot; what a visit freed waits, sealed, in the thread
+ * (tcache.sealed) until its seal completes (one query per drain), then
+ * joins the carried blocks. */
+#ifndef MAGPIE_TDRAIN_H
+#define MAGPIE_TDRAIN_H
+
+#include "front/tslot.h"
+
+/* From this many alloc-capable slots in use (of TCACHE_SLOTS), a thread
+ * drains each slot: below it, a slot's blocks stay for its stream's next
+ * visit. Short of the full 32, so that a thread reaching its 33rd stream
+ * finds drained slots to take. */
+#define TDRAIN_SLOTS 24
+
+/* The thread moves to slot ts to allocate: arm it, and while the thread
+ * drains, hand the slot the carried blocks. */
+void tdrain_enter(tcache *tc, tslot *ts);
+/* The free (on s, whose id matched ts's) that brought an armed slot back
+ * to its level: seal what ts holds (ts keeps no large block: the caller
+ * sent it out first). MAGPIE_OK, or the seal's error with ts unchanged. */
+int tdrain_slot(tcache *tc, tslot *ts, cudaStream_t s);
+/* An armed slot's allocation of class c found nothing of its own: the
+ * carried magazine of the class, installed as the slot's (or NULL). */
+magazine *tdrain_carry_take(tcache *tc, tslot *ts, unsigned c);
+/* Drained magazines whose seals completed join the carried blocks. */
+void tdrain_promote(tcache *tc);
+/* Every drained magazine of heap h (any heap: NULL) goes to its depot
+ * with its ticket, and the carried blocks of h as ready. Their bytes. */
+size_t tdrain_flush(tcache *tc, heap *h);
+/* Thread exit: the spare empty magazines go back. */
+void tdrain_release_spares(tcache *tc);
+
+/* Is slot ts drained, with nothing that would need a seal to leave it? */
+static inline int tdrain_clean(const tslot *ts) { return ts->drained && ts->nout == 0 && ts->lkeep == NULL; }
+
+#endif /* MAGPIE_TDRAIN_H */

@@ -1,0 +1,216 @@
+/* A thread cache's layout: its stream slots (tslot), the magazines it
+ * drained and carries while it takes turns on many streams (tsealed, carry;
+ * front/tdrain.c), and the fields the give-back handshake shares with
+ * reclaimers (tcache.h). Types and owner-only counters; the fast paths
+ * are in tcache.h, the slow paths in tcache.c.
+ *
+ * INVARIANT: every block in a slot's loaded/prev/outbox may be used by work
+ *            enqueued on the slot's stream after now.
+ * INVARIANT: every block in tcache.carry may be used by any stream now; in
+ *            an armed slot, the bottom clean[c] - k blocks of loaded[c]
+ *            (k: the class's allocations through the slot since
+ *            clean_mark[c]) are carried blocks no one touched since. */
+#ifndef MAGPIE_TSLOT_H
+#define MAGPIE_TSLOT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "base/atomic.h"
+#include "base/sizeclass.h"
+#include "device/backend.h"
+#include "heap/heap.h"
+#include "pool/magazine.h"
+
+#define TCACHE_SLOTS 32
+
+/* The outbox (tslot.outbox): at most this many magazines or bytes wait
+ * for one seal. With a seal per magazine, one thread of the mixed
+ * 256 B-2 MiB workload recorded an event every 5.6 operations on the H200
+ * (about 1 us each). The outbox is sealed early when its slot takes memory
+ * from what threads share (a refill or a large block) and when a large
+ * free seals anyway: kept until full, it held the mixed workload at 2.07
+ * times its peaks instead of 2.01. Measured on the H200 against a seal
+ * per magazine: cross-thread frees 26-30 -> 32-33 M pairs/s at half the
+ * peak reserved memory, the pipeline's time in the allocator 2.6-2.7 ->
+ * 2.0-2.2 us a step, events of the mixed workload a fifth to a third
+ * fewer (bench/HISTORY.md). */
+/* A thread that allocates on one stream keeps one large block freed on it
+ * (of at most this size) for that stream's next large allocation that it
+ * fits within an eighth: the same stream reuses it at once, with no event
+ * and no lock, as it reuses small blocks. Only such threads: the block is
+ * stranded, like a slot's magazines, while its thread works on other
+ * streams. */
+#define TCACHE_KEEP_MAX ((size_t)64 << 20)
+
+#define TCACHE_OUTBOX 8
+#define TCACHE_OUTBOX_BYTES ((size_t)1 << 20)
+
+typedef struct tclass {
+  magazine *loaded;
+  _Atomic uint64_t hits;   /* allocations served by the fast path */
+  _Atomic uint64_t misses; /* and by the slow path */
+} tclass;
+
+typedef struct tslot {
+  uint64_t id;           /* stream id; meaningful while heap != NULL */
+  cudaStream_t handle;   /* handle the slot was created with */
+  heap *heap;            /* heap of the cached blocks; NULL = unused slot */
+  stream_rec *rec;       /* the stream's record (one reference held) */
+  _Atomic int64_t *live; /* this thread's in-use counter for heap's device */
+  /* Bytes this thread took through this slot less those it gave back
+   * through it (allocations and frees; owner only), and the level at
+   * which a free drains the slot (tcache_slot_drain): INT64_MIN (never)
+   * unless the slot was armed when its thread last moved to it from
+   * another stream (tcache.c, tcache_slot_arm), then the level of that
+   * moment. Beside `live`: the fast paths touch both. */
+  int64_t held;
+  int64_t drain_at;
+  int alloc_ok; /* heap is the stream's own device */
+  /* Nothing of the slot's needs a seal: every loaded magazine is the
+   * sentinel and every prev[c] empty or the sentinel (set when the slot is
+   * cleared or drained; cleared by the slow paths that give it blocks,
+   * the only way in while every loaded magazine is the sentinel). The
+   * outbox and the kept large block are checked on their own. Owner
+   * only. */
+  int drained;
+  /* Per class, what an allocation reads and writes: the loaded magazine
+   * and the allocation counts. Side by side, so that a class whose lines
+   * went out of the cache (a thread taking turns on several streams) costs
+   * one miss here. Counts: owner-written (relaxed load + store); read by
+   * statistics under tcache_list_lock; folded into the heap when the slot
+   * retires. */
+  tclass cl[SIZECLASS_COUNT];
+  magazine *prev[SIZECLASS_COUNT];
+  /* Full magazines that left loaded/prev on a free, not sealed yet: one
+   * event seals them all once TCACHE_OUTBOX of them or TCACHE_OUTBOX_BYTES
+   * wait, before the slot refills or allocates a large block, and with a
+   * large block's free (tcache.c, tcache_outbox_seal); an allocation of
+   * their class takes one back first (no seal needed on the slot's own
+   * stream). They count as the thread's until sealed. Owner only.
+   * INVARIANT: as for loaded/prev, every block in them may be used by work
+   * enqueued on the slot's stream after now; out_bytes is the sum of
+   * depot_magazine_bytes over outbox[0..nout). */
+  magazine *outbox[TCACHE_OUTBOX];
+  uint32_t nout;
+  size_t out_bytes;
+  /* The large block kept for this stream (TCACHE_KEEP_MAX; LARGE_KEPT in
+   * the large layer; tcache.kept names this slot), or NULL. It leaves with
+   * the slot's magazines, sealed on a caller's handle or to limbo, or for a
+   * large allocation it does not fit. Owner only. INVARIANT: as for the
+   * magazines. */
+  lblock *lkeep;
+  /* Per class, while the slot is armed: how many blocks at the bottom of
+   * the loaded magazine were ready for every stream when it was installed
+   * (a carried magazine's count: tcache.carry; 0 for any other), and the
+   * class's allocation count then. Allocations pop from the top, so after
+   * k more of them at least the bottom clean - k blocks are the same
+   * untouched ones (tcache_slot_drain). Owner only. */
+  uint8_t clean[SIZECLASS_COUNT];
+  uint64_t clean_mark[SIZECLASS_COUNT];
+  /* Bit c: class c's loaded or prev magazine may be real (set by the slow
+   * paths that install one; a drain and a clear recompute it), so that a
+   * drain and a recycle look at the classes the slot used only. Owner
+   * only. */
+  uint64_t used;
+  /* Capacity of the empty magazines this slot takes for its frees, per
+   * class (mag_cap..mag_max), the class's allocation count at the last
+   * exchange with the depot, and the frees in a row (no allocation between)
+   * that ended at exchanges since the last growth. Owner only. */
+  uint8_t cap[SIZECLASS_COUNT];
+  uint64_t mark[SIZECLASS_COUNT];
+  uint8_t run[SIZECLASS_COUNT];
+  /* heap, for statistics readers (owner-written, relaxed; a reader may
+   * miss a slot being set up or retired). */
+  _Atomic(heap *) stats_heap;
+} tslot;
+
+/* A magazine a thread drained from one of its slots (tcache.c,
+ * tcache_slot_drain), sealed, with the heap it belongs to. */
+typedef struct tsealed {
+  magazine *m;
+  heap *h;
+  /* 1: sealed by the previous entry's seal, whose ticket that entry
+   * holds (m->ticket is empty). INVARIANT: the oldest entry has 0. */
+  int same;
+} tsealed;
+
+/* At most this many drained magazines wait in a thread (tcache.sealed)
+ * for their seals to complete; the oldest goes to the depot's pending
+ * stack when another comes. */
+#define TCACHE_SEALED 128
+
+typedef struct tcache {
+  /* Owner: 1 (relaxed store) on entry to any operation, 0 (release store,
+   * pairing with the reclaimer's acquire load after its membarrier) on
+   * exit. */
+  _Atomic uint32_t busy;
+  /* Reclaimer: 1 (exchange, acq_rel, under tcache_list_lock: it acquires
+   * the previous reclaimer's release of 0) while it decides and possibly
+   * takes this cache's magazines; 0 (release) when done, pairing with the
+   * owner's acquire loads in tcache_enter and tcache_enter_slow, which
+   * come after the owner marked itself busy, and with the next
+   * reclaimer's exchange. */
+  _Atomic uint32_t steal;
+  /* Reclaimer -> owner: empty your magazines at your next slow path
+   * (relaxed both sides: the owner's give-back publishes through the
+   * depot's stacks). */
+  _Atomic uint32_t flush_req;
+  tslot *last;     /* the fast paths' slot */
+  tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
+  uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */
+  const backend_ops *ops;
+  int check;
+  unsigned next_evict;
+  /* Bytes handed out minus freed by this thread, per device. Written by the
+   * owner only (relaxed load + store); read (relaxed) by statistics under
+   * tcache_list_lock. */
+  _Atomic int64_t live[HEAP_MAX_DEVICES];
+  int64_t published[HEAP_MAX_DEVICES]; /* owner only */
+  struct tcache *lnext, *lprev;        /* under tcache_list_lock */
+  /* Per slot, so that the slow paths find a slot without touching every
+   * slot's lines: the id and handle of an alloc-capable slot, 0 and
+   * UINTPTR_MAX for any other. Owner only; after the fast paths' fields,
+   * which share the first cache line. */
+  uint64_t alloc_id[TCACHE_SLOTS];
+  cudaStream_t alloc_handle[TCACHE_SLOTS];
+  /* Drained magazines, oldest first: a ring of sealed_n entries from
+   * sealed_head. They count as the thread's until they leave for the
+   * depot: as ready ones once their seal completed (tcache_sealed_promote,
+   * before a refill), as pending ones when the ring is full, and all of a
+   * heap's when the thread gives back (its exit, a reclaimer, pressure).
+   * drains counts tcache_slot_drain calls; head_pending is drains when
+   * the oldest entry was last found pending (one query per drain at
+   * most). Owner only (or a reclaimer while the owner is out).
+   * INVARIANT: every entry's magazine holds blocks and a ticket. */
+  tsealed sealed[TCACHE_SEALED];
+  uint32_t sealed_head, sealed_n;
+  uint64_t drains, head_pending;
+  /* Blocks of carry_heap ready for every stream, per class, that the
+   * thread carries from stream to stream while it drains its slots: an
+   * armed slot takes them as its loaded magazines, and a drain gives back
+   * what of them is untouched; completed drained magazines join them.
+   * NULL or a magazine with blocks and no ticket. Owner only (or a
+   * reclaimer while the owner is out). */
+  magazine *carry[SIZECLASS_COUNT];
+  heap *carry_heap;
+  /* Per class, one empty magazine kept for the next drain's split (what
+   * joining the carried blocks emptied), or NULL. Owner only. */
+  magazine *spare[SIZECLASS_COUNT];
+  tslot dummy;
+  tslot slots[TCACHE_SLOTS];
+} tcache;
+
+/* Bytes handed out (delta > 0) or given back through slot ts: the thread's
+ * count for the device and the slot's own (both owner-only). */
+static inline void tslot_count(tslot *ts, int64_t delta) {
+  atomic_owner_add_i64(ts->live, delta);
+  ts->held += delta;
+}
+
+/* Allocations of class c through slot ts so far. */
+static inline uint64_t tslot_allocs(const tslot *ts, unsigned c) {
+  return atomic_load_relaxed(&ts->cl[c].hits) + atomic_load_relaxed(&ts->cl[c].misses);
+}
+
+#endif /* MAGPIE_TSLOT_H */
