@@ -128,7 +128,7 @@ def install_native(torch):
     names = ("magpie_malloc_async", "magpie_free_async", "magpie_last_error", "magpie_last_error_message",
              "magpie_torch_record_stream", "magpie_torch_empty_cache", "magpie_torch_set_memory_fraction",
              "magpie_graph_pool_create", "magpie_capture_begin", "magpie_capture_end",
-             "magpie_graph_pool_malloc_async", "magpie_graph_pool_release")
+             "magpie_graph_pool_malloc_async", "magpie_graph_pool_release", "magpie_stats_get")
     fns = (ctypes.c_void_p * len(names))(*[ctypes.cast(getattr(l, n), ctypes.c_void_p).value for n in names])
     native.magpie_torch_native_error.restype = ctypes.c_char_p
     rc = native.magpie_torch_native_install(fns)

@@ -38,9 +38,11 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 
 #include <array>
@@ -69,6 +71,7 @@ struct MagpieFns {
   int (*capture_end)(uint64_t, cudaStream_t);
   void *(*graph_pool_malloc)(uint64_t, size_t, cudaStream_t);
   int (*graph_pool_release)(uint64_t);
+  int (*stats_get)(int, void *);
 };
 
 MagpieFns fns;
@@ -93,19 +96,74 @@ c10::DeviceIndex current_device() {
 constexpr int kOutOfMemory = 4;
 constexpr int kTooLarge = 5;
 
+// PyTorch's way of printing a size in its out-of-memory message (its own
+// tests match it: "Tried to allocate 8.00 GiB").
+void format_size(char *buf, size_t n, size_t bytes) {
+  if (bytes < 1024) snprintf(buf, n, "%zu bytes", bytes);
+  else if (bytes < ((size_t)1 << 20)) snprintf(buf, n, "%.2f KiB", bytes / 1024.0);
+  else if (bytes < ((size_t)1 << 30)) snprintf(buf, n, "%.2f MiB", bytes / 1048576.0);
+  else snprintf(buf, n, "%.2f GiB", bytes / 1073741824.0);
+}
+
+// torch._C._cuda_attach_out_of_memory_observer: called, as by PyTorch's
+// allocator, before an out-of-memory error is thrown.
+class OomObservers {
+ public:
+  void add(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver o) {
+    std::lock_guard<std::mutex> g(lock_);
+    list_.push_back(std::move(o));
+  }
+  void notify(int64_t device, size_t allocated, size_t total, size_t free) {
+    std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> copy;
+    {
+      std::lock_guard<std::mutex> g(lock_);
+      copy = list_;
+    }
+    for (auto &o : copy) o(device, allocated, total, free);
+  }
+
+ private:
+  std::mutex lock_;
+  std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> list_;
+};
+
+OomObservers oom_observers;
+
 // Throws for a null block from magpie (its error: out of memory, or
 // another reason). The message is formatted here, into one string: a
 // size_t streamed into TORCH_CHECK's message crashed the process when the
 // error was thrown from inside a CUDA graph capture (PyTorch 2.11, H100).
+// Out of memory reads as PyTorch's ("CUDA out of memory. Tried to allocate
+// ... GPU d has a total capacity of ... of which ... is free."), magpie's
+// account of where the device's bytes are following.
 void *magpie_checked(void *p, size_t size) {
   if (p != nullptr) return p;
   int code = fns.last_error();
   const char *message = fns.last_message();
-  char what[1024];
-  snprintf(what, sizeof what, "magpie could not allocate %zu bytes: %s", size,
-           message != nullptr ? message : "(no message)");
+  if (message == nullptr) message = "(no message)";
+  char what[1536];
+  if (code == kOutOfMemory || code == kTooLarge) {
+    int device = current_device();
+    size_t free_bytes = 0, total_bytes = 0, in_use = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      (void)cudaGetLastError(); /* not sticky: nothing to report beyond the sizes */
+      free_bytes = total_bytes = 0;
+    }
+    alignas(8) unsigned char stats[8192]; /* magpie_stats; in_use_bytes comes first */
+    if (fns.stats_get(device, stats) == 0) memcpy(&in_use, stats, sizeof in_use);
+    oom_observers.notify(device, in_use, total_bytes, free_bytes);
+    char want[32], total[32], avail[32];
+    format_size(want, sizeof want, size);
+    format_size(total, sizeof total, total_bytes);
+    format_size(avail, sizeof avail, free_bytes);
+    snprintf(what, sizeof what,
+             "Tried to allocate %s. GPU %d has a total capacity of %s of which %s is free. magpie: %s", want,
+             device, total, avail, message);
+  } else {
+    snprintf(what, sizeof what, "magpie could not allocate %zu bytes: %s", size, message);
+  }
   if (getenv("MAGPIE_TORCH_DEBUG") != nullptr) fprintf(stderr, "%s (code %d)\n", what, code);
-  TORCH_CHECK_WITH(OutOfMemoryError, code != kOutOfMemory && code != kTooLarge, "CUDA out of memory (magpie). ",
+  TORCH_CHECK_WITH(OutOfMemoryError, code != kOutOfMemory && code != kTooLarge, "CUDA out of memory. ",
                    static_cast<const char *>(what));
   TORCH_CHECK(false, static_cast<const char *>(what));
   return nullptr;
@@ -212,6 +270,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     set_record_stream_fn(fns.record_stream);
     set_reset_fn(fns.empty_cache);
     set_memory_fraction_fn(fns.memory_fraction);
+    for (auto &f : fractions_) f.store(1.0, std::memory_order_relaxed);
   }
 
   c10::DataPtr allocate(size_t size) override {
@@ -256,6 +315,22 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void releasePool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { graphs.release(mempool_id); }
 
+  // torch.cuda.get_per_process_memory_fraction: the fraction last set on
+  // the device (1 before any), which magpie holds as its limit.
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    return device >= 0 && device < kDevices ? fractions_[device].load(std::memory_order_relaxed) : 1.0;
+  }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    CUDAPluggableAllocator::setMemoryFraction(fraction, device); /* magpie_torch_set_memory_fraction */
+    if (device >= 0 && device < kDevices && fraction >= 0.0 && fraction <= 1.0)
+      fractions_[device].store(fraction, std::memory_order_relaxed);
+  }
+
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    oom_observers.add(std::move(observer));
+  }
+
   std::string name() override { return "magpie"; }
 
  private:
@@ -264,6 +339,8 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::unordered_map<void *, cudaStream_t> streams;
   };
   std::array<Shard, 64> shards_;
+  static constexpr int kDevices = 64;
+  std::array<std::atomic<double>, kDevices> fractions_;
 
   Shard &shard(void *p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 8) * 0x9E3779B97F4A7C15ull >> 58]; }
 };
@@ -279,13 +356,13 @@ extern "C" {
 // magpie_torch_record_stream, magpie_torch_empty_cache,
 // magpie_torch_set_memory_fraction, magpie_graph_pool_create,
 // magpie_capture_begin, magpie_capture_end, magpie_graph_pool_malloc_async,
-// magpie_graph_pool_release. 0; -1 if one is missing; -2 if PyTorch
+// magpie_graph_pool_release, magpie_stats_get. 0; -1 if one is missing; -2 if PyTorch
 // refused (e.g. its allocator was already in use), with the reason in
 // magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  for (int i = 0; i < 12; i++)
+  for (int i = 0; i < 13; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
   fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);
@@ -299,6 +376,7 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.capture_end = reinterpret_cast<int (*)(uint64_t, cudaStream_t)>(fn[9]);
   fns.graph_pool_malloc = reinterpret_cast<void *(*)(uint64_t, size_t, cudaStream_t)>(fn[10]);
   fns.graph_pool_release = reinterpret_cast<int (*)(uint64_t)>(fn[11]);
+  fns.stats_get = reinterpret_cast<int (*)(int, void *)>(fn[12]);
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));
