@@ -66,6 +66,14 @@ class BuildPy(build_py):
             shutil.copyfile(path, out)
             if shutil.which("strip"):  # debug sections: most of the bytes, none of the code
                 subprocess.run(["strip", "--strip-debug", out], check=True)
+        # The public header, for the PyTorch allocator built on first use
+        # (torch_native.cpp reads magpie_stats through it).
+        for header in (os.path.join(ROOT, "include", "magpie.h"), os.path.join(src, "magpie.h")):
+            if os.path.isfile(header):
+                shutil.copyfile(header, os.path.join(dest, "magpie.h"))
+                break
+        else:
+            raise SystemExit(f"magpie: magpie.h not found in {ROOT}/include or {src}")
 
 
 class BdistWheel(bdist_wheel):

@@ -27,6 +27,15 @@ _SRC = os.path.join(_HERE, "torch_shim.cpp")
 _NATIVE = os.path.join(_HERE, "torch_native.cpp")
 
 
+def _header_dir():
+    """The folder holding magpie.h: the installed package's copy (setup.py
+    puts it beside this file), else the repository's include/."""
+    for d in (_HERE, os.path.join(os.path.dirname(os.path.dirname(_HERE)), "include")):
+        if os.path.isfile(os.path.join(d, "magpie.h")):
+            return d
+    raise RuntimeError(f"magpie: magpie.h not found beside {_HERE} or in the repository's include/")
+
+
 def cache_dir():
     d = os.environ.get("MAGPIE_CACHE_DIR")
     if not d:
@@ -58,6 +67,7 @@ def _flags(torch, native):
         "-L" + lib, "-Wl,-rpath," + lib,
     ]
     if native:
+        flags += ["-I", _header_dir()]
         flags += ["-isystem", os.path.join(root, "include", "torch", "csrc", "api", "include")]
         flags += _cuda_includes(root) + ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda", "-ldl"]
     return abi, flags + ["-lc10"]
@@ -70,6 +80,9 @@ def build(torch, source=_SRC):
     with open(source, "rb") as f:
         src = f.read()
     abi, flags = _flags(torch, source == _NATIVE)
+    if source == _NATIVE:
+        with open(os.path.join(_header_dir(), "magpie.h"), "rb") as f:
+            src += f.read()  # the struct layouts it compiles against
     tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     version = str(getattr(torch, "__version__", "unknown")).replace("/", "_").replace("+", "_")
     name = os.path.splitext(os.path.basename(source))[0]
@@ -128,7 +141,8 @@ def install_native(torch):
     names = ("magpie_malloc_async", "magpie_free_async", "magpie_last_error", "magpie_last_error_message",
              "magpie_torch_record_stream", "magpie_torch_empty_cache", "magpie_torch_set_memory_fraction",
              "magpie_graph_pool_create", "magpie_capture_begin", "magpie_capture_end",
-             "magpie_graph_pool_malloc_async", "magpie_graph_pool_release", "magpie_stats_get")
+             "magpie_graph_pool_malloc_async", "magpie_graph_pool_release", "magpie_stats_get",
+             "magpie_stats_reset_peaks")
     fns = (ctypes.c_void_p * len(names))(*[ctypes.cast(getattr(l, n), ctypes.c_void_p).value for n in names])
     native.magpie_torch_native_error.restype = ctypes.c_char_p
     rc = native.magpie_torch_native_install(fns)

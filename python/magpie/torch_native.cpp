@@ -40,9 +40,10 @@
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
+
+#include "magpie.h" /* magpie_stats; the functions come from fn[] below */
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/types.h>
 
 #include <array>
@@ -71,7 +72,8 @@ struct MagpieFns {
   int (*capture_end)(uint64_t, cudaStream_t);
   void *(*graph_pool_malloc)(uint64_t, size_t, cudaStream_t);
   int (*graph_pool_release)(uint64_t);
-  int (*stats_get)(int, void *);
+  int (*stats_get)(int, magpie_stats *);
+  int (*stats_reset_peaks)(int);
 };
 
 MagpieFns fns;
@@ -149,8 +151,8 @@ void *magpie_checked(void *p, size_t size) {
       (void)cudaGetLastError(); /* not sticky: nothing to report beyond the sizes */
       free_bytes = total_bytes = 0;
     }
-    alignas(8) unsigned char stats[8192]; /* magpie_stats; in_use_bytes comes first */
-    if (fns.stats_get(device, stats) == 0) memcpy(&in_use, stats, sizeof in_use);
+    magpie_stats st;
+    if (fns.stats_get(device, &st) == 0) in_use = st.in_use_bytes;
     oom_observers.notify(device, in_use, total_bytes, free_bytes);
     char want[32], total[32], avail[32];
     format_size(want, sizeof want, size);
@@ -327,6 +329,49 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       fractions_[device].store(fraction, std::memory_order_relaxed);
   }
 
+  // torch.accelerator.memory_stats() and other C++ callers (the Python
+  // functions of torch.cuda answer from magpie.torch): magpie's figures
+  // under PyTorch's names, as magpie.torch's memory_stats gives them --
+  // allocated and reserved bytes with their peaks, split into the large
+  // path's and the small blocks' pools, active bytes (in use, or freed and
+  // waiting for a stream's work), segments (large segments and slabs),
+  // failed requests and device synchronisations. magpie keeps no running
+  // totals of bytes allocated and freed: those stay 0.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    c10::CachingDeviceAllocator::DeviceStats out;
+    magpie_stats st;
+    if (fns.stats_get(device, &st) != 0) return out;
+    constexpr size_t kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    constexpr size_t kSmall = static_cast<size_t>(c10::CachingAllocator::StatType::SMALL_POOL);
+    constexpr size_t kLarge = static_cast<size_t>(c10::CachingAllocator::StatType::LARGE_POOL);
+    auto set = [](c10::CachingAllocator::Stat &s, size_t current, size_t peak) {
+      s.current = static_cast<int64_t>(current);
+      s.peak = static_cast<int64_t>(peak > current ? peak : current);
+    };
+    size_t small_in_use = st.in_use_bytes > st.large_in_use_bytes ? st.in_use_bytes - st.large_in_use_bytes : 0;
+    size_t small_reserved = st.reserved_bytes > st.large_mapped_bytes ? st.reserved_bytes - st.large_mapped_bytes : 0;
+    set(out.allocated_bytes[kAll], st.in_use_bytes, st.peak_in_use_bytes);
+    set(out.allocated_bytes[kLarge], st.large_in_use_bytes, 0);
+    set(out.allocated_bytes[kSmall], small_in_use, 0);
+    set(out.reserved_bytes[kAll], st.reserved_bytes, st.peak_reserved_bytes);
+    set(out.reserved_bytes[kLarge], st.large_mapped_bytes, 0);
+    set(out.reserved_bytes[kSmall], small_reserved, 0);
+    set(out.active_bytes[kAll], st.in_use_bytes + st.epoch_pending_bytes, 0);
+    set(out.segment[kAll], st.slab_count + st.large_segment_count, 0);
+    set(out.segment[kLarge], st.large_segment_count, 0);
+    set(out.segment[kSmall], st.slab_count, 0);
+    out.num_ooms = static_cast<int64_t>(st.ladder_steps[5]);
+    out.num_sync_all_streams = static_cast<int64_t>(st.device_syncs);
+    out.max_split_size = -1;
+    return out;
+  }
+
+  // torch.cuda.reset_peak_memory_stats from C++: magpie's peaks restart.
+  void resetPeakStats(c10::DeviceIndex device) override { fns.stats_reset_peaks(device); }
+
+  // Nothing to restart: magpie keeps no running totals (see above).
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+
   void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
     oom_observers.add(std::move(observer));
   }
@@ -356,13 +401,14 @@ extern "C" {
 // magpie_torch_record_stream, magpie_torch_empty_cache,
 // magpie_torch_set_memory_fraction, magpie_graph_pool_create,
 // magpie_capture_begin, magpie_capture_end, magpie_graph_pool_malloc_async,
-// magpie_graph_pool_release, magpie_stats_get. 0; -1 if one is missing; -2 if PyTorch
+// magpie_graph_pool_release, magpie_stats_get, magpie_stats_reset_peaks. 0; -1 if one is
+// missing; -2 if PyTorch
 // refused (e.g. its allocator was already in use), with the reason in
 // magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  for (int i = 0; i < 13; i++)
+  for (int i = 0; i < 14; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
   fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);
@@ -376,7 +422,8 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.capture_end = reinterpret_cast<int (*)(uint64_t, cudaStream_t)>(fn[9]);
   fns.graph_pool_malloc = reinterpret_cast<void *(*)(uint64_t, size_t, cudaStream_t)>(fn[10]);
   fns.graph_pool_release = reinterpret_cast<int (*)(uint64_t)>(fn[11]);
-  fns.stats_get = reinterpret_cast<int (*)(int, void *)>(fn[12]);
+  fns.stats_get = reinterpret_cast<int (*)(int, magpie_stats *)>(fn[12]);
+  fns.stats_reset_peaks = reinterpret_cast<int (*)(int)>(fn[13]);
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));
