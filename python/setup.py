@@ -2,8 +2,10 @@
 package (the metadata is in pyproject.toml).
 
 The libraries come from $MAGPIE_PREBUILT (a folder holding libmagpie.so and
-libmagpie_sim.so) or, without it, from `bazel build -c opt` in the
-repository above this folder. The wheel is tagged py3-none-<platform>: the
+libmagpie_sim.so, and magpie.h there or in ../include) or, without it, from
+`bazel build -c opt` in the repository above this folder. magpie.h goes
+into the package too: the PyTorch allocator built on first use
+(torch_native.cpp) reads magpie_stats through it. The wheel is tagged py3-none-<platform>: the
 libraries are plain C and use no Python API, so one wheel serves every
 Python 3 on the platform. Its version is magpie's (MAGPIE_VERSION_STRING in
 include/magpie.h, or the library's magpie_version())."""
@@ -68,12 +70,14 @@ class BuildPy(build_py):
                 subprocess.run(["strip", "--strip-debug", out], check=True)
         # The public header, for the PyTorch allocator built on first use
         # (torch_native.cpp reads magpie_stats through it).
-        for header in (os.path.join(ROOT, "include", "magpie.h"), os.path.join(src, "magpie.h")):
+        headers = [os.path.join(d, "magpie.h") for d in (os.path.join(ROOT, "include"), src,
+                                                        os.path.join(os.path.dirname(src), "include"))]
+        for header in headers:
             if os.path.isfile(header):
                 shutil.copyfile(header, os.path.join(dest, "magpie.h"))
                 break
         else:
-            raise SystemExit(f"magpie: magpie.h not found in {ROOT}/include or {src}")
+            raise SystemExit("magpie: magpie.h not found (looked for " + ", ".join(headers) + ")")
 
 
 class BdistWheel(bdist_wheel):

@@ -4,21 +4,23 @@
 # not run Bazel inside Bazel) into a fresh virtual environment, then used
 # from a process with no environment variables at all (no PYTHONPATH,
 # MAGPIE_LIB or GLIBC_TUNABLES): libmagpie.so is found inside the
-# installed package, loads with dlopen, finds libmagpie_sim.so beside it
+# installed package (magpie.h too, for the PyTorch allocator built on first
+# use), loads with dlopen, finds libmagpie_sim.so beside it
 # (no GPU here), allocates and reports. pip fetches setuptools and wheel
 # for the build (PyPI).
 set -euo pipefail
 . "$(dirname "$0")/python_test_prelude.sh"
 lib=$1
 sim=$2
-shift 2
+header=$3
+shift 3
 src=""
 for f in "$@"; do [[ $f == */pyproject.toml ]] && src=$(dirname "$f"); done
 [[ -n $src ]] || { echo "python/pyproject.toml not among the arguments"; exit 1; }
 python_test_skip_sanitized "$lib"
 tmp=${TEST_TMPDIR:-$(mktemp -d)}
 mkdir -p "$tmp/prebuilt"
-cp -L "$lib" "$sim" "$tmp/prebuilt/"
+cp -L "$lib" "$sim" "$header" "$tmp/prebuilt/"
 cp -rL "$src" "$tmp/python" # pip builds in the source folder: a copy of our own
 python3 -m venv "$tmp/venv"
 MAGPIE_PREBUILT=$tmp/prebuilt PIP_DISABLE_PIP_VERSION_CHECK=1 "$tmp/venv/bin/pip" install -q "$tmp/python"
@@ -35,6 +37,7 @@ path = _lib.library_path()
 site = os.path.dirname(os.path.dirname(magpie.__file__))
 assert path.startswith(site) and path.endswith("magpie/libmagpie.so"), (path, site)
 assert os.path.isfile(os.path.join(os.path.dirname(path), "torch_shim.cpp"))
+assert os.path.isfile(os.path.join(os.path.dirname(path), "magpie.h"))
 l = _lib.lib()
 p = l.magpie_malloc_async(1 << 20, None)
 assert p, l.magpie_last_error_message()

@@ -29,11 +29,12 @@ _NATIVE = os.path.join(_HERE, "torch_native.cpp")
 
 def _header_dir():
     """The folder holding magpie.h: the installed package's copy (setup.py
-    puts it beside this file), else the repository's include/."""
+    puts it beside this file), else the repository's include/; None if
+    neither has it (the build then fails, naming the missing header)."""
     for d in (_HERE, os.path.join(os.path.dirname(os.path.dirname(_HERE)), "include")):
         if os.path.isfile(os.path.join(d, "magpie.h")):
             return d
-    raise RuntimeError(f"magpie: magpie.h not found beside {_HERE} or in the repository's include/")
+    return None
 
 
 def cache_dir():
@@ -66,8 +67,9 @@ def _flags(torch, native):
         "-isystem", os.path.join(root, "include"),
         "-L" + lib, "-Wl,-rpath," + lib,
     ]
-    if native:
+    if native and _header_dir() is not None:
         flags += ["-I", _header_dir()]
+    if native:
         flags += ["-isystem", os.path.join(root, "include", "torch", "csrc", "api", "include")]
         flags += _cuda_includes(root) + ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda", "-ldl"]
     return abi, flags + ["-lc10"]
@@ -80,7 +82,7 @@ def build(torch, source=_SRC):
     with open(source, "rb") as f:
         src = f.read()
     abi, flags = _flags(torch, source == _NATIVE)
-    if source == _NATIVE:
+    if source == _NATIVE and _header_dir() is not None:
         with open(os.path.join(_header_dir(), "magpie.h"), "rb") as f:
             src += f.read()  # the struct layouts it compiles against
     tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]

@@ -144,7 +144,10 @@ void *magpie_checked(void *p, size_t size) {
   const char *message = fns.last_message();
   if (message == nullptr) message = "(no message)";
   char what[1536];
-  if (code == kOutOfMemory || code == kTooLarge) {
+  if ((code == kOutOfMemory || code == kTooLarge) && size >= (size_t)1 << 60) {
+    /* PyTorch's own words for such a request, which its tests match. */
+    snprintf(what, sizeof what, "Tried to allocate more than 1EB memory. magpie: %s", message);
+  } else if (code == kOutOfMemory || code == kTooLarge) {
     int device = current_device();
     size_t free_bytes = 0, total_bytes = 0, in_use = 0;
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
@@ -159,8 +162,8 @@ void *magpie_checked(void *p, size_t size) {
     format_size(total, sizeof total, total_bytes);
     format_size(avail, sizeof avail, free_bytes);
     snprintf(what, sizeof what,
-             "Tried to allocate %s. GPU %d has a total capacity of %s of which %s is free. magpie: %s", want,
-             device, total, avail, message);
+             "Tried to allocate %s. GPU %d has a total capacity of %s of which %s is free. magpie: %s", want, device,
+             total, avail, message);
   } else {
     snprintf(what, sizeof what, "magpie could not allocate %zu bytes: %s", size, message);
   }
@@ -431,6 +434,12 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
     auto allocator = std::make_shared<MagpieAllocator>();
     allocator->init(c10::cuda::device_count());
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+    /* torch.accelerator's memory functions (memory_stats,
+     * reset_peak_memory_stats, ...) ask the allocator registered for the
+     * device type, which changeCurrentAllocator leaves as PyTorch's own
+     * (PyTorch 2.11: "Invalid device argument" from its uninitialised
+     * caching allocator); the pluggable allocator keeps this one alive. */
+    c10::SetAllocator(c10::DeviceType::CUDA, allocator.get(), UINT8_MAX);
   } catch (const std::exception &e) {
     install_error = e.what();
     return -2;
