@@ -25,6 +25,7 @@
 
 #include "magpie.h"
 #include "magpie_sim.h"
+#include "tests/checker_util.h"
 
 #define N 400
 #define SIZE 4096
@@ -41,16 +42,6 @@ static void set_ran(void *arg) {
 static void gate(void *arg) {
   (void)arg;
   while (!atomic_load_explicit(&gate_open, memory_order_relaxed)) usleep(200);
-}
-
-static void expect_no_violations(uint64_t before) {
-  uint64_t v = magpie_sim_check_violations() - before;
-  if (v != 0) {
-    char msg[512];
-    magpie_sim_check_message(msg, sizeof msg);
-    print_error("%llu stream-order violations; first: %s\n", (unsigned long long)v, msg);
-  }
-  assert_int_equal(v, 0);
 }
 
 static void test_cross_stream_reuse(void **state) {
@@ -73,7 +64,7 @@ static void test_cross_stream_reuse(void **state) {
   }
   print_message("blocks of A reused by B: %d of %d\n", from_a, N);
   for (int i = 0; i < N; i++) assert_int_equal(magpie_free_async(q[i], b), MAGPIE_OK);
-  expect_no_violations(v0);
+  checker_expect_none(v0);
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
   magpie_sim_stream_destroy(a);
   magpie_sim_stream_destroy(b);
@@ -101,21 +92,14 @@ static void test_handle_reuse(void **state) {
   print_message("blocks of the destroyed stream handed to the new one: %d\n", old);
   atomic_store(&gate_open, 1);
   for (int i = 0; i < 16; i++) assert_int_equal(magpie_free_async(q[i], a2), MAGPIE_OK);
-  expect_no_violations(v0);
+  checker_expect_none(v0);
   assert_int_equal(old, 0);
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
   magpie_sim_stream_destroy(a2);
 }
 
 int main(void) {
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  cfg.backend = MAGPIE_BACKEND_SIM;
-  cfg.check_streams = 1;
-  if (magpie_init(&cfg) != MAGPIE_OK || !magpie_sim_check_enabled()) {
-    fprintf(stderr, "magpie_init: %s\n", magpie_last_error_message());
-    return 1;
-  }
+  if (checker_init() != 0) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_cross_stream_reuse),
       cmocka_unit_test(test_handle_reuse),

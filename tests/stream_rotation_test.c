@@ -22,6 +22,7 @@
 
 #include "magpie.h"
 #include "magpie_sim.h"
+#include "tests/checker_util.h"
 
 #define MiB ((size_t)1 << 20)
 #define BLOCKS 8
@@ -40,16 +41,6 @@ static size_t spread_size(uint64_t *s) {
 }
 
 static void work(void *arg) { (void)arg; }
-
-static void expect_no_violations(uint64_t before) {
-  uint64_t v = magpie_sim_check_violations() - before;
-  if (v != 0) {
-    char msg[512];
-    magpie_sim_check_message(msg, sizeof msg);
-    print_error("%llu stream-order violations; first: %s\n", (unsigned long long)v, msg);
-  }
-  assert_int_equal(v, 0);
-}
 
 static void rotate(int nstreams, int rounds) {
   uint64_t v0 = magpie_sim_check_violations();
@@ -77,7 +68,7 @@ static void rotate(int nstreams, int rounds) {
                 nstreams, rounds, (double)peak / MiB, (unsigned long long)(s1.limbo_magazines - s0.limbo_magazines),
                 (unsigned long long)(s1.device_syncs - s0.device_syncs),
                 (unsigned long long)(s1.events_recorded - s0.events_recorded));
-  expect_no_violations(v0);
+  checker_expect_none(v0);
   assert_int_equal(s1.limbo_magazines - s0.limbo_magazines, 0);
   assert_int_equal(s1.device_syncs - s0.device_syncs, 0);
   /* Before the drain: 1.9-3.4 GB for 33 streams. The bound leaves room
@@ -102,14 +93,7 @@ static void test_300_streams(void **state) {
 }
 
 int main(void) {
-  magpie_config cfg;
-  magpie_config_default(&cfg);
-  cfg.backend = MAGPIE_BACKEND_SIM;
-  cfg.check_streams = 1;
-  if (magpie_init(&cfg) != MAGPIE_OK || !magpie_sim_check_enabled()) {
-    fprintf(stderr, "magpie_init: %s\n", magpie_last_error_message());
-    return 1;
-  }
+  if (checker_init() != 0) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_33_streams),
       cmocka_unit_test(test_300_streams),
