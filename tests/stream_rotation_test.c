@@ -10,8 +10,11 @@
  *     a slot taken for another stream holds nothing that needs one;
  *   - hold a bounded amount of memory: before the drain, 33 streams made
  *     reserved memory jump to gigabytes.
+ * Four threads do the same at once under a limit that makes the heap
+ * take idle threads' caches and ask busy ones for theirs.
  * tests/BUILD also builds it against a deliberately broken library that
  * carries the freed blocks on unsealed, and expects the checker to fail. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -82,6 +85,56 @@ static void rotate(int nstreams, int rounds) {
   test_free(st);
 }
 
+/* Threads rotating over their own streams at once, under a limit that
+ * makes the heap take idle threads' caches (their carried and sealed
+ * magazines included) and ask busy ones to give theirs back. */
+enum { THREADS = 4, THREAD_STREAMS = 30, THREAD_ROUNDS = 12 };
+
+static void *rotate_thread(void *arg) {
+  uint64_t r = 0x9E3779B97F4A7C15ull ^ ((uint64_t)(uintptr_t)arg << 40); /* xorshift: never 0 */
+  cudaStream_t st[THREAD_STREAMS];
+  intptr_t failed = 0;
+  for (int i = 0; i < THREAD_STREAMS; i++)
+    if ((st[i] = magpie_sim_stream_create()) == NULL) return (void *)1;
+  for (int round = 0; round < THREAD_ROUNDS; round++) {
+    for (int i = 0; i < THREAD_STREAMS; i++) {
+      void *p[BLOCKS];
+      for (int k = 0; k < BLOCKS; k++) failed += (p[k] = magpie_malloc_async(spread_size(&r), st[i])) == NULL;
+      failed += magpie_sim_launch(st[i], work, NULL) != MAGPIE_OK;
+      for (int k = 0; k < BLOCKS; k++) failed += p[k] != NULL && magpie_free_async(p[k], st[i]) != MAGPIE_OK;
+    }
+  }
+  for (int i = 0; i < THREAD_STREAMS; i++) {
+    magpie_stream_retire(st[i]);
+    failed += magpie_sim_stream_destroy(st[i]) != MAGPIE_OK;
+  }
+  return (void *)failed;
+}
+
+static void test_threads_under_limit(void **state) {
+  (void)state;
+  uint64_t v0 = magpie_sim_check_violations();
+  assert_int_equal(magpie_set_limit(0, 24 * MiB), MAGPIE_OK);
+  pthread_t t[THREADS];
+  for (intptr_t i = 0; i < THREADS; i++) assert_int_equal(pthread_create(&t[i], NULL, rotate_thread, (void *)i), 0);
+  intptr_t failed = 0;
+  for (int i = 0; i < THREADS; i++) {
+    void *rv;
+    assert_int_equal(pthread_join(t[i], &rv), 0);
+    failed += (intptr_t)rv;
+  }
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  print_message(
+      "%d threads x %d streams under a 24 MiB limit: %ld failed calls, peak reserved %.1f MiB, %llu threads "
+      "flushed, %llu stolen\n",
+      THREADS, THREAD_STREAMS, (long)failed, (double)st.peak_reserved_bytes / MiB,
+      (unsigned long long)st.threads_flushed, (unsigned long long)st.threads_stolen);
+  assert_int_equal(magpie_set_limit(0, 0), MAGPIE_OK);
+  checker_expect_none(v0);
+  assert_int_equal(failed, 0);
+}
+
 static void test_33_streams(void **state) {
   (void)state;
   rotate(33, 30);
@@ -97,6 +150,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_33_streams),
       cmocka_unit_test(test_300_streams),
+      cmocka_unit_test(test_threads_under_limit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
