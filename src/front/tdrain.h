@@ -26,7 +26,11 @@
  * drains each slot: below it, a slot's blocks stay for its stream's next
  * visit. Short of the full 32, so that a thread reaching its 33rd stream
  * finds drained slots to take. */
+#ifdef MAGPIE_TEST_TDRAIN_SLOTS /* test builds that drain from fewer streams (tests/fuzz/BUILD) */
+#define TDRAIN_SLOTS MAGPIE_TEST_TDRAIN_SLOTS
+#else
 #define TDRAIN_SLOTS 24
+#endif
 
 /* The thread moves to slot ts to allocate: arm it, and while the thread
  * drains, hand the slot the carried blocks. */
