@@ -20,13 +20,12 @@ def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwarg
         **kwargs
     )
 
-def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], env = {}, size = "small"):
-    """Builds magpie with `define` (a deliberate bug, see src/pool/epoch.c
-    and src/front/tcache.c), links the test sources against it, and passes only if
-    that test binary fails with `pattern` in its output
-    (tests/expect_failure.sh)."""
+def magpie_variant_library(name, define):
+    """magpie and the simulated device in one static library built with
+    -D`define`: a deliberate bug (magpie_expected_failure_test) or a
+    threshold a test lowers (tests/fuzz/BUILD)."""
     native.cc_library(
-        name = name + "_lib",
+        name = name,
         testonly = True,
         srcs = ["//:lib_srcs"],
         # All layers in one library: their headers by "<layer>/<file>.h".
@@ -36,6 +35,43 @@ def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], en
         alwayslink = True,
         linkstatic = True,
     )
+
+def magpie_fuzz_targets(suffix, lib):
+    """The fuzz target alloc_fuzz<suffix> against `lib` (libFuzzer needs
+    clang: tagged manual, built with --config=fuzz) and the replay of the
+    seed corpus through it, alloc_fuzz_replay<suffix>_test, in every
+    configuration of `bazel test //...`."""
+    native.cc_binary(
+        name = "alloc_fuzz" + suffix,
+        testonly = True,
+        srcs = ["alloc_fuzz.c"],
+        copts = MAGPIE_COPTS,
+        linkopts = ["-fsanitize=fuzzer"],
+        linkstatic = True,
+        tags = ["manual"],
+        deps = [lib],
+    )
+    native.cc_test(
+        name = "alloc_fuzz_replay" + suffix + "_test",
+        size = "small",
+        srcs = [
+            "alloc_fuzz.c",
+            "replay_main.c",
+        ],
+        args = ["tests/fuzz/corpus"],
+        copts = MAGPIE_COPTS,
+        data = native.glob(["corpus/*"]),
+        linkopts = ["-lpthread"],
+        linkstatic = True,
+        deps = [lib],
+    )
+
+def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], env = {}, size = "small"):
+    """Builds magpie with `define` (a deliberate bug, see src/pool/epoch.c,
+    src/front/tcache.c and src/front/tdrain.c), links the test sources
+    against it, and passes only if that test binary fails with `pattern` in
+    its output (tests/expect_failure.sh)."""
+    magpie_variant_library(name = name + "_lib", define = define)
     native.cc_binary(
         name = name + "_bin",
         testonly = True,
