@@ -49,11 +49,9 @@ static void tcache_slot_clear(tslot *ts) {
   atomic_store_relaxed(&ts->stats_heap, NULL);
   ts->rec = NULL;
   ts->alloc_ok = 0;
-  ts->held = 0;
-  ts->drain_at = INT64_MIN;
+  tdrain_slot_reset(ts);
   ts->drained = 1;
   ts->used = 0;
-  memset(ts->clean, 0, sizeof ts->clean);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
   MAGPIE_ASSERT(ts->nout == 0 && ts->lkeep == NULL); /* emptied before (tcache_slot_out) or never used */
   ts->nout = 0;
@@ -350,9 +348,7 @@ static void tcache_slot_recycle(tcache *tc, tslot *ts) {
   epoch_stream_release(ts->rec);
   if (tc->last == ts) tc->last = &tc->dummy;
   ts->rec = NULL;
-  ts->held = 0;
-  ts->drain_at = INT64_MIN;
-  memset(ts->clean, 0, sizeof ts->clean);
+  tdrain_slot_reset(ts);
 }
 
 static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) {

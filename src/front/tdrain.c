@@ -100,7 +100,6 @@ static void tdrain_push(tcache *tc, heap *h, magazine *m, int same) {
     tdrain_split(tc, 0);
     tdrain_leave(old->h, old->m, 0);
     tdrain_pop(tc);
-    if (same && tc->sealed_n == 0) same = 0; /* cannot happen: the ring held 128 */
   }
   *tdrain_at(tc, tc->sealed_n) = (tsealed){m, h, same};
   tc->sealed_n++;
@@ -269,6 +268,16 @@ int tdrain_slot(tcache *tc, tslot *ts, cudaStream_t s) {
 /* An armed slot of the carried blocks' heap takes them as the loaded
  * magazines of the classes it has none of (every class, after a drain),
  * each noted as untouched. */
+/* Carried magazine m of class c becomes slot ts's loaded one: all its
+ * blocks are untouched from now (INVARIANT, tslot.h). `counted`: the
+ * allocation being served is counted already and pops after, so the mark
+ * goes before it. */
+static void tdrain_note_carried(tslot *ts, unsigned c, const magazine *m, int counted) {
+  ts->clean[c] = (uint8_t)m->count;
+  ts->clean_mark[c] = tslot_allocs(ts, c) - (uint64_t)counted;
+  ts->used |= (uint64_t)1 << c;
+}
+
 static void tdrain_carry_install(tcache *tc, tslot *ts) {
   if (tc->carry_heap != ts->heap) return;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
@@ -276,9 +285,7 @@ static void tdrain_carry_install(tcache *tc, tslot *ts) {
     if (m == NULL || magazine_is_real(ts->cl[c].loaded)) continue;
     tc->carry[c] = NULL;
     ts->cl[c].loaded = m;
-    ts->clean[c] = (uint8_t)m->count;
-    ts->clean_mark[c] = tslot_allocs(ts, c);
-    ts->used |= (uint64_t)1 << c;
+    tdrain_note_carried(ts, c, m, 0);
     ts->drained = 0;
   }
 }
@@ -289,11 +296,7 @@ magazine *tdrain_carry_take(tcache *tc, tslot *ts, unsigned c) {
   magazine *m = tc->carry_heap == ts->heap ? tc->carry[c] : NULL;
   if (m == NULL) return NULL;
   tc->carry[c] = NULL;
-  /* The allocation being served is counted already and pops after: as if
-   * the mark came before it. */
-  ts->clean[c] = (uint8_t)m->count;
-  ts->clean_mark[c] = tslot_allocs(ts, c) - 1;
-  ts->used |= (uint64_t)1 << c;
+  tdrain_note_carried(ts, c, m, 1);
   return m;
 }
 

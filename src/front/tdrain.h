@@ -20,6 +20,8 @@
 #ifndef MAGPIE_TDRAIN_H
 #define MAGPIE_TDRAIN_H
 
+#include <string.h>
+
 #include "front/tslot.h"
 
 /* From this many alloc-capable slots in use (of TCACHE_SLOTS), a thread
@@ -49,6 +51,13 @@ void tdrain_promote(tcache *tc);
 size_t tdrain_flush(tcache *tc, heap *h);
 /* Thread exit: the spare empty magazines go back. */
 void tdrain_release_spares(tcache *tc);
+/* A slot taken for another stream starts unarmed, with nothing counted
+ * and nothing noted as carried (tcache.c: clear and recycle). */
+static inline void tdrain_slot_reset(tslot *ts) {
+  ts->held = 0;
+  ts->drain_at = INT64_MIN;
+  memset(ts->clean, 0, sizeof ts->clean);
+}
 
 /* Is slot ts drained, with nothing that would need a seal to leave it? */
 static inline int tdrain_clean(const tslot *ts) { return ts->drained && ts->nout == 0 && ts->lkeep == NULL; }
