@@ -1023,10 +1023,7 @@ int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded)
         }
         for (uint32_t j = 0; j < ts->nout; j++) fn(ctx, ts->outbox[j], 0);
       }
-      for (uint32_t j = 0; j < tc->sealed_n; j++) {
-        const tsealed *e = &tc->sealed[(tc->sealed_head + j) % TCACHE_SEALED];
-        if (e->h == h) fn(ctx, e->m, 0);
-      }
+      tdrain_inspect(tc, h, fn, ctx);
     }
     if (tc != self) atomic_store_release(&tc->steal, 0);
   }

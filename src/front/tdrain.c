@@ -306,3 +306,13 @@ void tdrain_release_spares(tcache *tc) {
     tc->spare[c] = NULL;
   }
 }
+
+void tdrain_inspect(tcache *tc, heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx) {
+  for (uint32_t j = 0; j < tc->sealed_n; j++) {
+    const tsealed *e = tdrain_at(tc, j);
+    if (e->h == h) fn(ctx, e->m, 0);
+  }
+  if (tc->carry_heap != h) return;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
+    if (tc->carry[c] != NULL) fn(ctx, tc->carry[c], 0);
+}

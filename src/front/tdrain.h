@@ -51,6 +51,10 @@ void tdrain_promote(tcache *tc);
 size_t tdrain_flush(tcache *tc, heap *h);
 /* Thread exit: the spare empty magazines go back. */
 void tdrain_release_spares(tcache *tc);
+/* Snapshots (tcache_inspect): fn on every drained magazine of heap h and
+ * every carried one of h, as not loaded. */
+void tdrain_inspect(tcache *tc, heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);
+
 /* A slot taken for another stream starts unarmed, with nothing counted
  * and nothing noted as carried (tcache.c: clear and recycle). */
 static inline void tdrain_slot_reset(tslot *ts) {
