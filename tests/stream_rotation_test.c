@@ -45,6 +45,18 @@ static size_t spread_size(uint64_t *s) {
 
 static void work(void *arg) { (void)arg; }
 
+/* One visit to stream s: BLOCKS blocks allocated, work enqueued, the
+ * blocks freed there. Returns the calls that failed (any thread may call
+ * it: no cmocka assertion inside). */
+static int visit(cudaStream_t s, uint64_t *r) {
+  void *p[BLOCKS];
+  int failed = 0;
+  for (int k = 0; k < BLOCKS; k++) failed += (p[k] = magpie_malloc_async(spread_size(r), s)) == NULL;
+  failed += magpie_sim_launch(s, work, NULL) != MAGPIE_OK;
+  for (int k = 0; k < BLOCKS; k++) failed += p[k] != NULL && magpie_free_async(p[k], s) != MAGPIE_OK;
+  return failed;
+}
+
 static void rotate(int nstreams, int rounds) {
   uint64_t v0 = magpie_sim_check_violations();
   cudaStream_t *st = test_malloc((size_t)nstreams * sizeof *st);
@@ -55,10 +67,7 @@ static void rotate(int nstreams, int rounds) {
   size_t peak = 0;
   for (int round = 0; round < rounds; round++) {
     for (int i = 0; i < nstreams; i++) {
-      void *p[BLOCKS];
-      for (int k = 0; k < BLOCKS; k++) assert_non_null(p[k] = magpie_malloc_async(spread_size(&r), st[i]));
-      assert_int_equal(magpie_sim_launch(st[i], work, NULL), MAGPIE_OK);
-      for (int k = 0; k < BLOCKS; k++) assert_int_equal(magpie_free_async(p[k], st[i]), MAGPIE_OK);
+      assert_int_equal(visit(st[i], &r), 0);
       if (i % 8 == 0) {
         magpie_stats now;
         assert_int_equal(magpie_stats_get(0, &now), MAGPIE_OK);
@@ -97,12 +106,7 @@ static void *rotate_thread(void *arg) {
   for (int i = 0; i < THREAD_STREAMS; i++)
     if ((st[i] = magpie_sim_stream_create()) == NULL) return (void *)1;
   for (int round = 0; round < THREAD_ROUNDS; round++) {
-    for (int i = 0; i < THREAD_STREAMS; i++) {
-      void *p[BLOCKS];
-      for (int k = 0; k < BLOCKS; k++) failed += (p[k] = magpie_malloc_async(spread_size(&r), st[i])) == NULL;
-      failed += magpie_sim_launch(st[i], work, NULL) != MAGPIE_OK;
-      for (int k = 0; k < BLOCKS; k++) failed += p[k] != NULL && magpie_free_async(p[k], st[i]) != MAGPIE_OK;
-    }
+    for (int i = 0; i < THREAD_STREAMS; i++) failed += visit(st[i], &r);
   }
   for (int i = 0; i < THREAD_STREAMS; i++) {
     magpie_stream_retire(st[i]);
