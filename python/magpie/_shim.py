@@ -57,7 +57,7 @@ def _cuda_includes(torch_root):
     return out
 
 
-def _flags(torch, native):
+def _flags(torch, native, header_dir=None):
     root = os.path.dirname(os.path.abspath(torch.__file__))
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     lib = os.path.join(root, "lib")
@@ -67,9 +67,8 @@ def _flags(torch, native):
         "-isystem", os.path.join(root, "include"),
         "-L" + lib, "-Wl,-rpath," + lib,
     ]
-    if native and _header_dir() is not None:
-        flags += ["-I", _header_dir()]
     if native:
+        flags += ["-I", header_dir] if header_dir is not None else []
         flags += ["-isystem", os.path.join(root, "include", "torch", "csrc", "api", "include")]
         flags += _cuda_includes(root) + ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda", "-ldl"]
     return abi, flags + ["-lc10"]
@@ -81,9 +80,11 @@ def build(torch, source=_SRC):
     RuntimeError with the compiler's output if it cannot be built."""
     with open(source, "rb") as f:
         src = f.read()
-    abi, flags = _flags(torch, source == _NATIVE)
-    if source == _NATIVE and _header_dir() is not None:
-        with open(os.path.join(_header_dir(), "magpie.h"), "rb") as f:
+    native = source == _NATIVE
+    header_dir = _header_dir() if native else None
+    abi, flags = _flags(torch, native, header_dir)
+    if header_dir is not None:
+        with open(os.path.join(header_dir, "magpie.h"), "rb") as f:
             src += f.read()  # the struct layouts it compiles against
     tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     version = str(getattr(torch, "__version__", "unknown")).replace("/", "_").replace("+", "_")
