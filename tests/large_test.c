@@ -48,7 +48,7 @@ static int large_free_count(int dev) {
   heap *h = heap_peek(dev);
   int n = 0;
   pthread_mutex_lock(&h->large.lock);
-  for (lblock *b = h->large.free; b; b = b->fnext) n++;
+  for (lblock *b = large_free_first(&h->large); b; b = large_free_next(&h->large, b)) n++;
   pthread_mutex_unlock(&h->large.lock);
   return n;
 }
@@ -613,6 +613,57 @@ static void test_snapshot_bad_input(void **state) {
   free(text);
 }
 
+/* The free-list bins (large.h): every size of whole quanta has a bin,
+ * bins never decrease with size (so a block in a bin above a request's
+ * own always fits it), and the allocation path's best fit still takes the
+ * smallest free block that fits among holes of many sizes. */
+static void test_bins_order_and_best_fit(void **state) {
+  (void)state;
+  unsigned prev = 0;
+  for (size_t u = 1; u < (1u << 20); u += 1 + u / 64) {
+    unsigned k = large_bin_of(u * LARGE_QUANTUM);
+    assert_true(k >= prev && k < LARGE_BINS);
+    prev = k;
+  }
+  for (unsigned e = 12; e < 64; e++) {
+    size_t top = (e == 63 ? SIZE_MAX : ((size_t)1 << (e + 1)) - 1) & ~(LARGE_QUANTUM - 1);
+    assert_true(large_bin_of(top) < LARGE_BINS);
+    assert_true(large_bin_of((size_t)1 << e) <= large_bin_of(top));
+  }
+  /* Holes of 9, 5, 7, 3 and 6 MiB between blocks kept in use, on a
+   * device no other test allocates on (its segment is carved in order);
+   * a 4 MiB request takes the 5 MiB hole, a 6.5 MiB one the 7 MiB hole. */
+  cudaStream_t s = fake_stream_create(3);
+  const size_t holes[] = {9, 5, 7, 3, 6};
+  char *hole[5], *wall[6];
+  for (int i = 0; i < 5; i++) {
+    wall[i] = magpie_malloc_async(2 * MiB + 4096, s);
+    hole[i] = magpie_malloc_async(holes[i] * MiB, s);
+    assert_non_null(wall[i]);
+    assert_non_null(hole[i]);
+  }
+  wall[5] = magpie_malloc_async(2 * MiB + 4096, s);
+  for (int i = 0; i < 5; i++) assert_int_equal(magpie_free_async(hole[i], s), MAGPIE_OK);
+  int before = large_free_count(3);
+  char *a = magpie_malloc_async(4 * MiB, s);
+  char *b = magpie_malloc_async(6 * MiB + MiB / 2, s);
+  assert_ptr_equal(a, hole[1]);
+  assert_ptr_equal(b, hole[2]);
+  assert_int_equal(large_free_count(3), before); /* each split one hole into a block and a smaller hole */
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
+  for (int i = 0; i < 6; i++) assert_int_equal(magpie_free_async(wall[i], s), MAGPIE_OK);
+  check_layers(3);
+  /* Everything free: a trim leaves nothing mapped (every free neighbour
+   * merged, so no granule straddles two free blocks). */
+  assert_int_equal(magpie_trim(3, 0), MAGPIE_OK);
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(3, &st), MAGPIE_OK);
+  assert_int_equal(st.in_use_bytes, 0);
+  assert_int_equal(st.reserved_bytes, 0);
+  fake_stream_destroy(s);
+}
+
 int main(void) {
   fake_set_devices(4);
   fake_set_capacity(1, 24 * MiB);
@@ -630,6 +681,7 @@ int main(void) {
       cmocka_unit_test(test_random_sequences_keep_invariants),
       cmocka_unit_test(test_many_streams_snapshot),
       cmocka_unit_test(test_snapshot_bad_input),
+      cmocka_unit_test(test_bins_order_and_best_fit),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -54,19 +54,25 @@ static int lblock_ready_for(const lblock *b, uint64_t stream_id) {
 
 /* ---- lists and hash (all under the lock) ---- */
 
+/* A free block goes into the bin of its size; its size must not change
+ * while it is there (unlink, resize, link). */
 static void large_free_link(large_cache *c, lblock *b) {
+  unsigned k = large_bin_of(b->size);
   b->state = LBLOCK_FREE;
   b->fprev = NULL;
-  b->fnext = c->free;
-  if (c->free) c->free->fprev = b;
-  c->free = b;
+  b->fnext = c->bins[k];
+  if (b->fnext) b->fnext->fprev = b;
+  c->bins[k] = b;
+  c->binmap[k / 64] |= (uint64_t)1 << (k % 64);
 }
 
 static void large_free_unlink(large_cache *c, lblock *b) {
+  unsigned k = large_bin_of(b->size);
   if (b->fprev) b->fprev->fnext = b->fnext;
-  else c->free = b->fnext;
+  else c->bins[k] = b->fnext;
   if (b->fnext) b->fnext->fprev = b->fprev;
   b->fprev = b->fnext = NULL;
+  if (c->bins[k] == NULL) c->binmap[k / 64] &= ~((uint64_t)1 << (k % 64));
 }
 
 MAGPIE_WRAPS static size_t large_hash_of(uintptr_t p, size_t cap) {
@@ -196,57 +202,81 @@ static __attribute__((unused)) int large_seg_tiles(const lseg *sg) {
 }
 
 /* Fold free block b into its lower neighbour a (mergeable). */
-static void large_absorb(large_cache *c, lblock *a, lblock *b) {
+/* Fold free block b into its lower neighbour a (mergeable). b is freed,
+ * or, with dead non-NULL, marked LBLOCK_DEAD and put on *dead (linked
+ * through hnext, which free blocks do not use). */
+static void large_absorb(large_cache *c, lblock *a, lblock *b, lblock **dead) {
+  large_free_unlink(c, a);
+  large_free_unlink(c, b);
   a->size += b->size;
   a->next = b->next;
   if (b->next) b->next->prev = a;
-  large_free_unlink(c, b);
-  meta_free(b);
+  large_free_link(c, a);
+  if (dead != NULL) {
+    b->state = LBLOCK_DEAD;
+    b->hnext = *dead; /* not wnext: b may still be on the work list */
+    *dead = b;
+  } else {
+    meta_free(b);
+  }
+}
+
+static lblock *large_coalesce_dead(large_cache *c, lblock *b, lticket **deferred, lblock **dead) {
+  lblock *p = b->prev;
+  if (p && p->state == LBLOCK_FREE && large_mergeable(p, b, large_gran(c), deferred)) {
+    large_absorb(c, p, b, dead);
+    b = p;
+  }
+  lblock *n = b->next;
+  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, large_gran(c), deferred)) large_absorb(c, b, n, dead);
+  MAGPIE_ASSERT(large_seg_tiles(b->seg));
+  return b;
 }
 
 /* Merge free block b with free neighbours it may join; returns the block
  * that now contains b. */
 static lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
-  lblock *p = b->prev;
-  if (p && p->state == LBLOCK_FREE && large_mergeable(p, b, large_gran(c), deferred)) {
-    large_absorb(c, p, b);
-    b = p;
-  }
-  lblock *n = b->next;
-  if (n && n->state == LBLOCK_FREE && large_mergeable(b, n, large_gran(c), deferred)) large_absorb(c, b, n);
-  MAGPIE_ASSERT(large_seg_tiles(b->seg));
-  return b;
+  return large_coalesce_dead(c, b, deferred, NULL);
 }
 
 /* Clear completed tickets of free blocks and merge what may be merged.
- * Returns the bytes that became ready. */
+ * Returns the bytes that became ready. One walk of the free blocks lists
+ * those whose ticket completed; each is then merged with the neighbours
+ * it may join, blocks absorbed meanwhile marked dead (a later entry of the
+ * list may be one) and freed at the end. Restarting the walk after each
+ * merge, as before, was quadratic in the free blocks: 46 % of the time of
+ * 10,000 random allocations of up to 4 MiB (12 GB live) on the simulated
+ * device. Listed too: ready blocks whose next block is free and ready
+ * (the merge tests of other blocks clear completed tickets on the way and
+ * may leave such pairs apart); a trim could not unmap a granule they
+ * share. */
 static size_t large_settle_locked(large_cache *c, lticket **deferred) {
   size_t ready = 0;
-  for (int again = 1; again;) {
-    again = 0;
-    for (lblock *b = c->free; b; b = b->fnext) {
-      if (b->ticket == NULL || !lticket_done(b->ticket)) continue;
+  lblock *work = NULL, *dead = NULL;
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
+    if (b->ticket != NULL) {
+      if (!lticket_done(b->ticket)) continue;
       lticket_unref(b->ticket, deferred);
       b->ticket = NULL;
       ready += b->size;
-      large_coalesce(c, b, deferred);
-      again = 1; /* the list changed under the iterator */
-      break;
-    }
-  }
-  /* Ready neighbours left unmerged because one was pending at its free. */
-  for (int again = 1; again;) {
-    again = 0;
-    for (lblock *b = c->free; b; b = b->fnext) {
-      if (b->ticket != NULL) continue;
+    } else {
+      /* A ready block next to a ready one: left apart where a merge test
+       * cleared one's completed ticket while the other still waited. */
       lblock *n = b->next;
-      if ((n && n->state == LBLOCK_FREE && n->ticket == NULL) ||
-          (b->prev && b->prev->state == LBLOCK_FREE && b->prev->ticket == NULL)) {
-        large_coalesce(c, b, deferred);
-        again = 1;
-        break;
-      }
+      if (n == NULL || n->state != LBLOCK_FREE || n->ticket != NULL) continue;
     }
+    b->wnext = work;
+    work = b;
+  }
+  while (work != NULL) {
+    lblock *b = work;
+    work = b->wnext;
+    if (b->state == LBLOCK_FREE) large_coalesce_dead(c, b, deferred, &dead);
+  }
+  while (dead != NULL) {
+    lblock *b = dead;
+    dead = b->hnext;
+    meta_free(b);
   }
   return ready;
 }
@@ -370,6 +400,7 @@ static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
   u->state = LBLOCK_USED;
   u->ticket = b->ticket;
   lticket_ref(u->ticket);
+  large_free_unlink(c, b);
   b->size -= need;
   if (at_end) {
     u->base = b->base + b->size;
@@ -386,6 +417,7 @@ static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
     else b->seg->first = u;
     b->prev = u;
   }
+  large_free_link(c, b);
   MAGPIE_ASSERT(large_seg_tiles(u->seg));
   return u;
 }
@@ -456,15 +488,15 @@ static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
 #define LARGE_QUERY_MAX 64
 
 /* Query, outside the lock, the latest pending ticket of each stream with
- * free blocks waiting on it (lock held on entry and exit); the caller
- * merges what completed (large_settle_locked). Returns how many tickets
- * were queried. */
-static int large_query_pending_locked(large_cache *c, lticket **deferred) {
+ * free blocks waiting on it but skip_stream (EPOCH_NO_STREAM: none
+ * skipped) (lock held on entry and exit); the caller merges what
+ * completed (large_settle_locked). Returns how many tickets were queried. */
+static int large_query_pending_locked(large_cache *c, uint64_t skip_stream, lticket **deferred) {
   lticket *q[LARGE_QUERY_MAX];
   int nq = 0;
-  for (lblock *b = c->free; b; b = b->fnext) {
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
     lticket *lt = b->ticket;
-    if (lt == NULL || lticket_done(lt)) continue; /* own stream too: merging needs it */
+    if (lt == NULL || lticket_done(lt) || lt->t.rec->id == skip_stream) continue;
     int i = 0;
     while (i < nq && q[i]->t.rec != lt->t.rec) i++;
     if (i < nq) {
@@ -495,7 +527,7 @@ static int large_whole_granules(const lblock *b, size_t g, size_t *i, size_t *en
 /* Mapped bytes in whole granules of free ready blocks (unmappable now). */
 static size_t large_free_whole_locked(large_cache *c) {
   size_t g = large_gran(c), sum = 0, i, end;
-  for (lblock *b = c->free; b; b = b->fnext)
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b))
     if (large_whole_granules(b, g, &i, &end))
       for (; i < end; i++) sum += b->seg->gran[i] == GRAN_MAPPED ? g : 0;
   return sum;
@@ -516,6 +548,12 @@ static size_t large_keep(large_cache *c) {
 
 static void large_shrink_before_grow(large_cache *c, size_t growing) {
   size_t keep = large_keep(c);
+  /* Mapped bytes outside blocks in use bound what lies in whole free
+   * granules: where that is within the reserve, skip the walk of every
+   * free block's granules (a segment's unmapped tail alone may be tens of
+   * thousands of granules). */
+  size_t mapped = atomic_load_relaxed(&c->mapped_bytes), used = atomic_load_relaxed(&c->in_use_bytes);
+  if (mapped <= used || mapped - used <= keep) return;
   size_t avail = large_free_whole_locked(c);
   if (avail > keep) large_release_locked(c, avail - keep < growing ? avail - keep : growing);
 }
@@ -529,21 +567,37 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
   int queried = 0;
   for (int round = 0; round < 64; round++) {
     large_pick best = {0}, wait = {0};
-    for (lblock *b = c->free; b; b = b->fnext) {
-      if (b->size < need) continue;
-      if (lblock_ready_for(b, stream_id)) {
-        large_consider(c, b, need, &best);
-      } else {
-        large_consider(c, b, need, &wait);
+    /* The request's bin, then the bins above it, whose blocks all fit;
+     * blocks of one bin are of nearly one size, so the first bin holding
+     * a ready, wholly mapped block that fits holds the best fit of those,
+     * and the search stops there. Otherwise every fitting block is looked
+     * at, as mapping is about to cost far more. */
+    for (unsigned k = large_bin_next(c, large_bin_of(need)); k < LARGE_BINS; k = large_bin_next(c, k + 1)) {
+      for (lblock *b = c->bins[k]; b; b = b->fnext) {
+        if (b->size < need) continue;
+        if (lblock_ready_for(b, stream_id)) {
+          large_consider(c, b, need, &best);
+        } else {
+          large_consider(c, b, need, &wait);
+        }
       }
+      if (best.b != NULL && best.cost == 0) break;
     }
     /* Best of all: ready and already mapped. */
     if (best.b != NULL && best.cost == 0) goto carve_best;
     /* Blocks waiting on other streams may have completed (and merged into
-     * larger ones): one round of queries before mapping more memory. */
+     * larger ones): one round of queries (one per stream) before mapping
+     * more memory. Not of the allocating stream's own frees: it reuses
+     * them as they are, and clearing their tickets let the shrink below
+     * unmap them, to map as much again at once. On an H100, RMM's
+     * random_allocations pattern on one stream (10,000 allocations of up
+     * to 1 GiB, 16 GB live) remapped 1 TB that way in 28.7 s; without
+     * those queries 0.12 s, holding 1.8 times the live bytes at its peak
+     * instead of 1.1. A trim and the pressure ladder still query and
+     * settle everything first. */
     if (!queried) {
       queried = 1;
-      if (large_query_pending_locked(c, deferred) > 0) {
+      if (large_query_pending_locked(c, stream_id, deferred) > 0) {
         large_settle_locked(c, deferred);
         continue;
       }
@@ -722,7 +776,7 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
   }
   if (b == NULL) {
     rc = MAGPIE_ERR_INVALID_POINTER;
-    for (lblock *f = c->free; f; f = f->fnext)
+    for (lblock *f = large_free_first(c); f; f = large_free_next(c, f))
       if (p >= f->base && p - f->base < f->size) rc = MAGPIE_ERR_DOUBLE_FREE;
   } else {
     *bsize = b->size;
@@ -766,7 +820,7 @@ int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out) {
 size_t large_reclaim(large_cache *c) {
   lticket *deferred = NULL;
   pthread_mutex_lock(&c->lock);
-  large_query_pending_locked(c, &deferred);
+  large_query_pending_locked(c, EPOCH_NO_STREAM, &deferred);
   size_t ready = large_settle_locked(c, &deferred);
   pthread_mutex_unlock(&c->lock);
   lticket_release_all(deferred);
@@ -778,7 +832,7 @@ size_t large_wait(large_cache *c) {
   for (;;) {
     lticket *deferred = NULL, *lt = NULL;
     pthread_mutex_lock(&c->lock);
-    for (lblock *b = c->free; b && lt == NULL; b = b->fnext) {
+    for (lblock *b = large_free_first(c); b && lt == NULL; b = large_free_next(c, b)) {
       if (b->ticket == NULL || lticket_done(b->ticket)) continue;
       lt = b->ticket;
       waited += b->size;
@@ -801,7 +855,7 @@ size_t large_wait(large_cache *c) {
  * UNMAPPING. */
 static int large_find_unmappable(large_cache *c, lseg **seg, size_t *g0, size_t *g1, size_t max_gran) {
   size_t g = large_gran(c), i, end;
-  for (lblock *b = c->free; b; b = b->fnext) {
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
     if (!large_whole_granules(b, g, &i, &end)) continue;
     lseg *sg = b->seg;
     while (i < end && sg->gran[i] != GRAN_MAPPED) i++;

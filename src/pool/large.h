@@ -1,7 +1,8 @@
 /* Large blocks: requests above the largest size class.
  *
- * They are carved best-fit out of *segments* and split and coalesced there,
- * like PyTorch's expandable segments:
+ * They are carved best-fit out of *segments* (free blocks in bins by size,
+ * large_bin_of) and split and coalesced there, like PyTorch's expandable
+ * segments:
  *   - with VMM, a segment is a stretch of the device's reserved virtual range
  *     whose 2 MiB granules are mapped only while some block needs them: a
  *     segment grows by mapping granules under a new block and shrinks by
@@ -55,7 +56,9 @@ typedef struct lticket {
   struct lticket *dnext; /* deferred-release list */
 } lticket;
 
-enum { LBLOCK_FREE = 0, LBLOCK_USED = 1 };
+/* LBLOCK_DEAD: absorbed by a neighbour while large_settle_locked works;
+ * freed when it is done. */
+enum { LBLOCK_FREE = 0, LBLOCK_USED = 1, LBLOCK_DEAD = 2 };
 
 /* INVARIANT: the blocks of a segment tile [seg->base, seg->base+seg->size)
  *            in address order without gap or overlap.
@@ -70,6 +73,7 @@ typedef struct lblock {
   struct lblock *prev, *next;   /* address order within the segment */
   struct lblock *fprev, *fnext; /* free list */
   struct lblock *hnext;         /* hash chain of handed-out blocks */
+  struct lblock *wnext;         /* large_settle_locked's work list */
   lticket *ticket;              /* free: the free's epoch (NULL: ready) */
   int state;
   uint32_t klass; /* USED: 0 for a large block, cls + 1 for a class block */
@@ -109,6 +113,18 @@ typedef struct lseg {
   struct lseg *next;
 } lseg;
 
+/* Free-list bins: sizes of 1-7 quanta exactly, then four bins per power
+ * of two (TLSF's layout), so that every block of a bin above a size's own
+ * is at least that size. 4 KiB quanta up to 2^64 bytes need 204 bins. */
+#define LARGE_BINS 256
+
+static inline unsigned large_bin_of(size_t size) {
+  size_t u = size / LARGE_QUANTUM;
+  if (u < 8) return (unsigned)u;
+  unsigned fl = 63u - (unsigned)__builtin_clzll((unsigned long long)u);
+  return 8u + (fl - 3u) * 4u + ((unsigned)(u >> (fl - 2u)) & 3u);
+}
+
 typedef struct large_cache {
   /* Set once by large_init. */
   region *region;         /* maps segments and granules */
@@ -118,8 +134,12 @@ typedef struct large_cache {
   struct heap *owner;     /* stored in segment descriptors (slab.heap) */
   pthread_mutex_t lock;
   pthread_cond_t granule_cv;
-  lseg *segs;    /* under lock */
-  lblock *free;  /* under lock */
+  lseg *segs; /* under lock */
+  /* Free blocks, in lists by size (large_bin_of): a best fit looks at the
+   * request's own list and, past it, only lists of blocks large enough.
+   * binmap has bit k set while bins[k] is not empty. Under lock. */
+  lblock *bins[LARGE_BINS];
+  uint64_t binmap[LARGE_BINS / 64];
   lblock **hash; /* under lock */
   size_t hash_cap, hash_count;
   int growing; /* a thread is adding a segment; under lock */
@@ -133,6 +153,29 @@ typedef struct large_cache {
 } large_cache;
 
 /* Helpers shared by large.c and large_view.c (lock held by the caller). */
+
+/* The first non-empty bin at or after k; LARGE_BINS if none. */
+static inline unsigned large_bin_next(const large_cache *c, unsigned k) {
+  while (k < LARGE_BINS) {
+    uint64_t w = c->binmap[k / 64] & (~(uint64_t)0 << (k % 64));
+    if (w != 0) return (k & ~63u) + (unsigned)__builtin_ctzll(w);
+    k = (k & ~63u) + 64;
+  }
+  return LARGE_BINS;
+}
+
+/* Every free block, bin by bin: for (b = large_free_first(c); b; b =
+ * large_free_next(c, b)). The list must not change under the walk. */
+static inline lblock *large_free_first(const large_cache *c) {
+  unsigned k = large_bin_next(c, 0);
+  return k < LARGE_BINS ? c->bins[k] : NULL;
+}
+
+static inline lblock *large_free_next(const large_cache *c, const lblock *b) {
+  if (b->fnext) return b->fnext;
+  unsigned k = large_bin_next(c, large_bin_of(b->size) + 1);
+  return k < LARGE_BINS ? c->bins[k] : NULL;
+}
 
 /* Complete by a comparison (no driver call)? */
 static inline int lticket_done(const lticket *lt) {

@@ -18,7 +18,7 @@ void large_account_get(large_cache *c, large_account *out) {
   memset(out, 0, sizeof *out);
   size_t pending = 0;
   pthread_mutex_lock(&c->lock);
-  for (lblock *b = c->free; b; b = b->fnext)
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b))
     if (b->ticket != NULL && !lticket_done(b->ticket))
       pending += lseg_mapped_in(b->seg, c->region->gran, b->base, b->size);
   for (lseg *sg = c->segs; sg; sg = sg->next)
