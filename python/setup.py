@@ -75,6 +75,10 @@ class BuildPy(build_py):
         for header in headers:
             if os.path.isfile(header):
                 shutil.copyfile(header, os.path.join(dest, "magpie.h"))
+                # The RMM resource, beside it (magpie.rmm builds against it).
+                rmm = os.path.join(os.path.dirname(header), "magpie_rmm.hpp")
+                if os.path.isfile(rmm):
+                    shutil.copyfile(rmm, os.path.join(dest, "magpie_rmm.hpp"))
                 break
         else:
             raise SystemExit("magpie: magpie.h not found (looked for " + ", ".join(headers) + ")")

@@ -2,6 +2,8 @@
 device (//sim) and their internals."""
 
 load("//:defs.bzl", "MAGPIE_COPTS")
+load("@cuda//:defs.bzl", "HAVE_CUDA")
+load("@rmm//:defs.bzl", "HAVE_RMM")
 
 def magpie_test(name, srcs = None, deps = [], size = "small", tags = [], **kwargs):
     native.cc_test(
@@ -111,4 +113,29 @@ def magpie_python_test(name, size = "small"):
             "//:libmagpie_sim.so",
             "//:python_pkg",
         ],
+    )
+
+def rmm_resource_test(name):
+    """The RMM resource (include/magpie_rmm.hpp) on the simulated device,
+    defined where RMM's wheels (tools/install_deps.sh fetches them) and the
+    CUDA toolkit's headers are. RMM's headers need gcc (clang 14 rejects
+    their namespace attributes), so the clang configurations leave it out
+    (tag gcc_only, tools/test.sh)."""
+    if not (HAVE_RMM and HAVE_CUDA):
+        return
+    native.cc_test(
+        name = name,
+        size = "small",
+        srcs = [name + ".cpp"],
+        copts = ["-std=c++20"],
+        deps = [
+            "//:magpie_with_sim",
+            "//:rmm_header",
+            "@cuda//:cudart_static",
+            "@cuda//:headers",
+            "@rmm",
+            "@system_libs//:cmocka",
+        ],
+        linkstatic = True,
+        tags = ["gcc_only"],
     )

@@ -9,7 +9,7 @@ set -euo pipefail
 root=$TEST_SRCDIR/magpie
 prefix=$TEST_TMPDIR/prefix
 MAGPIE_INSTALL_FROM=$root "$root/tools/install.sh" "$prefix"
-for f in include/magpie.h include/magpie_sim.h lib/libmagpie.so lib/libmagpie.a lib/libmagpie_preload.so \
+for f in include/magpie.h include/magpie_rmm.hpp include/magpie_sim.h lib/libmagpie.so lib/libmagpie.a lib/libmagpie_preload.so \
   lib/libmagpie_sim.so lib/libmagpie_sim.a lib/pkgconfig/magpie.pc; do
   [[ -f $prefix/$f ]] || { echo "missing $prefix/$f"; exit 1; }
 done

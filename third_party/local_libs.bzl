@@ -5,6 +5,9 @@ tools/build_jemalloc.sh builds into .jemalloc/, without initial-exec TLS)
 and cmocka.
 cuda_toolkit: the CUDA toolkit's headers, driver stub and nvcc, honouring
 CUDA_HOME; optional (defs.bzl says what was found).
+rmm_wheels: RMM's headers and librmm.so from its PyPI wheels, unpacked by
+integrations/rmm/fetch_rmm.sh (tools/install_deps.sh runs it) into
+.rmm/whl/; optional (defs.bzl says whether they were found).
 """
 
 # jemalloc entry points magpie calls; everything else in the archive is made
@@ -101,6 +104,11 @@ def _cuda_toolkit_impl(rctx):
     have_stub = have and rctx.path(stub).exists
     if have_stub:
         rctx.symlink(stub, "lib64/stubs/libcuda.so")
+
+    # The runtime, statically (the RMM resource's synchronous calls).
+    cudart = home + "/lib64/libcudart_static.a"
+    if have and rctx.path(cudart).exists:
+        rctx.symlink(cudart, "lib64/libcudart_static.a")
     nvcc = home + "/bin/nvcc"
     have_nvcc = have and rctx.path(nvcc).exists
     rctx.file("defs.bzl", "\n".join([
@@ -125,10 +133,49 @@ cc_library(
     name = "driver_stub",
     srcs = glob(["lib64/stubs/libcuda.so"]),
 )
+
+# The CUDA runtime, linked statically; empty where the toolkit lacks it.
+cc_library(
+    name = "cudart_static",
+    srcs = glob(["lib64/libcudart_static.a"]),
+    linkopts = ["-lrt", "-ldl", "-lpthread"],
+)
 """)
 
 cuda_toolkit = repository_rule(
     implementation = _cuda_toolkit_impl,
     environ = ["CUDA_HOME"],
+    local = True,
+)
+
+def _rmm_wheels_impl(rctx):
+    whl = str(rctx.path(Label("@//:WORKSPACE")).dirname) + "/.rmm/whl"
+    have = (rctx.path(whl + "/librmm/include/rmm/version_config.hpp").exists and
+            rctx.path(whl + "/librmm/lib64/librmm.so").exists and
+            rctx.path(whl + "/rapids_logger/lib64/librapids_logger.so").exists)
+    if have:
+        rctx.symlink(whl + "/librmm/include", "include")
+        rctx.symlink(whl + "/rapids_logger/include", "logger_include")
+        rctx.symlink(whl + "/librmm/lib64/librmm.so", "lib/librmm.so")
+        rctx.symlink(whl + "/rapids_logger/lib64/librapids_logger.so", "lib/librapids_logger.so")
+    else:
+        rctx.file("include/.none", "")
+        rctx.file("logger_include/.none", "")
+    rctx.file("defs.bzl", "HAVE_RMM = %s\n" % have)
+    rctx.file("BUILD", """
+package(default_visibility = ["//visibility:public"])
+
+# RMM's headers (with the CCCL release it ships under include/rapids, which
+# must come before the CUDA toolkit's own) and librmm.so.
+cc_library(
+    name = "rmm",
+    hdrs = glob(["include/**/*", "logger_include/**/*"], exclude = ["**/.none"]),
+    includes = ["include/rapids", "include", "logger_include"],
+    srcs = glob(["lib/*.so"]),
+)
+""")
+
+rmm_wheels = repository_rule(
+    implementation = _rmm_wheels_impl,
     local = True,
 )

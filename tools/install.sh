@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs magpie under PREFIX:
-#   PREFIX/include/magpie.h, magpie_sim.h
+#   PREFIX/include/magpie.h, magpie_sim.h, magpie_rmm.hpp
 #   PREFIX/lib/libmagpie.so, libmagpie.a, libmagpie_preload.so
 #   PREFIX/lib/libmagpie_sim.so, libmagpie_sim.a (the simulated device;
 #     libmagpie.so loads libmagpie_sim.so from its own folder when needed)
@@ -23,7 +23,7 @@ fi
 # The runfiles tree (bazel run starts here; a direct run may not).
 src=${MAGPIE_INSTALL_FROM:-${RUNFILES_DIR:-$0.runfiles}/magpie}
 [[ -f $src/include/magpie.h ]] || src=$PWD
-for f in include/magpie.h include/magpie_sim.h magpie.pc.in libmagpie.so libmagpie_preload.so \
+for f in include/magpie.h include/magpie_rmm.hpp include/magpie_sim.h magpie.pc.in libmagpie.so libmagpie_preload.so \
   libmagpie_sim.so static/libmagpie.a static/libmagpie_sim.a; do
   if [[ ! -f $src/$f ]]; then
     echo "install: $f not found under $src (run through: bazel run -c opt //:install -- PREFIX)" >&2
@@ -38,7 +38,7 @@ if [[ -z $version ]]; then
 fi
 
 mkdir -p "$prefix/include" "$prefix/lib/pkgconfig"
-install -m 0644 "$src/include/magpie.h" "$src/include/magpie_sim.h" "$prefix/include/"
+install -m 0644 "$src/include/magpie.h" "$src/include/magpie_rmm.hpp" "$src/include/magpie_sim.h" "$prefix/include/"
 install -m 0755 "$src/libmagpie.so" "$src/libmagpie_preload.so" "$src/libmagpie_sim.so" "$prefix/lib/"
 install -m 0644 "$src/static/libmagpie.a" "$src/static/libmagpie_sim.a" "$prefix/lib/"
 sed -e "s|@PREFIX@|$prefix|" -e "s|@VERSION@|$version|" "$src/magpie.pc.in" > "$prefix/lib/pkgconfig/magpie.pc"

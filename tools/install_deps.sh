@@ -31,3 +31,7 @@ if [ ${#need[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 "$(dirname "$0")/build_jemalloc.sh"
+# RMM's wheels from PyPI, unpacked into .rmm/whl: the headers and librmm.so
+# the RMM resource's test builds against (third_party/local_libs.bzl,
+# rmm_wheels); skipped when present.
+"$(dirname "$0")/../integrations/rmm/fetch_rmm.sh" --wheels-only

@@ -4,6 +4,7 @@ memory, from Python.
     import magpie
     magpie.torch.use()        # PyTorch: before the first CUDA allocation
     magpie.cupy.use()         # CuPy: before the first allocation
+    magpie.rmm.use()          # RAPIDS Memory Manager (cuDF, ...): its device resource
     ...
     print(magpie.stats())
 
@@ -19,6 +20,7 @@ import tempfile
 
 from . import _lib
 from . import cupy  # noqa: F401  (magpie.cupy.use)
+from . import rmm  # noqa: F401  (magpie.rmm.use; imports rmm only when called)
 from . import torch  # noqa: F401  (magpie.torch.use)
 
 
