@@ -16,7 +16,7 @@ if [[ ${1:-} == build ]]; then
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
   "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog || exit 1
-  cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" \
+  cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
     "$root/tests/gpu/torch_graph_test.py" "$bundle/"
   mkdir -p "$bundle/python"
   cp -r "$root/python/magpie" "$bundle/python/"

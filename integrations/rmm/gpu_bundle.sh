@@ -42,7 +42,7 @@ pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION
   --dest "$DIR/wheels" "cuda-bindings>=13.0.1,<14" cuda-pathfinder cython
 (cd "$ROOT" && rm -rf .whl && tools/wheel.sh >/dev/null)
 cp "$ROOT"/.whl/*.whl "$DIR/wheels/"
-cp "$ROOT/tests/gpu/rmm_test.py" "$ROOT/bench/rmm_python_bench.py" "$DIR/python/"
+cp "$ROOT/tests/gpu/rmm_test.py" "$ROOT/tests/gpu/cupy_checks.py" "$ROOT/bench/rmm_python_bench.py" "$DIR/python/"
 echo "bundle commit: $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD -- || echo ' (with uncommitted changes)')" \
   > "$DIR/COMMIT"
 

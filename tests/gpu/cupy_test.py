@@ -22,19 +22,7 @@ for p in (os.path.join(HERE, "..", "..", "python"), os.path.join(HERE, "python")
         sys.path.insert(0, p)
         break
 
-SLOW_CHECK = r"""
-extern "C" __global__ void slow_check(const unsigned int *p, unsigned long long n, unsigned int v,
-                                      unsigned long long spin_ns, unsigned long long *bad) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do { __nanosleep(1000); asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < spin_ns);
-  unsigned long long mine = 0;
-  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x)
-    mine += ((volatile const unsigned int *)p)[i] != v;
-  if (mine) atomicAdd(bad, mine);
-}
-"""
+from cupy_checks import computations, stream_order  # noqa: E402  (beside this file)
 
 
 def child(mode, out):
@@ -45,36 +33,8 @@ def child(mode, out):
     import cupy as cp
     import numpy as np
 
-    results = []
-    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
-    for i, s in enumerate(streams * 3):
-        with s:
-            rs = cp.random.RandomState(seed=i)
-            a = rs.standard_normal((256 + 32 * i, 256), dtype=cp.float32)
-            b = rs.standard_normal((256, 128), dtype=cp.float32)
-            c = a @ b
-            f = cp.fft.rfft(c, axis=0)
-            r = [c.sum(axis=1), cp.abs(f).max(axis=0), cp.sort(c.ravel())[:1000], cp.tanh(c).mean()]
-            results.append([cp.asnumpy(x) for x in r])
-    for s in streams:
-        s.synchronize()
-
-    kern = cp.RawKernel(SLOW_CHECK, "slow_check")
-    bad = cp.zeros(1, dtype=cp.uint64)
-    order_streams = [cp.cuda.Stream(non_blocking=True) for _ in range(8)]
-    checks = 0
-    for it in range(400):
-        sa, sb = order_streams[it % 8], order_streams[(it + 3) % 8]
-        n = 1 << (10 + it % 12)
-        with sa:
-            x = cp.full(n, it, dtype=cp.uint32)
-            kern((64,), (256,), (x, cp.uint64(n), cp.uint32(it), cp.uint64(100000 if it % 4 == 0 else 0), bad))
-            checks += 1
-            del x  # freed on sa
-        with sb:
-            y = cp.full(n, 0xFFFFFFFF, dtype=cp.uint32)  # must not be x's block yet
-            del y
-    cp.cuda.Device().synchronize()
+    results = computations(cp)
+    nbad, checks = stream_order(cp)
     # Blocks that outlive their Stream object (as locals do at interpreter
     # exit): the frees must still name a live stream, which the adaptor
     # ensures by holding the stream with the block.
@@ -83,7 +43,6 @@ def child(mode, out):
         held = [cp.empty(4096, dtype=cp.uint8) for _ in range(256)]
     del s
     del held
-    nbad = int(bad.get()[0])
     np.save(out, np.array([nbad, checks], dtype=np.int64))
     import pickle
 
