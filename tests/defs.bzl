@@ -94,11 +94,12 @@ def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], en
         env = env,
     )
 
-def magpie_python_test(name, size = "small"):
+def magpie_python_test(name, size = "small", data = []):
     """A shell test NAME.sh of the Python package (python/magpie) against
     this build's libmagpie.so on the simulated device: its arguments are the
     library and the package's files; libmagpie_sim.so lies beside
-    libmagpie.so, which loads it; tests/python_test_prelude.sh is sourced."""
+    libmagpie.so, which loads it; tests/python_test_prelude.sh is sourced.
+    data: more files it reads."""
     native.sh_test(
         name = name,
         size = size,
@@ -112,7 +113,7 @@ def magpie_python_test(name, size = "small"):
             "//:libmagpie.so",
             "//:libmagpie_sim.so",
             "//:python_pkg",
-        ],
+        ] + data,
     )
 
 def rmm_resource_test(name):
