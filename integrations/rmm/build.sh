@@ -10,6 +10,8 @@
 #                              about adaptors, resource refs and allocators,
 #                              and of RMM's containers (the lists below), as
 #                              RMM's CMake builds them
+#   rmm_multi_stream_allocations  RMM's multi_stream_allocations benchmark
+#                              (nvcc), with the same "magpie" resource
 #   rmm_random_allocations     RMM's random_allocations benchmark, with a
 #                              "magpie" resource beside RMM's
 #   librmm.so librapids_logger.so libmagpie.so (and libbenchmark's shared
@@ -27,8 +29,9 @@
 #   CUDA_HOME   CUDA toolkit (default /usr/local/cuda); CXX (default g++);
 #   JOBS        parallel compilations (default: the number of CPUs)
 #
-# Everything is host C++ compiled by CXX: RMM's tests that need nvcc (.cu
-# files) are left out (README.md says which).
+# The tests are host C++ compiled by CXX: RMM's tests that need nvcc (.cu
+# files) are left out (README.md says which). The multi-stream benchmark is
+# CUDA source, compiled by CUDA_HOME's nvcc.
 set -euo pipefail
 
 usage() {
@@ -188,6 +191,35 @@ inline any_device_resource make_magpie()\
   "$B"
 expect_marks "$B" 6
 
+# 4. multi_stream_allocations_bench.cu (CUDA source, built with nvcc): the
+#    same "magpie" resource (-r magpie, BM_MultiStreamAllocations/magpie/...),
+#    in the default set last.
+M="$WORK/cpp/benchmarks/multi_stream_allocations/multi_stream_allocations_bench.cu"
+sed -i \
+  -e 's|^#include <rmm/resource_ref.hpp>$|&\n#include <magpie_rmm.hpp>  // magpie-rmm: the "magpie" resource below|' \
+  -e '/^static void benchmark_range(/i\
+// magpie-rmm: magpie'"'"'s resource (include/magpie_rmm.hpp), added by integrations/rmm/build.sh.\
+inline any_device_resource make_magpie()\
+{\
+  if (magpie_active_backend() != MAGPIE_BACKEND_CUDA) {\
+    throw std::runtime_error("magpie is not on its CUDA backend (no GPU, or MAGPIE_BACKEND=sim)");\
+  }\
+  return magpie::rmm_memory_resource{};\
+}\
+' \
+  -e 's|^  if (resource_name == "cuda") { return &make_cuda; }$|  if (resource_name == "magpie") { return \&make_magpie; }  // magpie-rmm\n&|' \
+  -e 's|^  if (name == "cuda") {$|  if (name == "magpie") {  // magpie-rmm: added by integrations/rmm/build.sh\
+    BENCHMARK_CAPTURE(BM_MultiStreamAllocations, magpie, \&make_magpie)  // NOLINT\
+      ->Apply(benchmark_range);\
+    return;\
+  }\
+\
+&|' \
+  -e 's|^\( *\)resource_names.emplace_back("binning");$|&\n\1resource_names.emplace_back("magpie");  // magpie-rmm|' \
+  -e 's|^\( *\)compute_bound_kernel<<<1, 1, 0, stream.value()>>>(buffer.data());$|\1// magpie-rmm: 26.10 pools hand out cuda::stream_ref (get(), not value())\n\1compute_bound_kernel<<<1, 1, 0, stream.get()>>>(buffer.data());|' \
+  "$M"
+expect_marks "$M" 6
+
 # Google Benchmark before 1.8 names its benchmark class benchmark::internal::
 # Benchmark only; RMM's benchmarks use the benchmark::Benchmark of later
 # versions. Where the installed one lacks it, a header forced into the
@@ -287,6 +319,29 @@ compile() { # SOURCE OBJECT [FLAG...]
   fi
 }
 
+# CUDA sources: nvcc with CXX as the host compiler, code for compute
+# capability 9.0 (H100, H200) and its PTX for later devices.
+# Definitions and the optimisation level go to nvcc (device code needs the
+# CCCL ones too), warnings and threads to the host compiler; FLAGs (a forced
+# include) to nvcc, which passes them on once.
+compile_cu() { # SOURCE OBJECT [FLAG...]
+  local src="$1" obj="$2" f flags=()
+  shift 2
+  for f in "${CXXFLAGS[@]:1}"; do
+    case "$f" in
+      -D* | -O*) flags+=("$f") ;;
+      *) flags+=(-Xcompiler "$f") ;;
+    esac
+  done
+  if ! "$CUDA_HOME/bin/nvcc" -std=c++20 -ccbin "$CXX" -gencode arch=compute_90,code='[sm_90,compute_90]' \
+    --expt-relaxed-constexpr --expt-extended-lambda "${flags[@]}" "$@" "${INCLUDES[@]}" -c "$src" -o "$obj" \
+    2> "$obj.log"; then
+    cat "$obj.log" >&2
+    echo "build: compiling $src failed" >&2
+    return 1
+  fi
+}
+
 # Compilations run JOBS at a time; the first failure stops the build.
 pids=()
 run_job() {
@@ -307,6 +362,7 @@ for entry in "${TEST_BINARIES[@]}"; do
   run_job compile "${entry#*:}" "$WORK/obj/$name.o" ${TEST_FLAGS[$name]:+"${TEST_FLAGS[$name]}"}
 done
 run_job compile "$B" "$WORK/obj/rmm_random_allocations.o" "${BENCH_FLAGS[@]}"
+run_job compile_cu "$M" "$WORK/obj/rmm_multi_stream_allocations.o" "${BENCH_FLAGS[@]}"
 wait_all
 
 # --- linking -------------------------------------------------------------------------
@@ -318,6 +374,9 @@ for entry in "${TEST_BINARIES[@]}"; do
 done
 "$CXX" -o "$OUT/rmm_random_allocations" "$WORK/obj/rmm_random_allocations.o" "${BENCH_LIB[@]}" "${LDFLAGS[@]}"
 strip "$OUT/rmm_random_allocations"
+"$CXX" -o "$OUT/rmm_multi_stream_allocations" "$WORK/obj/rmm_multi_stream_allocations.o" "${BENCH_LIB[@]}" \
+  "${LDFLAGS[@]}"
+strip "$OUT/rmm_multi_stream_allocations"
 
 # What the binaries were built from, for their results to name it.
 {
