@@ -60,7 +60,7 @@ for spec in "${WHEELS[@]}"; do
   echo "fetch_rmm: downloading $spec"
   # --no-deps: the wheels' Python dependencies (cuda-python, numpy, ...) are
   # not needed to build or run C++ against librmm.
-  pip download --quiet --no-deps --python-version "$PY_VERSION" --platform "$PLATFORM" \
+  "${PYTHON:-python3}" -m pip download --quiet --no-deps --python-version "$PY_VERSION" --platform "$PLATFORM" \
     --only-binary=:all: --dest "$RMM_DIR/wheels" "$spec"
   [[ -n "$(wheel_file "$spec")" ]] || {
     echo "fetch_rmm: pip did not leave a wheel for $spec in $RMM_DIR/wheels" >&2

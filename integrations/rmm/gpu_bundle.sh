@@ -38,7 +38,7 @@ cp "$HERE/run_tests.sh" "$DIR/bin/"
 mkdir -p "$DIR/wheels" "$DIR/python"
 rm -f "$DIR"/wheels/*.whl
 cp "${RMM_DIR:-$ROOT/.rmm}"/wheels/*.whl "$DIR/wheels/"
-pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" --platform "$PLATFORM" \
+"${PYTHON:-python3}" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$PY_VERSION" --platform "$PLATFORM" \
   --dest "$DIR/wheels" "cuda-bindings>=13.0.1,<14" cuda-pathfinder cython
 (cd "$ROOT" && rm -rf .whl && tools/wheel.sh >/dev/null)
 cp "$ROOT"/.whl/*.whl "$DIR/wheels/"
