@@ -99,15 +99,13 @@ class rmm_memory_resource {
   rmm_memory_resource() = default;
 
   void *allocate(cuda::stream_ref stream, std::size_t bytes, std::size_t alignment = rmm::CUDA_ALLOCATION_ALIGNMENT) {
+    if (!rmm::is_supported_alignment(alignment))
+      throw rmm::logic_error("magpie: alignment " + std::to_string(alignment) + " is not a power of two");
     cudaStream_t s = stream.get();
-    if (alignment <= rmm::CUDA_ALLOCATION_ALIGNMENT) {
-      if (!rmm::is_supported_alignment(alignment))
-        throw rmm::logic_error("magpie: alignment " + std::to_string(alignment) + " is not a power of two");
-      void *p = magpie_malloc_async(bytes, s);
-      if (p == nullptr) rmm_detail::throw_alloc_error(bytes, alignment);
-      return p;
-    }
-    return allocate_aligned(s, bytes, alignment);
+    if (alignment > rmm::CUDA_ALLOCATION_ALIGNMENT) return allocate_aligned(s, bytes, alignment);
+    void *p = magpie_malloc_async(bytes, s);
+    if (p == nullptr) rmm_detail::throw_alloc_error(bytes, alignment);
+    return p;
   }
 
   void deallocate(cuda::stream_ref stream, void *ptr, std::size_t bytes,
@@ -154,9 +152,8 @@ class rmm_memory_resource {
   friend void get_property(rmm_memory_resource const &, cuda::mr::device_accessible) noexcept {}
 
  private:
+  /* alignment: a power of two above 256. */
   void *allocate_aligned(cudaStream_t s, std::size_t bytes, std::size_t alignment) {
-    if (!rmm::is_supported_alignment(alignment))
-      throw rmm::logic_error("magpie: alignment " + std::to_string(alignment) + " is not a power of two");
     std::size_t extra = alignment - rmm::CUDA_ALLOCATION_ALIGNMENT;
     if (bytes > SIZE_MAX - extra) {
       throw rmm::out_of_memory("magpie: allocating " + std::to_string(bytes) + " bytes at alignment " +

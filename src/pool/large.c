@@ -201,7 +201,6 @@ static __attribute__((unused)) int large_seg_tiles(const lseg *sg) {
   return at == sg->base + sg->size;
 }
 
-/* Fold free block b into its lower neighbour a (mergeable). */
 /* Fold free block b into its lower neighbour a (mergeable). b is freed,
  * or, with dead non-NULL, marked LBLOCK_DEAD and put on *dead (linked
  * through hnext, which free blocks do not use). */
