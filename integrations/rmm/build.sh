@@ -168,20 +168,10 @@ patch_fixture_upstream() {
 #    is gone, which would leave less free memory to the pool and arena
 #    resources that size themselves by it.
 B="$WORK/cpp/benchmarks/random_allocations/random_allocations.cpp"
+MAKE_MAGPIE='#include <magpie_rmm_bench.hpp>  // magpie-rmm: make_magpie(), the "magpie" resource'
 sed -i \
-  -e 's|^#include <rmm/resource_ref.hpp>$|&\n#include <magpie_rmm.hpp>  // magpie-rmm: the "magpie" resource below|' \
+  -e "s|^#include <rmm/resource_ref.hpp>\$|&\n$MAKE_MAGPIE|" \
   -e 's|^#include <rmm/cuda_device.hpp>$|&\n#include <rmm/cuda_stream_view.hpp>  // magpie-rmm: used, and no longer included by the 26.10 headers|' \
-  -e '/^using MRFactoryFunc = /i\
-// magpie-rmm: magpie'"'"'s resource (include/magpie_rmm.hpp), added by integrations/rmm/build.sh.\
-// Not on magpie'"'"'s simulated device, which magpie picks by itself where it finds no GPU.\
-inline any_device_resource make_magpie()\
-{\
-  if (magpie_active_backend() != MAGPIE_BACKEND_CUDA) {\
-    throw std::runtime_error("magpie is not on its CUDA backend (no GPU, or MAGPIE_BACKEND=sim)");\
-  }\
-  return magpie::rmm_memory_resource{};\
-}\
-' \
   -e 's|^  if (name == "cuda") {$|  if (name == "magpie") {  // magpie-rmm: added by integrations/rmm/build.sh\
     BENCHMARK_CAPTURE(BM_RandomAllocations, magpie_mr, \&make_magpie)  // NOLINT\
       ->Apply(benchmark_range);\
@@ -189,24 +179,14 @@ inline any_device_resource make_magpie()\
   -e 's|^\( *std::map<std::string, MRFactoryFunc> const funcs({\)\({"arena", &make_arena},\)$|\1{"magpie", \&make_magpie},  // magpie-rmm\n                                                        \2|' \
   -e 's|^\( *std::vector<std::string> mrs{"pool", .*\)};$|\1, "magpie"};  // magpie-rmm|' \
   "$B"
-expect_marks "$B" 6
+expect_marks "$B" 5
 
 # 4. multi_stream_allocations_bench.cu (CUDA source, built with nvcc): the
 #    same "magpie" resource (-r magpie, BM_MultiStreamAllocations/magpie/...),
 #    in the default set last.
 M="$WORK/cpp/benchmarks/multi_stream_allocations/multi_stream_allocations_bench.cu"
 sed -i \
-  -e 's|^#include <rmm/resource_ref.hpp>$|&\n#include <magpie_rmm.hpp>  // magpie-rmm: the "magpie" resource below|' \
-  -e '/^static void benchmark_range(/i\
-// magpie-rmm: magpie'"'"'s resource (include/magpie_rmm.hpp), added by integrations/rmm/build.sh.\
-inline any_device_resource make_magpie()\
-{\
-  if (magpie_active_backend() != MAGPIE_BACKEND_CUDA) {\
-    throw std::runtime_error("magpie is not on its CUDA backend (no GPU, or MAGPIE_BACKEND=sim)");\
-  }\
-  return magpie::rmm_memory_resource{};\
-}\
-' \
+  -e "s|^#include <rmm/resource_ref.hpp>\$|&\n$MAKE_MAGPIE|" \
   -e 's|^  if (resource_name == "cuda") { return &make_cuda; }$|  if (resource_name == "magpie") { return \&make_magpie; }  // magpie-rmm\n&|' \
   -e 's|^  if (name == "cuda") {$|  if (name == "magpie") {  // magpie-rmm: added by integrations/rmm/build.sh\
     BENCHMARK_CAPTURE(BM_MultiStreamAllocations, magpie, \&make_magpie)  // NOLINT\
@@ -218,7 +198,7 @@ inline any_device_resource make_magpie()\
   -e 's|^\( *\)resource_names.emplace_back("binning");$|&\n\1resource_names.emplace_back("magpie");  // magpie-rmm|' \
   -e 's|^\( *\)compute_bound_kernel<<<1, 1, 0, stream.value()>>>(buffer.data());$|\1// magpie-rmm: 26.10 pools hand out cuda::stream_ref (get(), not value())\n\1compute_bound_kernel<<<1, 1, 0, stream.get()>>>(buffer.data());|' \
   "$M"
-expect_marks "$M" 6
+expect_marks "$M" 5
 
 # Google Benchmark before 1.8 names its benchmark class benchmark::internal::
 # Benchmark only; RMM's benchmarks use the benchmark::Benchmark of later
