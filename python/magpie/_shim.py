@@ -45,15 +45,25 @@ def cache_dir():
     return d
 
 
+def cuda_roots():
+    """Where a CUDA toolkit may be: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda."""
+    return [os.environ[v] for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)] + ["/usr/local/cuda"]
+
+
+def cuda_include_dirs(sites):
+    """The folders holding the CUDA runtime's headers: a toolkit's
+    (cuda_roots), then the nvidia pip packages' under each site-packages
+    folder of sites."""
+    dirs = [os.path.join(r, "include") for r in cuda_roots()]
+    for site in sites:
+        dirs += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
+    return [d for d in dirs if os.path.isfile(os.path.join(d, "cuda_runtime_api.h"))]
+
+
 def _cuda_includes(torch_root):
-    dirs = [os.path.join(os.environ[v], "include") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    dirs.append("/usr/local/cuda/include")
-    site = os.path.dirname(torch_root)
-    dirs += sorted(glob.glob(os.path.join(site, "nvidia", "*", "include")))
     out = []
-    for d in dirs:
-        if os.path.isfile(os.path.join(d, "cuda_runtime_api.h")):
-            out += ["-isystem", d]
+    for d in cuda_include_dirs([os.path.dirname(torch_root)]):
+        out += ["-isystem", d]
     return out
 
 

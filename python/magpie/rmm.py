@@ -58,28 +58,21 @@ def _package_dir(name):
 def _cuda_dirs():
     """(include dirs, the CUDA runtime library) for the headers magpie_rmm.hpp
     includes and the runtime calls it makes (cudaStreamSynchronize)."""
-    roots = [os.environ[v] for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)] + ["/usr/local/cuda"]
-    site = [p for p in sys.path if p.endswith("-packages")]
-    incs, libs = [], []
-    for r in roots:
-        incs.append(os.path.join(r, "include"))
+    sites = [p for p in sys.path if p.endswith("-packages")]
+    libs = []
+    for r in _shim.cuda_roots():
         libs += [os.path.join(r, "lib64", "libcudart.so"), os.path.join(r, "lib", "libcudart.so")]
-    for s in site:
-        incs += sorted(glob.glob(os.path.join(s, "nvidia", "*", "include")))
+    for s in sites:
         libs += sorted(glob.glob(os.path.join(s, "nvidia", "*", "lib", "libcudart.so*")))
-    inc = [d for d in incs if os.path.isfile(os.path.join(d, "cuda_runtime_api.h"))]
     lib = [f for f in libs if os.path.isfile(f)]
-    return inc, (lib[0] if lib else None)
+    return _shim.cuda_include_dirs(sites), (lib[0] if lib else None)
 
 
-def _flags():
+def _flags(header_dir):
     librmm = _package_dir("librmm")
     logger = _package_dir("rapids_logger")
     if librmm is None or not os.path.isdir(os.path.join(librmm, "include", "rmm")):
         raise RuntimeError("magpie.rmm: librmm's headers not found (pip install librmm-cu13, which rmm-cu13 brings)")
-    header_dir = _shim._header_dir()
-    if header_dir is None or not os.path.isfile(os.path.join(header_dir, "magpie_rmm.hpp")):
-        raise RuntimeError("magpie.rmm: magpie_rmm.hpp not found beside magpie.h (a newer magpie package has it)")
     cuda_inc, cudart = _cuda_dirs()
     if not cuda_inc or cudart is None:
         raise RuntimeError(
@@ -112,12 +105,13 @@ def _flags():
 def _build():
     rmm = _import_rmm()
     try:
-        from Cython.Build import cythonize  # noqa: F401
         import Cython
     except ImportError as e:
         raise RuntimeError("magpie.rmm builds its resource with Cython on first use: pip install cython") from e
-    flags = _flags()
     header_dir = _shim._header_dir()
+    if header_dir is None or not os.path.isfile(os.path.join(header_dir, "magpie_rmm.hpp")):
+        raise RuntimeError("magpie.rmm: magpie_rmm.hpp not found beside magpie.h (a newer magpie package has it)")
+    flags = _flags(header_dir)
     src = b""
     for path in (_PYX, os.path.join(header_dir, "magpie_rmm.hpp"), os.path.join(header_dir, "magpie.h")):
         with open(path, "rb") as f:
