@@ -53,7 +53,9 @@ enum magpie_error {
   MAGPIE_ERR_NO_DEVICE = 9, /* requested backend has no device */
   MAGPIE_ERR_CONFIG = 10,   /* bad MAGPIE_CONF / config value */
   MAGPIE_ERR_ALREADY_INITIALIZED = 11,
-  MAGPIE_ERR_CAPTURE = 12, /* not permitted while a stream captures a CUDA graph */
+  MAGPIE_ERR_CAPTURE = 12,        /* not permitted while a stream captures a CUDA graph */
+  MAGPIE_ERR_IPC = 13,            /* a handle of another process cannot be served or opened */
+  MAGPIE_ERR_NO_PEER_ACCESS = 14, /* the devices cannot access each other's memory */
   MAGPIE_ERR_COUNT_
 };
 
@@ -94,6 +96,12 @@ typedef struct magpie_config {
   /* N > 0: time every device call and report on stderr those taking N ms
    * or more (diagnostics; costs two clock reads per call). */
   unsigned slow_call_ms;
+  /* 1 (default): device memory is created exportable, so any block can be
+   * shared with other processes (magpie_ipc_export); 0: not (a block then
+   * cannot be exported). Costs nothing on the allocation paths: only
+   * mapping a new 2 MiB granule asks the driver for an exportable handle
+   * type (bench/results: the measured cost). */
+  int ipc;
 } magpie_config;
 
 MAGPIE_API void magpie_config_default(magpie_config *cfg);
@@ -316,6 +324,69 @@ MAGPIE_API void *magpie_graph_pool_malloc_async(uint64_t pool, size_t size, cuda
 MAGPIE_API int magpie_graph_pool_release(uint64_t pool);
 /* Bytes pool holds, in use or free (0 for an unknown pool). */
 MAGPIE_API size_t magpie_graph_pool_bytes(uint64_t pool);
+
+/* ---- Sharing blocks with other processes (IPC) ----
+ * magpie_ipc_export(ptr, flags, &h) makes a handle for the block at ptr (a
+ * block start, on a device with virtual memory management, with
+ * MAGPIE_CONF=ipc=1, the default): 128 plain bytes, copied to any process of
+ * the same user on the machine, by any channel. There
+ * magpie_ipc_import(&h, &p, &size) maps the block's memory into that
+ * process (on its device with the same UUID, whatever its ordinal there)
+ * and gives its address and size; magpie_ipc_close(p, stream) unmaps it
+ * once the work enqueued on stream has completed (the calling thread
+ * waits). The exporting process serves imports from a thread of its own,
+ * started at the first export, over a Unix socket in the abstract
+ * namespace (so both processes need the same network namespace); a handle
+ * carries a random 128-bit secret, and the memory's file descriptors pass
+ * through the socket. The handle names the memory of the whole 2 MiB
+ * granules the block lies in: an importer can reach a small block's
+ * neighbours, as with cudaIpcGetMemHandle.
+ *
+ * Lifetime: a block stays out of reuse in the exporting process while any
+ * process has it imported, even after the exporter freed it: the free
+ * succeeds, and the block waits (as a recorded block does) until the last
+ * importer closed it or exited. An import after the exporter freed the
+ * block fails (MAGPIE_ERR_IPC), unless the export was made with
+ * MAGPIE_IPC_HOLD: then the block is also held from the export until its
+ * first import (or magpie_ipc_revoke), for a handle sent to a process that
+ * imports it later (torch.multiprocessing does). When the exporting process
+ * exits, its importers keep their mappings valid until they close them;
+ * importing its handles fails. When an importing process exits, its
+ * imports are closed. Ordering between the processes' streams is the
+ * application's: finish the work that writes a block before sending its
+ * handle, and close an import only after the importer's work on it. */
+#define MAGPIE_IPC_HANDLE_SIZE 128
+typedef struct magpie_ipc_handle {
+  unsigned char bytes[MAGPIE_IPC_HANDLE_SIZE];
+} magpie_ipc_handle;
+/* magpie_ipc_export's flags. */
+#define MAGPIE_IPC_HOLD 1u
+/* MAGPIE_ERR_INVALID_POINTER: not the start of an allocated block;
+ * MAGPIE_ERR_IPC: the block's memory cannot be exported (ipc=0 when it was
+ * mapped, no virtual memory management, a graph pool's block). Exporting
+ * a block again gives the same handle (a new hold with MAGPIE_IPC_HOLD). */
+MAGPIE_API int magpie_ipc_export(void *ptr, unsigned flags, magpie_ipc_handle *out);
+/* Drops h's hold (MAGPIE_IPC_HOLD) if no import took it over, and makes
+ * later imports of h fail; imports already made stay valid. Only in the
+ * exporting process. */
+MAGPIE_API int magpie_ipc_revoke(const magpie_ipc_handle *h);
+/* size may be NULL. MAGPIE_ERR_IPC with the reason: the exporting process
+ * is gone or refused (block freed, handle revoked, corrupted), or its device
+ * is not visible here. Importing the same handle twice maps it twice. */
+MAGPIE_API int magpie_ipc_import(const magpie_ipc_handle *h, void **ptr, size_t *size);
+/* ptr: an address magpie_ipc_import returned. MAGPIE_ERR_INVALID_POINTER
+ * for any other. */
+MAGPIE_API int magpie_ipc_close(void *ptr, cudaStream_t stream);
+
+/* ---- Peer access ----
+ * Every mapping of device's memory, present and future, small and large,
+ * becomes readable and writable by kernels on peer (like
+ * cudaMemPoolSetAccess on a pool). Rights are never taken back.
+ * MAGPIE_ERR_NO_PEER_ACCESS when the hardware cannot connect the two;
+ * MAGPIE_ERR_INVALID_ARGUMENT for an unknown device or device == peer. */
+MAGPIE_API int magpie_device_enable_peer_access(int device, int peer);
+/* *can: 1 if magpie_device_enable_peer_access(device, peer) can succeed. */
+MAGPIE_API int magpie_device_can_access_peer(int device, int peer, int *can);
 
 /* Errors. */
 MAGPIE_API int magpie_last_error(void);

@@ -41,6 +41,37 @@
  * environment is read once, at first use; a malformed value makes every
  * call fail with MAGPIE_ERR_CONFIG and a message naming the variable.
  *
+ * Access rights, as on a machine of several GPUs: a device's memory is
+ * accessible to that device's work only, until peer access is granted
+ * (magpie_device_enable_peer_access; in the device table, map's and
+ * import_map's peers, set_access and, for plain allocations without VMM,
+ * peer_enable). Every pair of devices can be connected, as on an NVLink
+ * machine, unless magpie_sim_set_peer_capable says otherwise (a PCIe
+ * machine without peer-to-peer); a grant to a device that cannot be
+ * connected fails with MAGPIE_ERR_NO_PEER_ACCESS. Since a simulated kernel
+ * is host code that could touch any address, the rights are enforced where
+ * the work says what it touches: magpie_sim_launch_access refuses, at
+ * enqueue, work whose stream's device may not access its range, the fault a
+ * GPU would raise when the kernel ran; magpie_sim_access_check asks the same
+ * question anywhere. Work launched with magpie_sim_launch is not checked.
+ *
+ * Sharing memory with other processes (IPC): memory the device table maps
+ * exportable (as magpie does with MAGPIE_CONF=ipc=1, the default) is backed
+ * by one memfd per 2 MiB granule, mapped shared, instead of anonymous
+ * memory. Another process using the simulated device maps the same
+ * physical memory from those descriptors (passed over a Unix socket, as
+ * magpie_ipc_import does), on its device of the same UUID; writes on either
+ * side are seen by the other. As with CUDA, the memory lives until its last
+ * mapping in any process is gone: the exporter's unmap or exit leaves the
+ * importers' mappings intact, and an import takes none of the importing
+ * device's capacity (the exporter's device counts it). Each exportable
+ * granule keeps a file descriptor open in the exporting process (a 4 GiB
+ * device has 2048 granules), so the simulator raises the process's soft
+ * limit of open descriptors (RLIMIT_NOFILE) to its hard limit at first use
+ * (code that still uses select() must not use descriptors above 1023); a
+ * map that runs out fails with MAGPIE_ERR_OUT_OF_MEMORY saying so (raise
+ * the hard limit, or set MAGPIE_CONF=ipc=0).
+ *
  * The simulator is a library of its own, not part of libmagpie.so or
  * libmagpie.a: link libmagpie_sim.so (-lmagpie_sim) or libmagpie_sim.a
  * (Bazel: //sim) to call these functions. magpie uses the simulated device
@@ -145,7 +176,8 @@ MAGPIE_API int magpie_sim_stream_wait_event(cudaStream_t s, magpie_sim_event e);
  *     driver 580); magpie_sim_stream_capture_info is the query allowed;
  *   - the calls CUDA calls potentially unsafe, from a thread whose capture
  *     mode prohibits them: reserving, mapping, unmapping, allocating or
- *     freeing device memory, querying or synchronising an event (recorded
+ *     freeing device memory, granting peers access to it, exporting or
+ *     importing it, querying or synchronising an event (recorded
  *     outside any capture) or a stream (one not capturing). Prohibited in
  *     MAGPIE_SIM_CAPTURE_GLOBAL while any other thread runs a global-mode
  *     capture, and in GLOBAL and THREAD_LOCAL while the thread itself runs
@@ -203,6 +235,29 @@ MAGPIE_API uint64_t magpie_sim_capture_violations(void);
 
 /* Capacity and use of the simulated device memory, in bytes. */
 MAGPIE_API int magpie_sim_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
+
+/* Peer access (see the access rights above). Whether device's memory can
+ * be made accessible from peer (capable 1, the default for every pair) or
+ * not (0: no peer-to-peer path, as on a PCIe machine without P2P); one
+ * direction only. Rights granted before stay. MAGPIE_ERR_INVALID_ARGUMENT
+ * for an unknown device or device == peer. */
+MAGPIE_API int magpie_sim_set_peer_capable(int device, int peer, int capable);
+/* Whether work of device may touch every byte of [p, p+n) (n == 0: nothing
+ * to touch, MAGPIE_OK). MAGPIE_OK: all of it is mapped simulated device
+ * memory (of any device, a VMM granule or a plain allocation) accessible
+ * from device. MAGPIE_ERR_NO_PEER_ACCESS: some of it is another device's
+ * memory not opened to device (the message names both devices and the
+ * first such address). MAGPIE_ERR_INVALID_ARGUMENT: some of it is not
+ * mapped device memory, or device is unknown. An answer about the present:
+ * memory unmapped afterwards is not watched. */
+MAGPIE_API int magpie_sim_access_check(int device, const void *p, size_t n);
+/* magpie_sim_launch of fn(arg) on s for a simulated kernel that touches
+ * [p, p+n): first, on the host at enqueue, magpie_sim_access_check from
+ * s's device; when it fails, nothing is enqueued (fn never runs) and its
+ * error is returned, as a GPU faults on a kernel touching memory its device
+ * may not access. On a capturing stream the check is made when the launch
+ * is captured; the graph's replays are not checked again. */
+MAGPIE_API int magpie_sim_launch_access(cudaStream_t s, void (*fn)(void *), void *arg, const void *p, size_t n);
 
 /* Stream-order checker. While on, every block magpie hands out is checked
  * against the uses recorded when its bytes were last freed: each such use

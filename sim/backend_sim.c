@@ -6,6 +6,8 @@
  * through magpie_sim_device_table (below), the simulator's one entry point
  * for it, whether the simulator is linked into the program or loaded as
  * libmagpie_sim.so. */
+#include <string.h>
+
 #include "device/backend.h"
 #include "sim/sim_check.h"
 #include "sim/sim_internal.h"
@@ -75,11 +77,11 @@ static int backend_sim_unreserve(int device, uintptr_t base, size_t size) {
   return rc;
 }
 
-static int backend_sim_map(int device, uintptr_t addr, size_t size) {
+static int backend_sim_map(int device, uintptr_t addr, size_t size, unsigned flags, uint64_t peers) {
   int rc = backend_sim_need_vmm();
   if (rc != MAGPIE_OK) return rc;
   int mode = backend_sim_relaxed_begin();
-  rc = sim_memory_map(device, addr, size);
+  rc = sim_memory_map(device, addr, size, flags, peers);
   backend_sim_relaxed_end(mode);
   return rc;
 }
@@ -103,6 +105,62 @@ static int backend_sim_mem_alloc(int device, size_t size, uintptr_t *out) {
 static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) {
   int mode = backend_sim_relaxed_begin();
   int rc = sim_memory_free(device, ptr, size);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
+
+/* Peer access. can_access_peer is a query of the machine, not a memory
+ * call: no capture rule. The grants change device memory's mappings, as
+ * cuMemSetAccess and cuCtxEnablePeerAccess do: relaxed, like map. */
+static int backend_sim_can_access_peer(int device, int peer, int *can) {
+  return sim_memory_can_access_peer(device, peer, can);
+}
+
+static int backend_sim_set_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+  int rc = backend_sim_need_vmm();
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_set_access(device, addr, size, peers);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
+
+/* Not tied to VMM: without it, this is how a peer reaches the plain
+ * allocations. */
+static int backend_sim_peer_enable(int device, int peer) {
+  int mode = backend_sim_relaxed_begin();
+  int rc = sim_memory_peer_enable(device, peer);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
+
+/* "magpie-sim-dev" and the device's index, big-endian, in the last two
+ * bytes: the same in every process that simulates the device, so that
+ * processes can tell they share it, as GPUs' UUIDs let them. */
+static int backend_sim_device_uuid(int device, unsigned char uuid[16]) {
+  int rc = sim_check_device(device);
+  if (rc != MAGPIE_OK) return rc;
+  static const char prefix[14] = "magpie-sim-dev"; /* no terminating zero */
+  memcpy(uuid, prefix, sizeof prefix);
+  uuid[14] = (unsigned char)((unsigned)device >> 8);
+  uuid[15] = (unsigned char)device;
+  return MAGPIE_OK;
+}
+
+static int backend_sim_export_fds(int device, uintptr_t addr, size_t size, int *fds) {
+  int rc = backend_sim_need_vmm();
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_export_fds(device, addr, size, fds);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
+
+static int backend_sim_import_map(int device, uintptr_t addr, size_t size, const int *fds, uint64_t peers) {
+  int rc = backend_sim_need_vmm();
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_import_map(device, addr, size, fds, peers);
   backend_sim_relaxed_end(mode);
   return rc;
 }
@@ -198,6 +256,12 @@ static const backend_ops backend_sim_ops = {
     .unmap = backend_sim_unmap,
     .mem_alloc = backend_sim_mem_alloc,
     .mem_free = backend_sim_mem_free,
+    .can_access_peer = backend_sim_can_access_peer,
+    .set_access = backend_sim_set_access,
+    .peer_enable = backend_sim_peer_enable,
+    .device_uuid = backend_sim_device_uuid,
+    .export_fds = backend_sim_export_fds,
+    .import_map = backend_sim_import_map,
     .event_create = backend_sim_event_create,
     .event_destroy = backend_sim_event_destroy,
     .event_record = backend_sim_event_record,

@@ -241,8 +241,10 @@ int sim_event_stream_wait(cudaStream_t s, magpie_sim_event e);
 
 /* ---- memory (sim_memory.c) ---- */
 
-/* Reads MAGPIE_SIM_MEMORY and MAGPIE_SIM_VMM; called once by sim_init.
- * Returns MAGPIE_OK or MAGPIE_ERR_CONFIG with the reason in detail. */
+/* Reads MAGPIE_SIM_MEMORY and MAGPIE_SIM_VMM, and raises the soft limit of
+ * open descriptors to the hard one (each exportable granule keeps one);
+ * called once by sim_init. Returns MAGPIE_OK or MAGPIE_ERR_CONFIG with the
+ * reason in detail. */
 int sim_memory_configure(char *detail, size_t detail_len);
 /* Capacity of one device (tests set small ones). Bytes already in use stay
  * in use; a capacity below them leaves no free memory until they are
@@ -255,10 +257,30 @@ void sim_memory_set_vmm(int supported);
 int sim_memory_info(int device, size_t *free_bytes, size_t *total_bytes);
 int sim_memory_reserve(int device, size_t size, uintptr_t *base);
 int sim_memory_unreserve(int device, uintptr_t base, size_t size);
-int sim_memory_map(int device, uintptr_t addr, size_t size);
+/* As the device table's map (flags: BACKEND_MAP_*; peers: devices that
+ * may access the granules besides device). */
+int sim_memory_map(int device, uintptr_t addr, size_t size, unsigned flags, uint64_t peers);
+/* Undoes map or import_map; capacity comes back for the granules map
+ * mapped, not for imported ones (they took none). */
 int sim_memory_unmap(int device, uintptr_t addr, size_t size);
 int sim_memory_alloc(int device, size_t size, uintptr_t *out);
 int sim_memory_free(int device, uintptr_t ptr, size_t size);
+
+/* Access rights and sharing, as the device table's operations of the same
+ * names (device/backend.h). set_access, peer_enable, export_fds and
+ * import_map follow the capture rule of the calls above
+ * (sim_capture_unsafe_call). */
+int sim_memory_can_access_peer(int device, int peer, int *can);
+/* Whether device's memory can be opened to peer (magpie_sim_set_peer_capable). */
+int sim_memory_set_peer_capable(int device, int peer, int capable);
+int sim_memory_set_access(int device, uintptr_t addr, size_t size, uint64_t peers);
+int sim_memory_peer_enable(int device, int peer);
+int sim_memory_export_fds(int device, uintptr_t addr, size_t size, int *fds);
+int sim_memory_import_map(int device, uintptr_t addr, size_t size, const int *fds, uint64_t peers);
+/* magpie_sim_access_check and magpie_sim_launch_access, without the
+ * thread's last error. */
+int sim_memory_access_check(int device, uintptr_t p, size_t n);
+int sim_memory_launch_access(cudaStream_t h, void (*fn)(void *), void *arg, const void *p, size_t n);
 
 /* ---- stream capture and graphs (sim_graph.c; rules in magpie_sim.h) ---- */
 

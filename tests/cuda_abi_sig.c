@@ -23,6 +23,8 @@ typedef CUstreamCaptureMode cudrv_capture_mode;
 typedef CUmemLocation cudrv_mem_location;
 typedef CUmemAllocationProp cudrv_mem_alloc_prop;
 typedef CUmemAccessDesc cudrv_mem_access_desc;
+typedef CUuuid cudrv_uuid;
+typedef CUmemAllocationHandleType cudrv_mem_handle_type;
 #define CUDRV_EXTERNAL_TYPES
 #include "device/cuda_driver.h"
 

@@ -50,6 +50,7 @@ _Static_assert(sizeof(cudrv_jit_option) == sizeof(CUjit_option), "CUjit_option")
 _Static_assert(sizeof(cudrv_mem_pool_attr) == sizeof(CUmemPool_attribute), "CUmemPool_attribute");
 _Static_assert(sizeof(cudrv_capture_status) == sizeof(CUstreamCaptureStatus), "CUstreamCaptureStatus");
 _Static_assert(sizeof(cudrv_capture_mode) == sizeof(CUstreamCaptureMode), "CUstreamCaptureMode");
+_Static_assert(sizeof(cudrv_mem_handle_type) == sizeof(CUmemAllocationHandleType), "CUmemAllocationHandleType");
 
 /* Handles are CUDA's own types, and magpie.h's cudaStream_t is CUstream. */
 _Static_assert(SAME_TYPE(cudrv_context, CUcontext), "CUcontext");
@@ -88,6 +89,9 @@ FIELD(cudrv_mem_alloc_prop, alloc_flags.gpu_direct_rdma_capable, CUmemAllocation
 FIELD(cudrv_mem_alloc_prop, alloc_flags.usage, CUmemAllocationProp, allocFlags.usage);
 FIELD(cudrv_mem_alloc_prop, alloc_flags.reserved, CUmemAllocationProp, allocFlags.reserved);
 
+LAYOUT(cudrv_uuid, CUuuid);
+FIELD(cudrv_uuid, bytes, CUuuid, bytes);
+
 LAYOUT(cudrv_mem_access_desc, CUmemAccessDesc);
 FIELD(cudrv_mem_access_desc, location, CUmemAccessDesc, location);
 FIELD(cudrv_mem_access_desc, flags, CUmemAccessDesc, flags);
@@ -111,6 +115,8 @@ _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
   X(CUDRV_ERROR_INVALID_HANDLE, CUDA_ERROR_INVALID_HANDLE)                                         \
   X(CUDRV_ERROR_NOT_FOUND, CUDA_ERROR_NOT_FOUND)                                                   \
   X(CUDRV_ERROR_NOT_READY, CUDA_ERROR_NOT_READY)                                                   \
+  X(CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED, CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)                       \
+  X(CUDRV_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)               \
   X(CUDRV_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_CONTEXT_IS_DESTROYED)                             \
   X(CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)                 \
   X(CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)                 \
@@ -123,6 +129,7 @@ _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
   X(CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) \
   X(CUDRV_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_ALLOCATION_TYPE_PINNED)                               \
   X(CUDRV_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_NONE)                                           \
+  X(CUDRV_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)         \
   X(CUDRV_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_DEVICE)                                   \
   X(CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)                     \
   X(CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_MINIMUM)                         \
@@ -349,7 +356,7 @@ static void test_backend_without_driver(void **state) {
   assert_int_not_equal(b->granularity(0, &sz), MAGPIE_OK);
   assert_int_not_equal(b->reserve(0, 1 << 21, &p), MAGPIE_OK);
   assert_int_not_equal(b->unreserve(0, 1 << 21, 1 << 21), MAGPIE_OK);
-  assert_int_not_equal(b->map(0, 1 << 21, 1 << 21), MAGPIE_OK);
+  assert_int_not_equal(b->map(0, 1 << 21, 1 << 21, 0, 0), MAGPIE_OK);
   assert_int_not_equal(b->unmap(0, 1 << 21, 1 << 21), MAGPIE_OK);
   assert_int_not_equal(b->mem_alloc(0, 256, &p), MAGPIE_OK);
   assert_int_not_equal(b->mem_free(0, 256, 256), MAGPIE_OK);
@@ -362,6 +369,14 @@ static void test_backend_without_driver(void **state) {
   assert_int_not_equal(b->stream_id(NULL, &id), MAGPIE_OK);
   assert_int_not_equal(b->stream_device(NULL, &n), MAGPIE_OK);
   assert_int_not_equal(b->device_synchronize(0), MAGPIE_OK);
+  unsigned char uuid[16];
+  int fd = 0;
+  assert_int_not_equal(b->can_access_peer(0, 1, &n), MAGPIE_OK);
+  assert_int_not_equal(b->set_access(0, 1 << 21, 1 << 21, 2), MAGPIE_OK);
+  assert_int_not_equal(b->peer_enable(0, 1), MAGPIE_OK);
+  assert_int_not_equal(b->device_uuid(0, uuid), MAGPIE_OK);
+  assert_int_not_equal(b->export_fds(0, 1 << 21, 1 << 21, &fd), MAGPIE_OK);
+  assert_int_not_equal(b->import_map(0, 1 << 21, 1 << 21, &fd, 0), MAGPIE_OK);
   assert_true(strlen(backend_error_detail()) > 0);
 }
 

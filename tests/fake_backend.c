@@ -141,7 +141,9 @@ static int f_unreserve(int d, uintptr_t base, size_t size) {
 static _Atomic unsigned fake_map_delay_us;
 void fake_set_map_delay_us(unsigned us) { fake_map_delay_us = us; }
 
-static int f_map(int d, uintptr_t a, size_t size) {
+static int f_map(int d, uintptr_t a, size_t size, unsigned flags, uint64_t peers) {
+  (void)flags; /* the fake device neither exports nor has peers */
+  (void)peers;
   if (fake_map_delay_us) usleep(fake_map_delay_us);
   pthread_mutex_lock(&fake_lock);
   if (fake_mapped[d] + size > fake_capacity[d]) {

@@ -74,9 +74,9 @@ static int f_reserve(int d, size_t size, uintptr_t *base) {
   return fault_inner->reserve(d, size, base);
 }
 static int f_unreserve(int d, uintptr_t base, size_t size) { return fault_inner->unreserve(d, base, size); }
-static int f_map(int d, uintptr_t a, size_t size) {
+static int f_map(int d, uintptr_t a, size_t size, unsigned flags, uint64_t peers) {
   FAULT(FAULT_MAP, MAGPIE_ERR_OUT_OF_MEMORY);
-  return fault_inner->map(d, a, size);
+  return fault_inner->map(d, a, size, flags, peers);
 }
 static int f_unmap(int d, uintptr_t a, size_t size) {
   FAULT(FAULT_UNMAP, MAGPIE_ERR_BACKEND);
@@ -158,6 +158,8 @@ static backend_ops fault_ops = {
 
 const backend_ops *fault_backend(const backend_ops *inner) {
   fault_inner = inner;
+  /* Peer access and sharing: passed through as they are. */
+  backend_copy_sharing(&fault_ops, inner);
   /* Not operations: the inner device's detail buffer and observer (the
    * simulated device's stream-order checker) as they are. */
   fault_ops.error_detail = inner->error_detail;

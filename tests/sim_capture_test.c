@@ -755,7 +755,7 @@ static void test_allowed_during_capture(void **state) {
   /* Memory calls. */
   uintptr_t base;
   assert_int_equal(sim_memory_reserve(0, 2 * MiB, &base), MAGPIE_OK);
-  assert_int_equal(sim_memory_map(0, base, 2 * MiB), MAGPIE_OK);
+  assert_int_equal(sim_memory_map(0, base, 2 * MiB, 0, 0), MAGPIE_OK);
   assert_int_equal(sim_memory_unmap(0, base, 2 * MiB), MAGPIE_OK);
   assert_int_equal(sim_memory_unreserve(0, base, 2 * MiB), MAGPIE_OK);
   assert_int_equal(set_mode(old), MAGPIE_SIM_CAPTURE_RELAXED);
@@ -951,7 +951,7 @@ struct fixture {
 
 static void fixture_init(struct fixture *m) {
   assert_int_equal(sim_memory_reserve(0, 4 * MiB, &m->base), MAGPIE_OK);
-  assert_int_equal(sim_memory_map(0, m->base, 2 * MiB), MAGPIE_OK);
+  assert_int_equal(sim_memory_map(0, m->base, 2 * MiB, 0, 0), MAGPIE_OK);
   assert_int_equal(sim_memory_reserve(0, 2 * MiB, &m->spare), MAGPIE_OK);
   assert_int_equal(sim_memory_alloc(0, 2 * MiB, &m->alloc), MAGPIE_OK);
   m->stream = mk();
@@ -985,12 +985,12 @@ static int unsafe_call(const struct fixture *m, enum unsafe_op op) {
     if (rc == MAGPIE_OK) fail_msg("the spare reservation was released while the fixture needs it");
     return rc;
   case OP_MAP:
-    rc = sim_memory_map(0, m->base + 2 * MiB, 2 * MiB);
+    rc = sim_memory_map(0, m->base + 2 * MiB, 2 * MiB, 0, 0);
     if (rc == MAGPIE_OK) assert_int_equal(sim_memory_unmap(0, m->base + 2 * MiB, 2 * MiB), MAGPIE_OK);
     return rc;
   case OP_UNMAP:
     rc = sim_memory_unmap(0, m->base, 2 * MiB);
-    if (rc == MAGPIE_OK) assert_int_equal(sim_memory_map(0, m->base, 2 * MiB), MAGPIE_OK);
+    if (rc == MAGPIE_OK) assert_int_equal(sim_memory_map(0, m->base, 2 * MiB, 0, 0), MAGPIE_OK);
     return rc;
   case OP_ALLOC:
     rc = sim_memory_alloc(0, 2 * MiB, &p);
@@ -1310,7 +1310,7 @@ static void test_backend_table(void **state) {
   uint64_t v0 = magpie_sim_capture_violations();
   uintptr_t base, p;
   assert_int_equal(ops->reserve(0, 4 * MiB, &base), MAGPIE_OK);
-  assert_int_equal(ops->map(0, base, 4 * MiB), MAGPIE_OK);
+  assert_int_equal(ops->map(0, base, 4 * MiB, 0, 0), MAGPIE_OK);
   assert_int_equal(ops->unmap(0, base, 2 * MiB), MAGPIE_OK);
   assert_int_equal(ops->mem_alloc(0, 2 * MiB, &p), MAGPIE_OK);
   assert_int_equal(ops->mem_free(0, p, 2 * MiB), MAGPIE_OK);
@@ -1331,7 +1331,7 @@ static void test_backend_table(void **state) {
   /* This thread's own global capture too. */
   cudaStream_t own = mk();
   assert_int_equal(magpie_sim_stream_begin_capture(own, MAGPIE_SIM_CAPTURE_GLOBAL), MAGPIE_OK);
-  assert_int_equal(ops->map(0, base, 2 * MiB), MAGPIE_OK);
+  assert_int_equal(ops->map(0, base, 2 * MiB, 0, 0), MAGPIE_OK);
   assert_int_equal(ops->unmap(0, base, 4 * MiB), MAGPIE_OK);
   assert_int_equal(ops->unreserve(0, base, 4 * MiB), MAGPIE_OK);
   assert_int_equal(ops->event_record(ev, u), MAGPIE_OK);
@@ -1425,7 +1425,7 @@ static void *capture_worker_main(void *arg) {
     for (int i = 0; i < 3; i++)
       if (magpie_sim_launch(s, add_one, &w->counter) != MAGPIE_OK) w->failures++;
     uintptr_t base;
-    if (ops->reserve(0, 2 * MiB, &base) != MAGPIE_OK || ops->map(0, base, 2 * MiB) != MAGPIE_OK ||
+    if (ops->reserve(0, 2 * MiB, &base) != MAGPIE_OK || ops->map(0, base, 2 * MiB, 0, 0) != MAGPIE_OK ||
         ops->unmap(0, base, 2 * MiB) != MAGPIE_OK || ops->unreserve(0, base, 2 * MiB) != MAGPIE_OK)
       w->failures++;
     int st;

@@ -13,7 +13,7 @@ static void test_memory_reserve_map_unmap(void **state) {
   assert_int_equal(base % SIM_GRANULARITY, 0);
   assert_int_equal(sim_memory_info(0, &f, &t), MAGPIE_OK);
   assert_true(f == free0); /* a reservation costs no capacity */
-  assert_int_equal(sim_memory_map(0, base + 2 * MiB, 4 * MiB), MAGPIE_OK);
+  assert_int_equal(sim_memory_map(0, base + 2 * MiB, 4 * MiB, 0, 0), MAGPIE_OK);
   assert_int_equal(sim_memory_info(0, &f, &t), MAGPIE_OK);
   assert_true(f == free0 - 4 * MiB && t == total0);
   memset((void *)(base + 2 * MiB), 0xab, 4 * MiB);
@@ -21,11 +21,11 @@ static void test_memory_reserve_map_unmap(void **state) {
   /* Honest errors: mapping twice, unmapping what is not mapped, ranges
    * outside reservations or not on the granularity, unreserving a mapped
    * reservation. Each leaves the figures unchanged. */
-  assert_int_equal(sim_memory_map(0, base + 4 * MiB, 2 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(sim_memory_map(0, base + 4 * MiB, 2 * MiB, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
   assert_int_equal(sim_memory_unmap(0, base, 2 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
-  assert_int_equal(sim_memory_map(0, base + 1, 2 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
-  assert_int_equal(sim_memory_map(0, base + 6 * MiB, 4 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
-  assert_int_equal(sim_memory_map(1, base, 2 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(sim_memory_map(0, base + 1, 2 * MiB, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(sim_memory_map(0, base + 6 * MiB, 4 * MiB, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(sim_memory_map(1, base, 2 * MiB, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
   assert_int_equal(sim_memory_unreserve(0, base, 8 * MiB), MAGPIE_ERR_INVALID_ARGUMENT);
   assert_true(strlen(backend_error_detail()) > 0);
   assert_int_equal(sim_memory_info(0, &f, &t), MAGPIE_OK);
@@ -36,7 +36,7 @@ static void test_memory_reserve_map_unmap(void **state) {
   assert_true(f == free0 - 2 * MiB);
   assert_int_equal(sim_memory_unmap(0, base + 4 * MiB, 2 * MiB), MAGPIE_OK);
   /* Mapped again after an unmap: usable. */
-  assert_int_equal(sim_memory_map(0, base, 8 * MiB), MAGPIE_OK);
+  assert_int_equal(sim_memory_map(0, base, 8 * MiB, 0, 0), MAGPIE_OK);
   ((volatile char *)base)[8 * MiB - 1] = 1;
   assert_int_equal(sim_memory_unmap(0, base, 8 * MiB), MAGPIE_OK);
   assert_int_equal(sim_memory_info(0, &f, &t), MAGPIE_OK);
@@ -55,12 +55,12 @@ static void test_memory_over_capacity(void **state) {
   assert_true(f == 6 * MiB && t == 6 * MiB);
   uintptr_t base;
   assert_int_equal(sim_memory_reserve(1, 16 * MiB, &base), MAGPIE_OK);
-  assert_int_equal(sim_memory_map(1, base, 4 * MiB), MAGPIE_OK);
-  assert_int_equal(sim_memory_map(1, base + 4 * MiB, 4 * MiB), MAGPIE_ERR_OUT_OF_MEMORY);
+  assert_int_equal(sim_memory_map(1, base, 4 * MiB, 0, 0), MAGPIE_OK);
+  assert_int_equal(sim_memory_map(1, base + 4 * MiB, 4 * MiB, 0, 0), MAGPIE_ERR_OUT_OF_MEMORY);
   assert_int_equal(magpie_sim_mem_info(1, &f, &t), MAGPIE_OK);
   assert_true(f == 2 * MiB && t == 6 * MiB);
   /* The failed map left its range unmapped: mapping part of it works. */
-  assert_int_equal(sim_memory_map(1, base + 4 * MiB, 2 * MiB), MAGPIE_OK);
+  assert_int_equal(sim_memory_map(1, base + 4 * MiB, 2 * MiB, 0, 0), MAGPIE_OK);
   assert_int_equal(magpie_sim_mem_info(1, &f, &t), MAGPIE_OK);
   assert_true(f == 0);
   uintptr_t p;
@@ -197,7 +197,7 @@ static void test_backend_table(void **state) {
   /* Virtual memory. */
   uintptr_t base, p;
   assert_int_equal(ops->reserve(0, 4 * gran, &base), MAGPIE_OK);
-  assert_int_equal(ops->map(0, base, 2 * gran), MAGPIE_OK);
+  assert_int_equal(ops->map(0, base, 2 * gran, 0, 0), MAGPIE_OK);
   *(volatile int *)base = 7;
   size_t f2;
   assert_int_equal(ops->mem_info(0, &f2, &t), MAGPIE_OK);

@@ -8,6 +8,11 @@ memory, from Python.
     ...
     print(magpie.stats())
 
+magpie.ipc shares blocks with other processes (magpie.torch.use() routes
+CUDA tensors sent through torch.multiprocessing to it: magpie.torch_ipc);
+magpie.enable_peer_access and magpie.can_access_peer open a device's memory
+to another device's kernels.
+
 The shared library is found through $MAGPIE_LIB, next to this package, or
 the repository's bazel-bin (bazel build //:libmagpie.so). Under
 LD_PRELOAD=libmagpie_preload.so, point MAGPIE_LIB at that library so that
@@ -20,8 +25,10 @@ import tempfile
 
 from . import _lib
 from . import cupy  # noqa: F401  (magpie.cupy.use)
+from . import ipc  # noqa: F401  (magpie.ipc.export, open, revoke)
 from . import rmm  # noqa: F401  (magpie.rmm.use; imports rmm only when called)
 from . import torch  # noqa: F401  (magpie.torch.use)
+from . import torch_ipc  # noqa: F401  (CUDA tensors through torch.multiprocessing)
 
 
 class MagpieError(RuntimeError):
@@ -103,3 +110,21 @@ def stream_retire(stream):
     cudaStream_t) that magpie has seen; what magpie holds under its handle
     is sealed while the handle is valid (see magpie.h)."""
     _check(_need("magpie_stream_retire")(ctypes.c_void_p(stream)))
+
+
+def enable_peer_access(device, peer):
+    """magpie_device_enable_peer_access: every mapping of device's memory,
+    present and future, becomes readable and writable by kernels on peer.
+    Rights are never taken back. MagpieError with MAGPIE_ERR_NO_PEER_ACCESS
+    (14) where the hardware cannot connect the two, MAGPIE_ERR_INVALID_ARGUMENT
+    (7) for an unknown device or device == peer."""
+    _check(_need("magpie_device_enable_peer_access")(device, peer))
+
+
+def can_access_peer(device, peer):
+    """magpie_device_can_access_peer: whether enable_peer_access(device,
+    peer) can succeed. Raises, as enable_peer_access does, for an unknown
+    device or device == peer: those are mistakes, not a "no"."""
+    can = ctypes.c_int(0)
+    _check(_need("magpie_device_can_access_peer")(device, peer, ctypes.byref(can)))
+    return bool(can.value)

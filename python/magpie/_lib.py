@@ -69,6 +69,18 @@ class Stats(ctypes.Structure):
         return out
 
 
+# magpie_ipc_handle: MAGPIE_IPC_HANDLE_SIZE plain bytes.
+IPC_HANDLE_SIZE = 128
+# magpie_ipc_export's flag MAGPIE_IPC_HOLD.
+IPC_HOLD = 1
+
+
+class IpcHandle(ctypes.Structure):
+    """magpie_ipc_handle (include/magpie.h)."""
+
+    _fields_ = [("bytes", ctypes.c_ubyte * IPC_HANDLE_SIZE)]
+
+
 _lib = None
 
 
@@ -101,6 +113,16 @@ _OPTIONAL = {
     "magpie_stats_reset_peaks": ([ctypes.c_int], ctypes.c_int),
     "magpie_set_limit": ([ctypes.c_int, ctypes.c_size_t], ctypes.c_int),
     "magpie_snapshot_json": ([ctypes.c_int, ctypes.c_void_p], ctypes.c_int),
+    "magpie_block_info": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+    "magpie_ipc_export": ([ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(IpcHandle)], ctypes.c_int),
+    "magpie_ipc_revoke": ([ctypes.POINTER(IpcHandle)], ctypes.c_int),
+    "magpie_ipc_import": (
+        [ctypes.POINTER(IpcHandle), ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)],
+        ctypes.c_int,
+    ),
+    "magpie_ipc_close": ([ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
+    "magpie_device_enable_peer_access": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "magpie_device_can_access_peer": ([ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
 }
 
 

@@ -46,12 +46,18 @@ thread's cache is not seen); use the native allocator for graphs.
 
 PyTorch frees a block on the stream it was allocated on (the pluggable
 allocator passes the allocation stream to the free).
+
+use() also makes CUDA tensors travel through torch.multiprocessing (queues,
+pipes, spawn arguments), which PyTorch's own reducer cannot do under a
+pluggable allocator: magpie_ipc_export with a hold in the sender,
+magpie_ipc_import in the receiver (magpie.torch_ipc says how, and what is
+decided about lifetime and stream order).
 """
 import ctypes
 import threading
 import warnings
 
-from . import _lib, _shim
+from . import _lib, _shim, torch_ipc
 
 _allocator = None
 _kind = None
@@ -85,7 +91,9 @@ def use(native=None):
     installed PyTorch on first use; if it cannot be built, a warning says
     why and PyTorch's CUDAPluggableAllocator wrapper is used instead (one
     lock per allocation and free). native=True: the former or an error;
-    native=False: the wrapper. Returns PyTorch's allocator object."""
+    native=False: the wrapper. Either way CUDA tensors in magpie's blocks
+    can then be sent through torch.multiprocessing (magpie.torch_ipc).
+    Returns PyTorch's allocator object."""
     global _allocator, _kind
     import torch as _torch
 
@@ -114,6 +122,7 @@ def use(native=None):
                 _torch.cuda.memory.change_current_allocator(plug)
                 _allocator, _kind = plug, "pluggable"
             patch_memory_api(_torch)
+            torch_ipc.install(_torch)
     return _allocator
 
 

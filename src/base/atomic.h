@@ -18,6 +18,11 @@
 #define atomic_add_acq_rel(p, v) atomic_fetch_add_explicit((p), (v), memory_order_acq_rel)
 #define atomic_sub_acq_rel(p, v) atomic_fetch_sub_explicit((p), (v), memory_order_acq_rel)
 #define atomic_exchange_acq_rel(p, v) atomic_exchange_explicit((p), (v), memory_order_acq_rel)
+/* Sequentially consistent: only where two threads each store one word and
+ * load the other's (a store-load pattern no weaker order covers). */
+#define atomic_load_seq_cst(p) atomic_load_explicit((p), memory_order_seq_cst)
+#define atomic_or_seq_cst(p, v) atomic_fetch_or_explicit((p), (v), memory_order_seq_cst)
+#define atomic_and_seq_cst(p, v) atomic_fetch_and_explicit((p), (v), memory_order_seq_cst)
 #define atomic_cas_weak_acq_rel(p, exp, des) \
   atomic_compare_exchange_weak_explicit((p), (exp), (des), memory_order_acq_rel, memory_order_acquire)
 #define atomic_cas_strong_acq_rel(p, exp, des) \

@@ -21,6 +21,8 @@ static const char *const error_names[MAGPIE_ERR_COUNT_] = {
     [MAGPIE_ERR_CONFIG] = "invalid configuration",
     [MAGPIE_ERR_ALREADY_INITIALIZED] = "magpie is already initialised",
     [MAGPIE_ERR_CAPTURE] = "not permitted while a stream captures a CUDA graph",
+    [MAGPIE_ERR_IPC] = "the shared block cannot be served or opened",
+    [MAGPIE_ERR_NO_PEER_ACCESS] = "the devices cannot access each other's memory",
 };
 
 MAGPIE_API const char *magpie_error_string(int code) {

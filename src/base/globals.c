@@ -15,4 +15,6 @@ global_vars globals = {
     .tcache_key_once = PTHREAD_ONCE_INIT,
     .tcache_list_lock = PTHREAD_MUTEX_INITIALIZER,
     .capture_lock = PTHREAD_MUTEX_INITIALIZER,
+    .ipc_lock = PTHREAD_MUTEX_INITIALIZER,
+    .ipc_listen_fd = -1,
 };

@@ -26,6 +26,11 @@
 /* event_query's answer for an event whose work has not completed. */
 #define BACKEND_NOT_READY (-1)
 
+/* map's flags. EXPORTABLE: the physical memory can be exported to other
+ * processes (export_fds); CUDA creates it with a POSIX file descriptor
+ * handle type, the simulated device backs it with a memfd. */
+#define BACKEND_MAP_EXPORTABLE 1u
+
 /* stream_capture's states (as CUstreamCaptureStatus). */
 enum { BACKEND_CAPTURE_NONE = 0, BACKEND_CAPTURE_ACTIVE = 1, BACKEND_CAPTURE_INVALIDATED = 2 };
 
@@ -78,12 +83,47 @@ typedef struct backend_ops {
   int (*reserve)(int device, size_t size, uintptr_t *base);
   int (*unreserve)(int device, uintptr_t base, size_t size);
   /* Back [addr, addr+size) with physical memory readable and writable by the
-   * device; addr and size are multiples of the granularity. */
-  int (*map)(int device, uintptr_t addr, size_t size);
+   * device and by every device whose bit is set in peers (bit d: device d;
+   * the caller checked can_access_peer); addr and size are multiples of the
+   * granularity. Each granule is its own physical allocation, so any run of
+   * granules can be unmapped or exported later. flags: BACKEND_MAP_*. */
+  int (*map)(int device, uintptr_t addr, size_t size, unsigned flags, uint64_t peers);
+  /* Undoes map or import_map, granule by granule. */
   int (*unmap)(int device, uintptr_t addr, size_t size);
   /* Fallback where VMM is unsupported: a plain device allocation. */
   int (*mem_alloc)(int device, size_t size, uintptr_t *out);
   int (*mem_free)(int device, uintptr_t ptr, size_t size);
+
+  /* The six operations below are optional (NULL: the device cannot share
+   * memory with other devices or processes; callers report that).
+   * Peer access (cudaMemPoolSetAccess, cuMemSetAccess). can_access_peer:
+   * *can = 1 if memory of device can be made accessible from peer, 0 if the
+   * two cannot be connected; MAGPIE_ERR_INVALID_ARGUMENT for device == peer
+   * or an unknown device.
+   * set_access: [addr, addr+size), granules mapped by map or import_map on
+   * device, becomes readable and writable from device and from every device
+   * in peers (rights are only ever added). peer_enable: without VMM, every
+   * mem_alloc allocation of device, present and future, becomes accessible
+   * from peer (cuCtxEnablePeerAccess); MAGPIE_OK if it already was. */
+  int (*can_access_peer)(int device, int peer, int *can);
+  int (*set_access)(int device, uintptr_t addr, size_t size, uint64_t peers);
+  int (*peer_enable)(int device, int peer);
+
+  /* Sharing with other processes. device_uuid: 16 bytes naming the device
+   * the same way in every process of the machine (CUDA: the GPU's UUID),
+   * whatever its ordinal there. export_fds: for each granule of
+   * [addr, addr+size), mapped with BACKEND_MAP_EXPORTABLE, a new file
+   * descriptor for its physical memory, in address order (fds has size /
+   * granularity entries); the caller closes them. On failure no descriptor
+   * stays open. import_map: maps granule i of [addr, addr+size) (reserved
+   * on device, unmapped) to the memory fds[i] exported, in this process or
+   * another, readable and writable by device and the devices in peers; the
+   * descriptors stay the caller's. The memory lives until every mapping of
+   * it, in every process, is unmapped: the exporter's unmap or death leaves
+   * an importer's mapping intact. Undone with unmap. */
+  int (*device_uuid)(int device, unsigned char uuid[16]);
+  int (*export_fds)(int device, uintptr_t addr, size_t size, int *fds);
+  int (*import_map)(int device, uintptr_t addr, size_t size, const int *fds, uint64_t peers);
 
   /* Events (opaque handles). event_query returns MAGPIE_OK once the work
    * captured by the last record completed, BACKEND_NOT_READY before. A query
@@ -126,8 +166,9 @@ typedef struct backend_ops {
    * stream_device fail (MAGPIE_ERR_CAPTURE: CUDA refuses them there, and
    * the capture is invalidated), as does recording an event meant to be
    * queried; a device synchronisation fails while any stream captures.
-   * The memory operations above (reserve, unreserve, map, unmap,
-   * mem_alloc, mem_free), event_query and event_synchronize run in the
+   * The memory operations (reserve, unreserve, map, unmap, mem_alloc,
+   * mem_free, set_access, peer_enable, export_fds, import_map),
+   * event_query and event_synchronize run in the
    * relaxed capture mode, so a capture in progress on another thread
    * neither refuses them nor is invalidated by them. */
   int (*stream_capture)(cudaStream_t stream, int *status, uint64_t *capture_id);
@@ -156,10 +197,22 @@ static inline int backend_capture_state(const backend_ops *ops, cudaStream_t s, 
   return st;
 }
 
+/* The sharing operations (can_access_peer .. import_map) of from, as they
+ * are, into to: what a wrapping table (timing, fault injection) passes
+ * through untouched. */
+static inline void backend_copy_sharing(backend_ops *to, const backend_ops *from) {
+  to->can_access_peer = from->can_access_peer;
+  to->set_access = from->set_access;
+  to->peer_enable = from->peer_enable;
+  to->device_uuid = from->device_uuid;
+  to->export_fds = from->export_fds;
+  to->import_map = from->import_map;
+}
+
 /* The layout a table handed across shared objects must have
  * (magpie_sim_device_table): a version raised by hand when the table's
  * meaning changes, and its size. */
-#define BACKEND_ABI_VERSION 2u
+#define BACKEND_ABI_VERSION 3u
 #define BACKEND_ABI ((BACKEND_ABI_VERSION << 16) | (unsigned)sizeof(backend_ops))
 
 /* The CUDA driver's table; the simulated device's is found at set-up

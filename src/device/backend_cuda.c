@@ -29,6 +29,7 @@
 #include "device/backend.h"
 
 #include "base/globals.h"
+#include "device/backend_cuda.h"
 #include "device/cuda_driver.h"
 
 /* The device arrays are globals.cuda_devices and cuda_ctx (base/globals.h). */
@@ -52,7 +53,7 @@ static const char *cuda_error_name(cudrv_result r) {
 }
 
 /* Sets the detail "<what> failed: CUDA_ERROR_X (n)" and returns code. */
-__attribute__((format(printf, 3, 4))) static int cuda_fail(int code, cudrv_result r, const char *fmt, ...) {
+__attribute__((format(printf, 3, 4))) int cuda_fail(int code, cudrv_result r, const char *fmt, ...) {
   char what[160];
   va_list ap;
   va_start(ap, fmt);
@@ -62,9 +63,7 @@ __attribute__((format(printf, 3, 4))) static int cuda_fail(int code, cudrv_resul
   return code;
 }
 
-static int cuda_code(cudrv_result r) {
-  return r == CUDRV_ERROR_OUT_OF_MEMORY ? MAGPIE_ERR_OUT_OF_MEMORY : MAGPIE_ERR_BACKEND;
-}
+int cuda_code(cudrv_result r) { return r == CUDRV_ERROR_OUT_OF_MEMORY ? MAGPIE_ERR_OUT_OF_MEMORY : MAGPIE_ERR_BACKEND; }
 
 /* For calls given a caller's stream: a bad handle or a stream whose context
  * is gone is the caller's stream being invalid, not a driver failure. */
@@ -82,16 +81,14 @@ static int cuda_stream_code(cudrv_result r) {
   }
 }
 
-static int cuda_ready(void) {
-  return atomic_load_explicit(&globals.cuda_state, memory_order_acquire) == CUDA_STATE_READY;
-}
+int cuda_ready(void) { return atomic_load_explicit(&globals.cuda_state, memory_order_acquire) == CUDA_STATE_READY; }
 
-static int cuda_not_ready(void) {
+int cuda_not_ready(void) {
   backend_set_error_detail("CUDA backend used before a successful init()");
   return MAGPIE_ERR_NO_DEVICE;
 }
 
-static int cuda_check_device(int device) {
+int cuda_check_device(int device) {
   if (device < 0 || device >= globals.cuda_ndevices) {
     backend_set_error_detail("CUDA device %d does not exist (%d device%s)", device, globals.cuda_ndevices,
                              globals.cuda_ndevices == 1 ? "" : "s");
@@ -161,7 +158,7 @@ static int cuda_init(void) {
 
 /* --- contexts ---------------------------------------------------------- */
 
-static int cuda_device_ctx(int device, cudrv_context *out) {
+int cuda_device_ctx(int device, cudrv_context *out) {
   cudrv_context ctx = atomic_load_explicit(&globals.cuda_ctx[device], memory_order_acquire);
   if (ctx != NULL) {
     *out = ctx;
@@ -210,7 +207,7 @@ static _Thread_local int cuda_saved_mode = -1;
 /* Every call between cuda_push and cuda_pop (the memory calls, device
  * synchronisation) runs in the relaxed capture mode (see cuda_relax):
  * PyTorch's allocator maps memory during captures the same way. */
-static int cuda_push(int device, const char *op) {
+int cuda_push(int device, const char *op) {
   cudrv_context ctx;
   int rc = cuda_device_ctx(device, &ctx);
   if (rc != MAGPIE_OK) return rc;
@@ -221,7 +218,7 @@ static int cuda_push(int device, const char *op) {
 }
 
 /* Undoes cuda_push; passes rc through unless the pop itself fails. */
-static int cuda_pop(int rc, const char *op) {
+int cuda_pop(int rc, const char *op) {
   cuda_unrelax(cuda_saved_mode);
   cuda_saved_mode = -1;
   cudrv_context ctx;
@@ -285,8 +282,10 @@ static int cuda_vmm_supported(int device, int *supported) {
   return MAGPIE_OK;
 }
 
-/* Pinned device memory on device, no export handle: what every map makes. */
-static void cuda_alloc_prop(int device, cudrv_mem_alloc_prop *prop) {
+/* Pinned device memory on device, with no export handle type: what the
+ * granularity is asked for, and what map makes without
+ * BACKEND_MAP_EXPORTABLE. */
+void cuda_alloc_prop(int device, cudrv_mem_alloc_prop *prop) {
   memset(prop, 0, sizeof *prop);
   prop->type = CUDRV_MEM_ALLOCATION_TYPE_PINNED;
   prop->requested_handle_types = CUDRV_MEM_HANDLE_TYPE_NONE;
@@ -295,7 +294,7 @@ static void cuda_alloc_prop(int device, cudrv_mem_alloc_prop *prop) {
 }
 
 /* The caller has checked device; no context needed. */
-static int cuda_granule(int device, size_t *bytes) {
+int cuda_granule(int device, size_t *bytes) {
   cudrv_mem_alloc_prop prop;
   cuda_alloc_prop(device, &prop);
   cudrv_result r = cudrv.mem_get_granularity(bytes, &prop, CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM);
@@ -315,7 +314,7 @@ static int cuda_granularity(int device, size_t *bytes) {
 
 /* Checks device and that addr and size are nonzero multiples of the
  * granularity, which it returns in *g. */
-static int cuda_check_range(int device, uintptr_t addr, size_t size, size_t *g, const char *op) {
+int cuda_check_range(int device, uintptr_t addr, size_t size, size_t *g, const char *op) {
   int rc = cuda_check_device(device);
   if (rc == MAGPIE_OK) rc = cuda_granule(device, g);
   if (rc != MAGPIE_OK) return rc;
@@ -352,51 +351,6 @@ static int cuda_unreserve(int device, uintptr_t base, size_t size) {
   if (r != CUDRV_SUCCESS)
     rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuMemAddressFree(0x%llx, %zu bytes)", (unsigned long long)base, size);
   return cuda_pop(rc, "cuMemAddressFree");
-}
-
-/* Backs one granule at addr. The handle is released once mapped: the
- * mapping keeps the memory alive, and cuMemUnmap then frees it. */
-static int cuda_map_granule(int device, uintptr_t addr, size_t g) {
-  cudrv_mem_alloc_prop prop;
-  cuda_alloc_prop(device, &prop);
-  cudrv_mem_access_desc access;
-  memset(&access, 0, sizeof access);
-  access.location = prop.location;
-  access.flags = CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE;
-
-  cudrv_mem_handle h = 0;
-  cudrv_result r = cudrv.mem_create(&h, g, &prop, 0);
-  if (r != CUDRV_SUCCESS) return cuda_fail(cuda_code(r), r, "cuMemCreate(%zu bytes)", g);
-  cudrv_deviceptr p = (cudrv_deviceptr)addr;
-  int rc = MAGPIE_OK;
-  r = cudrv.mem_map(p, g, 0, h, 0);
-  if (r != CUDRV_SUCCESS) {
-    rc = cuda_fail(cuda_code(r), r, "cuMemMap(0x%llx, %zu bytes)", p, g);
-    cudrv.mem_release(h); /* nothing more to undo if this fails too */
-    return rc;
-  }
-  r = cudrv.mem_set_access(p, g, &access, 1);
-  if (r != CUDRV_SUCCESS) rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes)", p, g);
-  cudrv_result rr = cudrv.mem_release(h);
-  if (rr != CUDRV_SUCCESS && rc == MAGPIE_OK) rc = cuda_fail(MAGPIE_ERR_BACKEND, rr, "cuMemRelease(0x%llx)", h);
-  if (rc != MAGPIE_OK) cudrv.mem_unmap(p, g); /* frees the memory once the handle is released */
-  return rc;
-}
-
-/* One physical allocation per granule, so that any granule-aligned part of
- * a mapped range can be unmapped later (cuMemUnmap cannot split a mapping).
- * A failure unmaps the granules already done. */
-static int cuda_map(int device, uintptr_t addr, size_t size) {
-  if (!cuda_ready()) return cuda_not_ready();
-  size_t g;
-  int rc = cuda_check_range(device, addr, size, &g, "map");
-  if (rc == MAGPIE_OK) rc = cuda_push(device, "map");
-  if (rc != MAGPIE_OK) return rc;
-  size_t done = 0;
-  while (done < size && (rc = cuda_map_granule(device, addr + done, g)) == MAGPIE_OK) done += g;
-  if (rc != MAGPIE_OK)
-    for (size_t off = 0; off < done; off += g) cudrv.mem_unmap((cudrv_deviceptr)(addr + off), g);
-  return cuda_pop(rc, "map");
 }
 
 static int cuda_unmap(int device, uintptr_t addr, size_t size) {
@@ -656,6 +610,12 @@ static const backend_ops cuda_ops = {
     .unmap = cuda_unmap,
     .mem_alloc = cuda_mem_alloc,
     .mem_free = cuda_mem_free,
+    .can_access_peer = cuda_can_access_peer,
+    .set_access = cuda_set_access,
+    .peer_enable = cuda_peer_enable,
+    .device_uuid = cuda_device_uuid,
+    .export_fds = cuda_export_fds,
+    .import_map = cuda_import_map,
     .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,

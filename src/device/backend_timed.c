@@ -113,9 +113,9 @@ static int timed_unreserve(int d, uintptr_t base, size_t size) {
   uint64_t t0 = timed_now();
   return timed_done(TIMED_UNRESERVE, t0, globals.timed_inner->unreserve(d, base, size));
 }
-static int timed_map(int d, uintptr_t a, size_t size) {
+static int timed_map(int d, uintptr_t a, size_t size, unsigned flags, uint64_t peers) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_MAP, t0, globals.timed_inner->map(d, a, size));
+  return timed_done(TIMED_MAP, t0, globals.timed_inner->map(d, a, size, flags, peers));
 }
 static int timed_unmap(int d, uintptr_t a, size_t size) {
   uint64_t t0 = timed_now();
@@ -208,6 +208,9 @@ const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms
   timed_ops.error_detail = inner->error_detail; /* not operations: as they are */
   timed_ops.observer = inner->observer;
   if (inner->stream_capture == NULL) timed_ops.stream_capture = NULL; /* optional: as it is */
+  /* Peer access and sharing: rare, set up once or one per import; passed
+   * through untimed, NULL where the inner table has none. */
+  backend_copy_sharing(&timed_ops, inner);
   return &timed_ops;
 }
 

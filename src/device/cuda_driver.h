@@ -50,6 +50,7 @@ typedef int cudrv_jit_option;                /* CUjit_option */
 typedef int cudrv_mem_pool_attr;             /* CUmemPool_attribute */
 typedef int cudrv_capture_status;            /* CUstreamCaptureStatus */
 typedef int cudrv_capture_mode;              /* CUstreamCaptureMode */
+typedef int cudrv_mem_handle_type;           /* CUmemAllocationHandleType */
 
 typedef struct cudrv_mem_location { /* CUmemLocation */
   int type;                         /* CUmemLocationType */
@@ -73,42 +74,49 @@ typedef struct cudrv_mem_access_desc { /* CUmemAccessDesc */
   cudrv_mem_location location;
   int flags; /* CUmemAccess_flags */
 } cudrv_mem_access_desc;
+
+typedef struct cudrv_uuid { /* CUuuid */
+  char bytes[16];
+} cudrv_uuid;
 #endif /* CUDRV_EXTERNAL_TYPES */
 
 /* Constants (the names after the colon are cuda.h's). */
 enum {
-  CUDRV_SUCCESS = 0,                            /* CUDA_SUCCESS */
-  CUDRV_ERROR_INVALID_VALUE = 1,                /* CUDA_ERROR_INVALID_VALUE */
-  CUDRV_ERROR_OUT_OF_MEMORY = 2,                /* CUDA_ERROR_OUT_OF_MEMORY */
-  CUDRV_ERROR_NOT_INITIALIZED = 3,              /* CUDA_ERROR_NOT_INITIALIZED */
-  CUDRV_ERROR_DEINITIALIZED = 4,                /* CUDA_ERROR_DEINITIALIZED */
-  CUDRV_ERROR_STUB_LIBRARY = 34,                /* CUDA_ERROR_STUB_LIBRARY */
-  CUDRV_ERROR_NO_DEVICE = 100,                  /* CUDA_ERROR_NO_DEVICE */
-  CUDRV_ERROR_INVALID_CONTEXT = 201,            /* CUDA_ERROR_INVALID_CONTEXT */
-  CUDRV_ERROR_INVALID_HANDLE = 400,             /* CUDA_ERROR_INVALID_HANDLE */
-  CUDRV_ERROR_NOT_FOUND = 500,                  /* CUDA_ERROR_NOT_FOUND */
-  CUDRV_ERROR_NOT_READY = 600,                  /* CUDA_ERROR_NOT_READY */
-  CUDRV_ERROR_CONTEXT_IS_DESTROYED = 709,       /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
-  CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900, /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
-  CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED = 901, /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
+  CUDRV_SUCCESS = 0,                             /* CUDA_SUCCESS */
+  CUDRV_ERROR_INVALID_VALUE = 1,                 /* CUDA_ERROR_INVALID_VALUE */
+  CUDRV_ERROR_OUT_OF_MEMORY = 2,                 /* CUDA_ERROR_OUT_OF_MEMORY */
+  CUDRV_ERROR_NOT_INITIALIZED = 3,               /* CUDA_ERROR_NOT_INITIALIZED */
+  CUDRV_ERROR_DEINITIALIZED = 4,                 /* CUDA_ERROR_DEINITIALIZED */
+  CUDRV_ERROR_STUB_LIBRARY = 34,                 /* CUDA_ERROR_STUB_LIBRARY */
+  CUDRV_ERROR_NO_DEVICE = 100,                   /* CUDA_ERROR_NO_DEVICE */
+  CUDRV_ERROR_INVALID_CONTEXT = 201,             /* CUDA_ERROR_INVALID_CONTEXT */
+  CUDRV_ERROR_INVALID_HANDLE = 400,              /* CUDA_ERROR_INVALID_HANDLE */
+  CUDRV_ERROR_NOT_FOUND = 500,                   /* CUDA_ERROR_NOT_FOUND */
+  CUDRV_ERROR_NOT_READY = 600,                   /* CUDA_ERROR_NOT_READY */
+  CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED = 217,     /* CUDA_ERROR_PEER_ACCESS_UNSUPPORTED */
+  CUDRV_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704, /* CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED */
+  CUDRV_ERROR_CONTEXT_IS_DESTROYED = 709,        /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
+  CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,  /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+  CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED = 901,  /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
 };
 
 enum {
-  CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED = 102, /* ..._VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
-  CUDRV_MEM_ALLOCATION_TYPE_PINNED = 1,       /* CU_MEM_ALLOCATION_TYPE_PINNED */
-  CUDRV_MEM_HANDLE_TYPE_NONE = 0,             /* CU_MEM_HANDLE_TYPE_NONE */
-  CUDRV_MEM_LOCATION_TYPE_DEVICE = 1,         /* CU_MEM_LOCATION_TYPE_DEVICE */
-  CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,  /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
-  CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM = 0,    /* CU_MEM_ALLOC_GRANULARITY_MINIMUM */
-  CUDRV_EVENT_DISABLE_TIMING = 2,             /* CU_EVENT_DISABLE_TIMING */
-  CUDRV_STREAM_NON_BLOCKING = 1,              /* CU_STREAM_NON_BLOCKING */
-  CUDRV_MEMHOSTALLOC_PORTABLE = 1,            /* CU_MEMHOSTALLOC_PORTABLE */
-  CUDRV_MEMHOSTALLOC_DEVICEMAP = 2,           /* CU_MEMHOSTALLOC_DEVICEMAP */
-  CUDRV_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,   /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */
-  CUDRV_JIT_ERROR_LOG_BUFFER = 5,             /* CU_JIT_ERROR_LOG_BUFFER */
-  CUDRV_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6,  /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */
-  CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM = 1,   /* CU_GET_PROC_ADDRESS_LEGACY_STREAM */
-  CUDRV_GET_PROC_ADDRESS_SUCCESS = 0,         /* CU_GET_PROC_ADDRESS_SUCCESS */
+  CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED = 102,      /* ..._VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+  CUDRV_MEM_ALLOCATION_TYPE_PINNED = 1,            /* CU_MEM_ALLOCATION_TYPE_PINNED */
+  CUDRV_MEM_HANDLE_TYPE_NONE = 0,                  /* CU_MEM_HANDLE_TYPE_NONE */
+  CUDRV_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1, /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+  CUDRV_MEM_LOCATION_TYPE_DEVICE = 1,              /* CU_MEM_LOCATION_TYPE_DEVICE */
+  CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,       /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
+  CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM = 0,         /* CU_MEM_ALLOC_GRANULARITY_MINIMUM */
+  CUDRV_EVENT_DISABLE_TIMING = 2,                  /* CU_EVENT_DISABLE_TIMING */
+  CUDRV_STREAM_NON_BLOCKING = 1,                   /* CU_STREAM_NON_BLOCKING */
+  CUDRV_MEMHOSTALLOC_PORTABLE = 1,                 /* CU_MEMHOSTALLOC_PORTABLE */
+  CUDRV_MEMHOSTALLOC_DEVICEMAP = 2,                /* CU_MEMHOSTALLOC_DEVICEMAP */
+  CUDRV_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,        /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD */
+  CUDRV_JIT_ERROR_LOG_BUFFER = 5,                  /* CU_JIT_ERROR_LOG_BUFFER */
+  CUDRV_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6,       /* CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES */
+  CUDRV_GET_PROC_ADDRESS_LEGACY_STREAM = 1,        /* CU_GET_PROC_ADDRESS_LEGACY_STREAM */
+  CUDRV_GET_PROC_ADDRESS_SUCCESS = 0,              /* CU_GET_PROC_ADDRESS_SUCCESS */
   CUDRV_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1,
   CUDRV_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2,
   CUDRV_STREAM_CAPTURE_STATUS_NONE = 0,        /* CU_STREAM_CAPTURE_STATUS_NONE */
@@ -152,41 +160,47 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
  *   CUDRV_LOAD_ALL fails without any of them; the library's own load
  *   (CUDRV_LOAD_LIBRARY) does not, and a missing one is then NULL.
  * CUDRV_OPTIONAL_FUNCS: NULL where the driver lacks them; test before use. */
-#define CUDRV_REQUIRED_FUNCS(X)                                \
-  X(init, cuInit, 2000)                                        \
-  X(driver_get_version, cuDriverGetVersion, 2020)              \
-  X(get_error_name, cuGetErrorName, 6000)                      \
-  X(device_get_count, cuDeviceGetCount, 2000)                  \
-  X(device_get, cuDeviceGet, 2000)                             \
-  X(device_get_attribute, cuDeviceGetAttribute, 2000)          \
-  X(primary_ctx_retain, cuDevicePrimaryCtxRetain, 7000)        \
-  X(ctx_push_current, cuCtxPushCurrent, 4000)                  \
-  X(ctx_pop_current, cuCtxPopCurrent, 4000)                    \
-  X(ctx_set_current, cuCtxSetCurrent, 4000)                    \
-  X(ctx_get_current, cuCtxGetCurrent, 4000)                    \
-  X(ctx_get_device, cuCtxGetDevice, 2000)                      \
-  X(ctx_synchronize, cuCtxSynchronize, 2000)                   \
-  X(mem_get_info, cuMemGetInfo, 3020)                          \
-  X(mem_alloc, cuMemAlloc, 3020)                               \
-  X(mem_free, cuMemFree, 3020)                                 \
-  X(mem_get_granularity, cuMemGetAllocationGranularity, 10020) \
-  X(mem_address_reserve, cuMemAddressReserve, 10020)           \
-  X(mem_address_free, cuMemAddressFree, 10020)                 \
-  X(mem_create, cuMemCreate, 10020)                            \
-  X(mem_map, cuMemMap, 10020)                                  \
-  X(mem_set_access, cuMemSetAccess, 10020)                     \
-  X(mem_release, cuMemRelease, 10020)                          \
-  X(mem_unmap, cuMemUnmap, 10020)                              \
-  X(event_create, cuEventCreate, 2000)                         \
-  X(event_destroy, cuEventDestroy, 4000)                       \
-  X(event_record, cuEventRecord, 2000)                         \
-  X(event_query, cuEventQuery, 2000)                           \
-  X(event_synchronize, cuEventSynchronize, 2000)               \
-  X(stream_wait_event, cuStreamWaitEvent, 3020)                \
-  X(stream_get_id, cuStreamGetId, 12000)                       \
-  X(stream_get_ctx, cuStreamGetCtx, 9020)                      \
-  X(stream_is_capturing, cuStreamIsCapturing, 10000)           \
-  X(stream_get_capture_info, cuStreamGetCaptureInfo, 11030)    \
+#define CUDRV_REQUIRED_FUNCS(X)                                              \
+  X(init, cuInit, 2000)                                                      \
+  X(driver_get_version, cuDriverGetVersion, 2020)                            \
+  X(get_error_name, cuGetErrorName, 6000)                                    \
+  X(device_get_count, cuDeviceGetCount, 2000)                                \
+  X(device_get, cuDeviceGet, 2000)                                           \
+  X(device_get_attribute, cuDeviceGetAttribute, 2000)                        \
+  X(primary_ctx_retain, cuDevicePrimaryCtxRetain, 7000)                      \
+  X(ctx_push_current, cuCtxPushCurrent, 4000)                                \
+  X(ctx_pop_current, cuCtxPopCurrent, 4000)                                  \
+  X(ctx_set_current, cuCtxSetCurrent, 4000)                                  \
+  X(ctx_get_current, cuCtxGetCurrent, 4000)                                  \
+  X(ctx_get_device, cuCtxGetDevice, 2000)                                    \
+  X(ctx_synchronize, cuCtxSynchronize, 2000)                                 \
+  X(mem_get_info, cuMemGetInfo, 3020)                                        \
+  X(mem_alloc, cuMemAlloc, 3020)                                             \
+  X(mem_free, cuMemFree, 3020)                                               \
+  X(mem_get_granularity, cuMemGetAllocationGranularity, 10020)               \
+  X(mem_address_reserve, cuMemAddressReserve, 10020)                         \
+  X(mem_address_free, cuMemAddressFree, 10020)                               \
+  X(mem_create, cuMemCreate, 10020)                                          \
+  X(mem_map, cuMemMap, 10020)                                                \
+  X(mem_set_access, cuMemSetAccess, 10020)                                   \
+  X(mem_release, cuMemRelease, 10020)                                        \
+  X(mem_unmap, cuMemUnmap, 10020)                                            \
+  X(mem_retain_allocation_handle, cuMemRetainAllocationHandle, 11000)        \
+  X(mem_export_to_shareable_handle, cuMemExportToShareableHandle, 10020)     \
+  X(mem_import_from_shareable_handle, cuMemImportFromShareableHandle, 10020) \
+  X(device_can_access_peer, cuDeviceCanAccessPeer, 4000)                     \
+  X(device_get_uuid, cuDeviceGetUuid, 11040)                                 \
+  X(ctx_enable_peer_access, cuCtxEnablePeerAccess, 4000)                     \
+  X(event_create, cuEventCreate, 2000)                                       \
+  X(event_destroy, cuEventDestroy, 4000)                                     \
+  X(event_record, cuEventRecord, 2000)                                       \
+  X(event_query, cuEventQuery, 2000)                                         \
+  X(event_synchronize, cuEventSynchronize, 2000)                             \
+  X(stream_wait_event, cuStreamWaitEvent, 3020)                              \
+  X(stream_get_id, cuStreamGetId, 12000)                                     \
+  X(stream_get_ctx, cuStreamGetCtx, 9020)                                    \
+  X(stream_is_capturing, cuStreamIsCapturing, 10000)                         \
+  X(stream_get_capture_info, cuStreamGetCaptureInfo, 11030)                  \
   X(thread_exchange_capture_mode, cuThreadExchangeStreamCaptureMode, 10010)
 
 #define CUDRV_TOOL_FUNCS(X)                                        \
@@ -251,6 +265,14 @@ typedef cudrv_result (*cudrv_pfn_mem_set_access)(cudrv_deviceptr ptr, size_t siz
                                                  size_t count);
 typedef cudrv_result (*cudrv_pfn_mem_release)(cudrv_mem_handle handle);
 typedef cudrv_result (*cudrv_pfn_mem_unmap)(cudrv_deviceptr ptr, size_t size);
+typedef cudrv_result (*cudrv_pfn_mem_retain_allocation_handle)(cudrv_mem_handle *handle, void *addr);
+typedef cudrv_result (*cudrv_pfn_mem_export_to_shareable_handle)(void *shareable, cudrv_mem_handle handle,
+                                                                 cudrv_mem_handle_type type, unsigned long long flags);
+typedef cudrv_result (*cudrv_pfn_mem_import_from_shareable_handle)(cudrv_mem_handle *handle, void *shareable,
+                                                                   cudrv_mem_handle_type type);
+typedef cudrv_result (*cudrv_pfn_device_can_access_peer)(int *can, cudrv_device device, cudrv_device peer);
+typedef cudrv_result (*cudrv_pfn_device_get_uuid)(cudrv_uuid *uuid, cudrv_device device);
+typedef cudrv_result (*cudrv_pfn_ctx_enable_peer_access)(cudrv_context peer, unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_event_create)(cudrv_event *event, unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_event_destroy)(cudrv_event event);
 typedef cudrv_result (*cudrv_pfn_event_record)(cudrv_event event, cudrv_stream stream);

@@ -22,6 +22,7 @@
 #include "base/sizeclass.h"
 #include "device/backend_timed.h"
 #include "front/capture.h"
+#include "front/ipc.h"
 #include "front/observe.h"
 #include "front/stats.h"
 #include "front/tcache.h"
@@ -49,6 +50,7 @@ MAGPIE_API void magpie_config_default(magpie_config *cfg) {
   cfg->magazine_bytes = (size_t)1 << 20;
   cfg->release_threshold = SIZE_MAX;
   cfg->reuse_wait = 1;
+  cfg->ipc = 1;
 }
 
 /* The simulator's entry point (include/magpie_sim.h): defined where the
@@ -159,6 +161,7 @@ static void init_atfork_child(void) {
   atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
   tcache_after_fork_child();
   heap_after_fork_child();
+  ipc_after_fork_child();
 }
 
 int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {

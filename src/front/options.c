@@ -17,6 +17,8 @@
  * | reuse_wait     | 1       | 0: reuse other streams' large blocks through a |
  * |                |         | stream wait only under memory pressure         |
  * | slow_call_ms   | 0       | N: report device calls taking N ms or more     |
+ * | ipc            | 1       | 0: device memory not exportable to other       |
+ * |                |         | processes (magpie_ipc_export refuses)          |
  *
  * Sizes take k, m, g suffixes (powers of 1024). */
 #include <ctype.h>
@@ -100,6 +102,7 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
   else if (strcmp(key, "release_threshold") == 0) ok = options_size(val, &cfg->release_threshold);
   else if (strcmp(key, "check_streams") == 0) ok = options_bool(val, &cfg->check_streams);
   else if (strcmp(key, "reuse_wait") == 0) ok = options_bool(val, &cfg->reuse_wait);
+  else if (strcmp(key, "ipc") == 0) ok = options_bool(val, &cfg->ipc);
   else if (strcmp(key, "slow_call_ms") == 0) {
     size_t ms = 0;
     ok = options_size(val, &ms) && ms <= OPTIONS_SLOW_CALL_MS_MAX;
@@ -107,7 +110,7 @@ static int options_set(magpie_config *cfg, const char *key, const char *val) {
   } else
     return error_set(MAGPIE_ERR_CONFIG,
                      "MAGPIE_CONF: unknown key '%s' (known: backend, check, verbose, magazine_bytes, limit, "
-                     "release_threshold, check_streams, reuse_wait, slow_call_ms)",
+                     "release_threshold, check_streams, reuse_wait, slow_call_ms, ipc)",
                      key);
   if (!ok) return error_set(MAGPIE_ERR_CONFIG, "MAGPIE_CONF: bad value '%s' for key '%s'", val, key);
   return MAGPIE_OK;
@@ -152,8 +155,8 @@ int options_from_env(magpie_config *cfg) {
  * (origin names which in the message); unit is the device's mapping unit,
  * known once the backend is up. */
 int options_check(const magpie_config *c, size_t unit, const char *origin) {
-  const int *flags[] = {&c->check, &c->verbose, &c->check_streams, &c->reuse_wait};
-  const char *names[] = {"check", "verbose", "check_streams", "reuse_wait"};
+  const int *flags[] = {&c->check, &c->verbose, &c->check_streams, &c->reuse_wait, &c->ipc};
+  const char *names[] = {"check", "verbose", "check_streams", "reuse_wait", "ipc"};
   for (unsigned i = 0; i < sizeof flags / sizeof flags[0]; i++)
     if (*flags[i] != 0 && *flags[i] != 1)
       return error_set(MAGPIE_ERR_CONFIG, "%s: %s=%d: expected 0 or 1", origin, names[i], *flags[i]);

@@ -1,34 +1,51 @@
 /* magpie_record_stream: the public entry point of record_stream (the
- * parking itself is pool/record.c). Takes no lock of its own; the record
+ * parking itself is pool/record.c), and block_resolve, which it shares
+ * with magpie_ipc_export. Takes no lock of its own; the record
  * table's lock is a leaf (pool/record.h). */
 #include "base/error.h"
 #include "base/pagemap.h"
+#include "front/block.h"
 #include "front/global.h"
 #include "heap/heap.h"
 #include "pool/record.h"
 
-MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
-  if (ptr == NULL) return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_record_stream: NULL pointer");
+int block_resolve(const char *fn, void *ptr, slab **out_sl, size_t *out_bytes, int *graph) {
+  *graph = 0;
+  if (ptr == NULL) return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "%s: NULL pointer", fn);
   int rc = global_ensure();
   if (rc != MAGPIE_OK) return rc;
   slab *sl = pagemap_lookup((uintptr_t)ptr);
-  if (sl == NULL)
-    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not a pointer returned by magpie", ptr);
-  /* A graph pool's block: the pool's rules decide its reuse (pool/gpool.h);
-   * no entry is kept for it. */
-  if (sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)ptr)) return MAGPIE_OK;
+  if (sl == NULL) return error_set(MAGPIE_ERR_INVALID_POINTER, "%s(%p): not a pointer returned by magpie", fn, ptr);
+  if (sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)ptr)) {
+    *graph = 1;
+    return MAGPIE_OK;
+  }
   uint32_t bi = 0;
   size_t bytes = sl->bsize;
   if (!slab_block_index(sl, (uintptr_t)ptr, &bi) ||
       (sl->cls == SLAB_LARGE && !large_lookup(&sl->heap->large, (uintptr_t)ptr, &bytes)))
-    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): not the start of an allocated block", ptr);
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "%s(%p): not the start of an allocated block", fn, ptr);
   /* Checked mode knows which small and class blocks are handed out: a
    * freed one is refused (without it, a freed block still in a magazine
    * looks like any other). */
   int cls_block = sl->cls == SLAB_LARGE && large_class_of(sl->seg, (uintptr_t)ptr) >= 0;
   if (global_config()->check && ((sl->cls != SLAB_LARGE && !slab_is_used(sl, bi)) ||
                                  (cls_block && !large_class_is_used(sl->seg, (uintptr_t)ptr))))
-    return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_record_stream(%p): the block is free (checked mode)", ptr);
+    return error_set(MAGPIE_ERR_INVALID_POINTER, "%s(%p): the block is free (checked mode)", fn, ptr);
+  *out_sl = sl;
+  *out_bytes = bytes;
+  return MAGPIE_OK;
+}
+
+MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
+  slab *sl = NULL;
+  size_t bytes = 0;
+  int graph = 0;
+  int rc = block_resolve("magpie_record_stream", ptr, &sl, &bytes, &graph);
+  if (rc != MAGPIE_OK) return rc;
+  /* A graph pool's block: the pool's rules decide its reuse (pool/gpool.h);
+   * no entry is kept for it. */
+  if (graph) return MAGPIE_OK;
   if ((uintptr_t)stream == 2)
     return error_set(MAGPIE_ERR_INVALID_STREAM,
                      "magpie_record_stream(%p): the per-thread default stream handle "

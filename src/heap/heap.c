@@ -60,13 +60,13 @@ static heap *heap_create(int device) {
   size_t hint = total > SIZE_MAX / 4 ? SIZE_MAX : total * 4; /* no wrap for a huge device */
   if (hint < ((size_t)4 << 30)) hint = (size_t)4 << 30;
   if (hint > ((size_t)1 << 40)) hint = (size_t)1 << 40;
-  rc = region_init(&h->region, device, ops, hint);
+  const magpie_config *cfg = &globals.heap_cfg;
+  rc = region_init(&h->region, device, ops, hint, cfg->ipc && ops->export_fds != NULL ? BACKEND_MAP_EXPORTABLE : 0);
   if (rc != MAGPIE_OK) {
     error_set(rc, "cannot set up device memory of device %d: %s", device, backend_error_detail());
     meta_free(h);
     return NULL;
   }
-  const magpie_config *cfg = &globals.heap_cfg;
   if (cfg->limit_percent) region_set_limit(&h->region, (size_t)((unsigned __int128)total * cfg->limit_percent / 100));
   else if (cfg->limit) region_set_limit(&h->region, cfg->limit);
   h->release_threshold = cfg->release_threshold;

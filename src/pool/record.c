@@ -49,6 +49,21 @@ typedef struct record_entry {
   record_ref *refs;
   unsigned ntickets;
   epoch_ticket *tickets;
+  /* Sharing with other processes (record.h, exports). export_id: nonzero
+   * once exported, with its secret; revoked: imports refused from then on;
+   * pending: MAGPIE_IPC_HOLD holds no import has taken over. All under
+   * record_table.lock.
+   * INVARIANT: pending <= holds. */
+  uint64_t export_id;
+  unsigned char secret[RECORD_SECRET_LEN];
+  int revoked;
+  unsigned pending;
+  /* Imports open in other processes plus pending holds: the block goes back
+   * to the pools only at 0. Written under record_table.lock; read relaxed by
+   * a poller outside it (record_entry_ready): it publishes nothing (the
+   * importing process's device work is ordered by its application), and a
+   * stale nonzero only keeps the block parked until the next poll. */
+  _Atomic unsigned holds;
   struct record_entry *hnext; /* hash chain; under record_table.lock */
   struct record_entry *pnext; /* parked list or a poller's chain */
 } record_entry;
@@ -81,28 +96,40 @@ static void record_count(record_table *t, const record_entry *e, int dir) {
   atomic_store_relaxed(&t->parked_large_bytes, dir > 0 ? lb + eb : lb - eb);
 }
 
+/* Under t->lock: the entry of the live block p, made if it has none (it
+ * then joins the hash and its slab's recorded count). NULL with *rc
+ * MAGPIE_ERR_INVALID_POINTER if the block is parked (freed), or
+ * MAGPIE_ERR_OUT_OF_MEMORY. */
+static record_entry *record_entry_get(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t bytes, int *rc) {
+  record_entry **pp = record_find(t, p);
+  record_entry *e = *pp;
+  if (e != NULL && e->parked) {
+    *rc = MAGPIE_ERR_INVALID_POINTER;
+    return NULL;
+  }
+  if (e != NULL) return e;
+  e = meta_alloc(sizeof *e);
+  if (e == NULL) {
+    *rc = MAGPIE_ERR_OUT_OF_MEMORY;
+    return NULL;
+  }
+  memset(e, 0, sizeof *e);
+  e->ptr = p;
+  e->bytes = bytes;
+  e->slab = sl;
+  e->cls = cls;
+  atomic_store_relaxed(&e->holds, 0);
+  *pp = e;
+  atomic_add_relaxed(&sl->recorded, 1);
+  return e;
+}
+
 int record_add(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t bytes, stream_rec *rec,
                cudaStream_t handle) {
   int rc = MAGPIE_OK, dup = 0;
   pthread_mutex_lock(&t->lock);
-  record_entry **pp = record_find(t, p);
-  record_entry *e = *pp;
-  if (e == NULL) {
-    e = meta_alloc(sizeof *e);
-    if (e == NULL) {
-      rc = MAGPIE_ERR_OUT_OF_MEMORY;
-      goto out;
-    }
-    e->ptr = p;
-    e->bytes = bytes;
-    e->slab = sl;
-    e->cls = cls;
-    *pp = e;
-    atomic_add_relaxed(&sl->recorded, 1);
-  } else if (e->parked) {
-    rc = MAGPIE_ERR_INVALID_POINTER;
-    goto out;
-  }
+  record_entry *e = record_entry_get(t, sl, cls, p, bytes, &rc);
+  if (e == NULL) goto out;
   for (unsigned i = 0; i < e->nrefs && !dup; i++) dup = e->refs[i].rec->id == rec->id;
   if (dup) goto out;
   if (e->nrefs == e->cap) {
@@ -271,9 +298,10 @@ void record_sync_done(record_table *t, record_entry *chain, int ok) {
   pthread_mutex_unlock(&t->lock);
 }
 
-static int record_entry_ready(const record_entry *e) {
+static int record_entry_ready(record_entry *e) {
   /* INVARIANT (above): a parked entry has its tickets, no refs. */
   MAGPIE_ASSERT(e->parked == 1 && e->ntickets >= 1 && e->nrefs == 0);
+  if (atomic_load_relaxed(&e->holds) != 0) return 0; /* imported elsewhere */
   for (unsigned i = 0; i < e->ntickets; i++)
     if (epoch_ready(&e->tickets[i], EPOCH_NO_STREAM) == EPOCH_PENDING) return 0;
   return 1;
@@ -407,4 +435,74 @@ void record_parked_each(record_table *t, record_parked_fn fn, void *ctx) {
       fn(ctx, e->ptr, e->slab, stream);
     }
   pthread_mutex_unlock(&t->lock);
+}
+
+/* ---- exports (record.h) ---- */
+
+int record_export(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t bytes, int hold, uint64_t new_id,
+                  const unsigned char new_secret[RECORD_SECRET_LEN], uint64_t *id,
+                  unsigned char secret[RECORD_SECRET_LEN]) {
+  int rc = MAGPIE_OK;
+  pthread_mutex_lock(&t->lock);
+  record_entry *e = record_entry_get(t, sl, cls, p, bytes, &rc);
+  if (e != NULL) {
+    if (e->export_id == 0 || e->revoked) { /* a revoked export is replaced by a new one */
+      e->export_id = new_id;
+      memcpy(e->secret, new_secret, RECORD_SECRET_LEN);
+      e->revoked = 0;
+    }
+    if (hold) {
+      e->pending++;
+      atomic_store_relaxed(&e->holds, atomic_load_relaxed(&e->holds) + 1);
+    }
+    *id = e->export_id;
+    memcpy(secret, e->secret, RECORD_SECRET_LEN);
+  }
+  pthread_mutex_unlock(&t->lock);
+  return rc;
+}
+
+/* Under t->lock: p's entry if it carries export id with secret. */
+static record_entry *record_export_find(record_table *t, uintptr_t p, uint64_t id,
+                                        const unsigned char secret[RECORD_SECRET_LEN]) {
+  record_entry *e = *record_find(t, p);
+  if (e == NULL || id == 0 || e->export_id != id || memcmp(e->secret, secret, RECORD_SECRET_LEN) != 0) return NULL;
+  return e;
+}
+
+int record_import_hold(record_table *t, uintptr_t p, uint64_t id, const unsigned char secret[RECORD_SECRET_LEN],
+                       size_t *bytes) {
+  int rc = RECORD_IMPORT_OK;
+  pthread_mutex_lock(&t->lock);
+  record_entry *e = record_export_find(t, p, id, secret);
+  if (e == NULL) rc = RECORD_IMPORT_UNKNOWN;
+  else if (e->revoked) rc = RECORD_IMPORT_REVOKED;
+  else if (e->pending > 0) e->pending--; /* takes the export's hold over */
+  else if (e->parked) rc = RECORD_IMPORT_FREED;
+  else atomic_store_relaxed(&e->holds, atomic_load_relaxed(&e->holds) + 1);
+  if (rc == RECORD_IMPORT_OK) *bytes = e->bytes;
+  pthread_mutex_unlock(&t->lock);
+  return rc;
+}
+
+void record_import_release(record_table *t, uintptr_t p, uint64_t id) {
+  pthread_mutex_lock(&t->lock);
+  record_entry *e = *record_find(t, p);
+  /* INVARIANT: an entry with holds stays in the hash (record_entry_ready). */
+  MAGPIE_ASSERT(e != NULL && e->export_id == id && atomic_load_relaxed(&e->holds) > e->pending);
+  if (e != NULL && e->export_id == id && atomic_load_relaxed(&e->holds) > e->pending)
+    atomic_store_relaxed(&e->holds, atomic_load_relaxed(&e->holds) - 1);
+  pthread_mutex_unlock(&t->lock);
+}
+
+int record_revoke(record_table *t, uintptr_t p, uint64_t id, const unsigned char secret[RECORD_SECRET_LEN]) {
+  pthread_mutex_lock(&t->lock);
+  record_entry *e = record_export_find(t, p, id, secret);
+  if (e != NULL) {
+    atomic_store_relaxed(&e->holds, atomic_load_relaxed(&e->holds) - e->pending);
+    e->pending = 0;
+    e->revoked = 1;
+  }
+  pthread_mutex_unlock(&t->lock);
+  return e != NULL ? MAGPIE_OK : MAGPIE_ERR_INVALID_ARGUMENT;
 }

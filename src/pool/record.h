@@ -1,5 +1,6 @@
 /* record_stream: blocks used on more streams than the one they are freed on
- * (magpie_record_stream, like PyTorch's Tensor.record_stream).
+ * (magpie_record_stream, like PyTorch's Tensor.record_stream), and blocks
+ * shared with other processes, which park the same way ("exports" below).
  *
  * magpie_record_stream(p, S) remembers S for the block at p. When p is
  * freed on stream F, one event is sealed on F and one on every recorded
@@ -128,6 +129,37 @@ void record_sync_done(record_table *t, struct record_entry *chain, int ok);
  * synchronisation only). For snapshots. */
 typedef void (*record_parked_fn)(void *ctx, uintptr_t p, struct slab *sl, uint64_t stream);
 void record_parked_each(record_table *t, record_parked_fn fn, void *ctx);
+
+/* ---- exports: blocks shared with other processes (front/ipc.c) ----
+ * An exported block has an entry (so its free takes the slow path and
+ * parks it) carrying the export's id and secret. Each import made in
+ * another process is a hold, and so is each MAGPIE_IPC_HOLD export until
+ * an import takes it over (pending); a parked block goes back to the pools
+ * only once its tickets completed and it has no hold. An import of a block
+ * already freed is refused unless a pending hold is left for it. */
+#define RECORD_SECRET_LEN 16
+enum {
+  RECORD_IMPORT_OK = 0,
+  RECORD_IMPORT_UNKNOWN = 1, /* no such export: wrong secret, or the block went back and was reused */
+  RECORD_IMPORT_FREED = 2,   /* freed by the exporter before this import */
+  RECORD_IMPORT_REVOKED = 3, /* revoked by the exporter */
+};
+/* Marks the live block p (as record_add's arguments) exported, with
+ * new_id/new_secret unless it already carries an export (not revoked), and
+ * gives the export's id and secret; hold: one pending hold more.
+ * MAGPIE_ERR_INVALID_POINTER if the block is parked (freed). */
+int record_export(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t bytes, int hold, uint64_t new_id,
+                  const unsigned char new_secret[RECORD_SECRET_LEN], uint64_t *id,
+                  unsigned char secret[RECORD_SECRET_LEN]);
+/* An import of export (p, id, secret) begins: a RECORD_IMPORT_* answer;
+ * with OK the import holds the block (*bytes: its size) until
+ * record_import_release. */
+int record_import_hold(record_table *t, uintptr_t p, uint64_t id, const unsigned char secret[RECORD_SECRET_LEN],
+                       size_t *bytes);
+void record_import_release(record_table *t, uintptr_t p, uint64_t id);
+/* Drops the export's pending holds and refuses its later imports.
+ * MAGPIE_ERR_INVALID_ARGUMENT if p carries no such export. */
+int record_revoke(record_table *t, uintptr_t p, uint64_t id, const unsigned char secret[RECORD_SECRET_LEN]);
 
 /* Bytes parked (freed, waiting for recorded streams) in t. */
 size_t record_pending_bytes(const record_table *t);

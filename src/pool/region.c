@@ -15,10 +15,11 @@ size_t region_unit(size_t g) {
   return g;
 }
 
-int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint) {
+int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint, unsigned map_flags) {
   memset(r, 0, sizeof *r);
   r->device = device;
   r->ops = ops;
+  r->map_flags = map_flags;
   pthread_mutex_init(&r->lock, NULL);
   atomic_store_relaxed(&r->limit, SIZE_MAX);
   int rc = ops->granularity(device, &r->gran);
@@ -37,6 +38,16 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
       want /= 2;
       want = region_round(r, want);
     }
+  }
+  if (r->vmm) {
+    size_t words = (r->size / r->gran + 63) / 64;
+    r->granmap = meta_alloc(words * sizeof *r->granmap);
+    if (r->granmap == NULL) {
+      ops->unreserve(device, r->base, r->size);
+      backend_set_error_detail("out of host memory for the map of %zu granules", r->size / r->gran);
+      return MAGPIE_ERR_OUT_OF_MEMORY;
+    }
+    for (size_t i = 0; i < words; i++) atomic_store_relaxed(&r->granmap[i], 0);
   }
   return MAGPIE_OK;
 }
@@ -123,19 +134,82 @@ void region_releases_wait(region *r) {
 
 uintptr_t region_claim_va(region *r, size_t size) { return r->vmm ? region_claim(r, size) : 0; }
 
+/* Sets (on) or clears the granmap bits of [addr, addr+size). */
+static void region_mark(region *r, uintptr_t addr, size_t size, int on) {
+  size_t g0 = (addr - r->base) / r->gran, n = size / r->gran;
+  for (size_t g = g0; g < g0 + n; g++) {
+    uint64_t bit = (uint64_t)1 << (g % 64);
+    if (on) atomic_or_seq_cst(&r->granmap[g / 64], bit);
+    else atomic_and_seq_cst(&r->granmap[g / 64], ~bit);
+  }
+}
+
+static int region_granule_mapped(region *r, size_t g) {
+  return (atomic_load_seq_cst(&r->granmap[g / 64]) >> (g % 64)) & 1;
+}
+
+int region_is_mapped(region *r, uintptr_t addr, size_t size) {
+  if (!r->vmm || addr < r->base || addr - r->base > r->size || size > r->size - (addr - r->base)) return 0;
+  size_t g0 = (addr - r->base) / r->gran, g1 = (addr - r->base + size + r->gran - 1) / r->gran;
+  for (size_t g = g0; g < g1; g++)
+    if (!region_granule_mapped(r, g)) return 0;
+  return 1;
+}
+
 int region_map_at(region *r, uintptr_t addr, size_t size) {
   int rc = region_commit(r, size);
   if (rc != MAGPIE_OK) return rc;
-  rc = r->ops->map(r->device, addr, size);
-  if (rc != MAGPIE_OK) region_uncommit(r, size);
-  else region_note_peak(r);
-  return rc;
+  uint64_t peers = atomic_load_seq_cst(&r->peers);
+  rc = r->ops->map(r->device, addr, size, r->map_flags, peers);
+  if (rc != MAGPIE_OK) {
+    region_uncommit(r, size);
+    return rc;
+  }
+  region_note_peak(r);
+  region_mark(r, addr, size, 1);
+  /* A peer enabled while this mapping was made (region.peers). */
+  uint64_t now = atomic_load_seq_cst(&r->peers);
+  if (now != peers && r->ops->set_access(r->device, addr, size, now) != MAGPIE_OK) {
+    region_mark(r, addr, size, 0);
+    r->ops->unmap(r->device, addr, size);
+    region_uncommit(r, size);
+    return MAGPIE_ERR_BACKEND;
+  }
+  return MAGPIE_OK;
 }
 
 int region_unmap_at(region *r, uintptr_t addr, size_t size) {
+  region_mark(r, addr, size, 0);
   int rc = r->ops->unmap(r->device, addr, size);
   if (rc == MAGPIE_OK) region_uncommit(r, size);
+  else region_mark(r, addr, size, 1); /* still mapped */
   return rc;
+}
+
+int region_enable_peer(region *r, int peer) {
+  uint64_t bit = (uint64_t)1 << peer;
+  uint64_t peers = atomic_or_seq_cst(&r->peers, bit) | bit;
+  if (!r->vmm) return r->ops->peer_enable(r->device, peer);
+  /* Every mapped granule, in runs; a run that fails is retried granule by
+   * granule, and only a granule still mapped counts (one being unmapped
+   * concurrently is refused by the driver, harmlessly). */
+  size_t ng = r->size / r->gran;
+  for (size_t g = 0; g < ng;) {
+    if (!region_granule_mapped(r, g)) {
+      g++;
+      continue;
+    }
+    size_t end = g + 1;
+    while (end < ng && region_granule_mapped(r, end)) end++;
+    uintptr_t a = r->base + g * r->gran;
+    if (r->ops->set_access(r->device, a, (end - g) * r->gran, peers) != MAGPIE_OK)
+      for (size_t k = g; k < end; k++) {
+        int rc = r->ops->set_access(r->device, r->base + k * r->gran, r->gran, peers);
+        if (rc != MAGPIE_OK && region_granule_mapped(r, k)) return rc;
+      }
+    g = end;
+  }
+  return MAGPIE_OK;
 }
 
 int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size) {

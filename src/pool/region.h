@@ -50,6 +50,23 @@ typedef struct region {
    * and span.c as they carve what this region maps). */
   _Atomic size_t peak_mapped;
   _Atomic int64_t overhead;
+  /* backend map flags for every mapping (BACKEND_MAP_EXPORTABLE with
+   * MAGPIE_CONF=ipc=1); set at init. */
+  unsigned map_flags;
+  /* Devices granted access to every mapping (bit d: device d), besides
+   * the region's own; bits are only ever added (region_enable_peer).
+   * INVARIANT: every granule whose bit is set in granmap is accessible from
+   * every device in peers, once region_enable_peer has returned.
+   * This and granmap form a store-load pair (seq_cst): a mapper maps with
+   * the peers it loaded, sets the granules' bits, then loads peers again
+   * and grants what was added meanwhile; region_enable_peer sets its bit,
+   * then walks granmap. Either the mapper's second load sees the new bit,
+   * or the walk sees the mapper's granules. */
+  _Atomic uint64_t peers;
+  /* VMM: one bit per granule of [base, base+size), set while mapped
+   * (seq_cst, see peers). Set after map returned, cleared before unmap;
+   * read by region_enable_peer's walk. NULL without VMM. */
+  _Atomic uint64_t *granmap;
   /* Releases whose memory is off every list but still mapped: slab.c and
    * large.c unlink what they give back under their lock, then drop it for
    * the driver calls. Raised (relaxed) under that lock, so a thread that
@@ -62,8 +79,9 @@ typedef struct region {
  * smaller than a page-map page (pagemap.h), else the nearest such unit.
  * Slab sizes (sizeclass.c) and the region's own unit both come from it. */
 size_t region_unit(size_t g);
-/* reserve_hint: bytes of virtual range to try first (halved on failure). */
-int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint);
+/* reserve_hint: bytes of virtual range to try first (halved on failure);
+ * map_flags: backend map flags for every mapping. */
+int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hint, unsigned map_flags);
 /* Map size bytes (a granularity multiple). *raw/raw_size describe what to
  * give back to region_unmap (differs from *addr only without VMM). */
 int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size);
@@ -79,6 +97,14 @@ static inline void region_set_limit(region *r, size_t limit) { atomic_store_rela
 static inline void region_reset_peak(region *r) {
   atomic_store_relaxed(&r->peak_mapped, atomic_load_relaxed(&r->mapped));
 }
+
+/* Makes every mapping of r, present and future, accessible from device
+ * peer (the caller checked that the backend can): with VMM through the
+ * backend's set_access over every mapped granule, without it through
+ * peer_enable. Idempotent; never takes r->lock. */
+int region_enable_peer(region *r, int peer);
+/* Is [addr, addr+size) mapped (every granule; VMM only)? For export. */
+int region_is_mapped(region *r, uintptr_t addr, size_t size);
 
 /* VMM only: claim size bytes of the reserved range without mapping them
  * (large segments map and unmap granules inside it themselves). Returns 0

@@ -120,8 +120,8 @@ static void test_vmm_map_kernel(void **state) {
   assert_true(base != 0 && base % g == 0);
 
   /* Two slabs in one call, a third apart. */
-  assert_int_equal(be->map(0, base, 2 * g), MAGPIE_OK);
-  assert_int_equal(be->map(0, base + 4 * g, g), MAGPIE_OK);
+  assert_int_equal(be->map(0, base, 2 * g, 0, 0), MAGPIE_OK);
+  assert_int_equal(be->map(0, base + 4 * g, g, 0, 0), MAGPIE_OK);
   pattern_roundtrip(base, 2 * g, 11);
   pattern_roundtrip(base + 4 * g, g, 12);
 
@@ -133,20 +133,20 @@ static void test_vmm_map_kernel(void **state) {
   GPU_CHECK(cudrv.mem_free(bad));
 
   /* A map that fails on its second granule (already mapped) undoes the first. */
-  int rc = be->map(0, base + 3 * g, 2 * g);
+  int rc = be->map(0, base + 3 * g, 2 * g, 0, 0);
   printf("  map over a mapped granule: %d: %s\n", rc, backend_error_detail());
   assert_int_not_equal(rc, MAGPIE_OK);
-  assert_int_equal(be->map(0, base + 3 * g, g), MAGPIE_OK);
+  assert_int_equal(be->map(0, base + 3 * g, g, 0, 0), MAGPIE_OK);
   assert_int_equal(be->unmap(0, base + 3 * g, g), MAGPIE_OK);
 
   /* Misaligned or empty ranges are the caller's error. */
-  assert_int_equal(be->map(0, base + 8 * g + 4096, g), MAGPIE_ERR_INVALID_ARGUMENT);
-  assert_int_equal(be->map(0, base + 8 * g, g + 4096), MAGPIE_ERR_INVALID_ARGUMENT);
-  assert_int_equal(be->map(0, base + 8 * g, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(be->map(0, base + 8 * g + 4096, g, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(be->map(0, base + 8 * g, g + 4096, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(be->map(0, base + 8 * g, 0, 0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
   assert_int_equal(be->reserve(0, g + 1, &base), MAGPIE_ERR_INVALID_ARGUMENT);
 
   /* Remapping an unmapped granule gives working memory again. */
-  assert_int_equal(be->map(0, base + g, g), MAGPIE_OK);
+  assert_int_equal(be->map(0, base + g, g, 0, 0), MAGPIE_OK);
   pattern_roundtrip(base + g, g, 13);
   assert_int_equal(be->unmap(0, base, 2 * g), MAGPIE_OK);
   assert_int_equal(be->unmap(0, base + 4 * g, g), MAGPIE_OK);

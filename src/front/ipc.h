@@ -1,0 +1,88 @@
+/* Sharing blocks with other processes (magpie.h, "IPC"): what the export
+ * server (ipc_server.c) and the public entry points (ipc.c) share: the
+ * handle's layout, the socket's name and the messages on it (ipc_wire.c).
+ *
+ * The exporting process serves imports from one thread, on a SOCK_SEQPACKET
+ * Unix socket in the abstract namespace named by its pid and a random
+ * nonce. An importer connects, sends one request (the export's block
+ * address, id and secret); the server answers with the span to map and
+ * one file descriptor per granule (SCM_RIGHTS), and keeps the connection:
+ * it is the import's hold on the block (pool/record.h, exports), released
+ * when the importer closes it, by magpie_ipc_close or by exiting.
+ *
+ * Lock order: globals.ipc_lock is a leaf (ipc.c and ipc_server.c hold it
+ * for list and state changes only, never across a driver call, a socket
+ * call that can block, or another lock). */
+#ifndef MAGPIE_FRONT_IPC_H
+#define MAGPIE_FRONT_IPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "magpie.h"
+#include "pool/record.h"
+
+#define IPC_MAGIC 0x4d504948u /* "MPIH" */
+#define IPC_VERSION 1u
+
+/* The handle's bytes (magpie_ipc_handle), host order: both processes are
+ * on one machine. */
+typedef struct ipc_wire_handle {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t pad0;
+  uint32_t pid;   /* the exporting process */
+  int32_t device; /* its device ordinal (for messages) */
+  uint64_t nonce; /* names its server's socket, with pid */
+  unsigned char uuid[16];
+  uint64_t export_id;
+  unsigned char secret[RECORD_SECRET_LEN];
+  uint64_t ptr;  /* the block's address in the exporting process */
+  uint64_t size; /* its usable size */
+} ipc_wire_handle;
+_Static_assert(sizeof(ipc_wire_handle) <= MAGPIE_IPC_HANDLE_SIZE, "the handle's layout fits its bytes");
+
+/* importer -> server, once per connection. */
+typedef struct ipc_request {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t ptr;
+  uint64_t export_id;
+  unsigned char secret[RECORD_SECRET_LEN];
+} ipc_request;
+
+/* server -> importer: the first message; nfds descriptors follow in it and
+ * in later messages of at most IPC_FDS_PER_MSG each (SCM_MAX_FD is 253). */
+#define IPC_FDS_PER_MSG 200
+typedef struct ipc_reply {
+  uint32_t magic;
+  int32_t status; /* RECORD_IMPORT_*, or IPC_REPLY_FAILED with message */
+  uint64_t span_base;
+  uint64_t span_size;
+  uint64_t gran;
+  uint64_t bytes;
+  uint64_t nfds;
+  char message[200];
+} ipc_reply;
+#define IPC_REPLY_FAILED 100
+
+/* The abstract socket's name for (pid, nonce): fills addr, returns its
+ * length for bind/connect. */
+struct sockaddr_un;
+unsigned ipc_socket_name(uint32_t pid, uint64_t nonce, struct sockaddr_un *addr);
+/* Sends len bytes of msg with fds[0..nfds) attached (nfds <= IPC_FDS_PER_MSG)
+ * without blocking; 0 or an errno. */
+int ipc_send(int sock, const void *msg, size_t len, const int *fds, size_t nfds);
+/* Receives one message into msg (at most len bytes; *got set) and up to
+ * maxfds descriptors (*nfds set; close-on-exec); 0 or an errno (EPROTO for
+ * a truncated message). */
+int ipc_recv(int sock, void *msg, size_t len, size_t *got, int *fds, size_t maxfds, size_t *nfds);
+
+/* Starts this process's export server if it is not running; its nonce in
+ * *nonce. MAGPIE_OK, or MAGPIE_ERR_IPC with the error set. */
+int ipc_server_ensure(uint64_t *nonce);
+/* fork(): the child serves nothing (its parent's server is the parent's);
+ * it closes the inherited sockets. */
+void ipc_after_fork_child(void);
+
+#endif /* MAGPIE_FRONT_IPC_H */
