@@ -21,6 +21,9 @@ if [[ ${1:-} == build ]]; then
     "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" "$bundle/"
   mkdir -p "$bundle/python"
   cp -r "$root/python/magpie" "$bundle/python/"
+  # Beside the package, as the installed wheel has it: magpie.torch's native
+  # allocator compiles against it on first use.
+  cp "$root/include/magpie.h" "$bundle/python/magpie/"
   rm -rf "$bundle/python/magpie/__pycache__"
   cp "${BASH_SOURCE[0]}" "$bundle/dropin.sh"
   echo "run there: bash $(basename "$bundle")/dropin.sh"
