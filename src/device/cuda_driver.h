@@ -211,6 +211,7 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
   X(memset_d32, cuMemsetD32, 3020)                                 \
   X(memset_d32_async, cuMemsetD32Async, 3020)                      \
   X(memcpy_dtoh, cuMemcpyDtoH, 3020)                               \
+  X(memcpy_async, cuMemcpyAsync, 4000)                             \
   X(mem_alloc_async, cuMemAllocAsync, 11020)                       \
   X(mem_free_async, cuMemFreeAsync, 11020)                         \
   X(device_get_default_mem_pool, cuDeviceGetDefaultMemPool, 11020) \
@@ -296,6 +297,8 @@ typedef cudrv_result (*cudrv_pfn_memset_d32)(cudrv_deviceptr ptr, unsigned int v
 typedef cudrv_result (*cudrv_pfn_memset_d32_async)(cudrv_deviceptr ptr, unsigned int value, size_t n,
                                                    cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_memcpy_dtoh)(void *dst, cudrv_deviceptr src, size_t bytes);
+typedef cudrv_result (*cudrv_pfn_memcpy_async)(cudrv_deviceptr dst, cudrv_deviceptr src, size_t bytes,
+                                               cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_mem_alloc_async)(cudrv_deviceptr *ptr, size_t size, cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_mem_free_async)(cudrv_deviceptr ptr, cudrv_stream stream);
 typedef cudrv_result (*cudrv_pfn_device_get_default_mem_pool)(cudrv_mem_pool *pool, cudrv_device device);

@@ -36,15 +36,19 @@ uint64_t gpu_now_ns(void) {
   } while (0)
 
 int gpu_env_init(gpu_env *env) {
-  memset(env, 0, sizeof *env);
   const char *why = NULL;
   if (cudrv_load(CUDRV_LOAD_ALL, &why) != 0) {
     fprintf(stderr, "gpu_env_init: %s\n", why);
     return -1;
   }
   GPU_UTIL_TRY(cudrv.init(0));
+  return gpu_env_init_device(env, 0);
+}
+
+int gpu_env_init_device(gpu_env *env, int ordinal) {
+  memset(env, 0, sizeof *env);
   GPU_UTIL_TRY(cudrv.driver_get_version(&env->driver_version));
-  GPU_UTIL_TRY(cudrv.device_get(&env->device, 0));
+  GPU_UTIL_TRY(cudrv.device_get(&env->device, ordinal));
   GPU_UTIL_TRY(cudrv.device_get_name(env->name, (int)sizeof env->name, env->device));
   GPU_UTIL_TRY(cudrv.primary_ctx_retain(&env->ctx, env->device));
   GPU_UTIL_TRY(cudrv.ctx_set_current(env->ctx));

@@ -29,6 +29,9 @@ typedef struct gpu_env {
  * makes device 0's primary context current on the calling thread and loads
  * the kernels. 0 on success; else prints why. */
 int gpu_env_init(gpu_env *env);
+/* The same for device ordinal (its primary context made current, the
+ * kernels loaded in it); the driver must be loaded and initialised. */
+int gpu_env_init_device(gpu_env *env, int ordinal);
 /* Makes env's context current on the calling thread (each new thread). */
 CUresult gpu_env_bind(const gpu_env *env);
 
