@@ -13,9 +13,11 @@
  *     faults (in a child process, as a fault spoils its context). A block
  *     of device 0 freed on device 1's stream behind a kernel of device 1
  *     is not handed to device 0's streams before that kernel ends.
- *   - Hand-offs: threads on both devices stamp blocks, copy each to a block
- *     of the other device (cuMemcpyAsync: a copy engine) and check it there
- *     after an event wait; zero wrong words, nothing in use at the end.
+ *   - Hand-offs: threads on both devices stamp blocks; the other device's
+ *     stream waits for the stamp (an event), copies each into a block of its
+ *     own device (cuMemcpyAsync: a copy engine) and checks it there, and
+ *     frees both, the source block on a stream of the other device; zero
+ *     wrong words, nothing in use at the end.
  *
  * Kernels are tests/gpu/kernels.cu's, loaded in each device's primary
  * context; counters of bad words live in host-mapped pinned memory,
@@ -33,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 
 #include "magpie.h"
 #include "tests/gpu/gpu_util.h"
@@ -360,7 +363,10 @@ static void test_free_on_other_device_stream(void **state) {
 
 typedef struct mover {
   int from, id, iters;
-  long moved;
+  /* Written by its thread, read by the main thread's progress lines
+   * (relaxed: figures; the join orders the rest). */
+  _Atomic long moved;
+  _Atomic int finished;
   unsigned bad;
   int failed;
 } mover;
@@ -374,6 +380,7 @@ static void *move_worker(void *arg) {
       gpu_env_bind(&env[m->from]) != 0 || cudrv.stream_create(&src, CU_STREAM_NON_BLOCKING) != 0 ||
       cudrv.event_create(&ev, CU_EVENT_DISABLE_TIMING) != 0) {
     m->failed++;
+    atomic_store_explicit(&m->finished, 1, memory_order_relaxed);
     return NULL;
   }
   uint64_t r = 0xD1B54A32D192ED03ull * (uint64_t)(m->id + 1);
@@ -386,20 +393,27 @@ static void *move_worker(void *arg) {
       m->failed++;
       break;
     }
-    /* Stamp on the source device, copy (copy engine) to the other device's
-     * block on the source stream, then the destination stream waits and
-     * its device checks. */
+    /* Stamp on the source device; the destination stream waits for it,
+     * copies (its device's copy engine, reading a through peer access)
+     * into b, which it was handed for, and its device checks b. */
     if (gpu_env_bind(&env[m->from]) != 0 ||
         gpu_fill_u32(&env[m->from], src, (CUdeviceptr)(uintptr_t)a, size / 4, seed) != 0 ||
-        cudrv.memcpy_async((CUdeviceptr)(uintptr_t)b, (CUdeviceptr)(uintptr_t)a, size, src) != 0 ||
         cudrv.event_record(ev, src) != 0 || cudrv.stream_wait_event(dst, ev, 0) != 0 || gpu_env_bind(&env[to]) != 0 ||
+        cudrv.memcpy_async((CUdeviceptr)(uintptr_t)b, (CUdeviceptr)(uintptr_t)a, size, dst) != 0 ||
         gpu_check_u32(&env[to], dst, (CUdeviceptr)(uintptr_t)b, size / 4, seed, dev_counter(m->id)) != 0) {
       m->failed++;
       break;
     }
-    /* a's last use is the copy on src; b's the check on dst. */
-    if (magpie_free_async(a, src) != MAGPIE_OK || magpie_free_async(b, dst) != MAGPIE_OK) m->failed++;
-    m->moved++;
+    /* Both last used on dst: a (the other device's block) is freed there
+     * too, a free on another device's stream. */
+    if (magpie_free_async(a, dst) != MAGPIE_OK || magpie_free_async(b, dst) != MAGPIE_OK) m->failed++;
+    atomic_store_explicit(&m->moved, m->moved + 1, memory_order_relaxed);
+    /* Keep the host within a few batches of the devices, as a real
+     * pipeline does (and as the soak does per batch). */
+    if (i % 64 == 63 && (cudrv.stream_synchronize(dst) != 0 || cudrv.stream_synchronize(src) != 0)) {
+      m->failed++;
+      break;
+    }
   }
   cudrv.stream_synchronize(src);
   cudrv.stream_synchronize(dst);
@@ -407,6 +421,7 @@ static void *move_worker(void *arg) {
   cudrv.event_destroy(ev);
   cudrv.stream_destroy(src);
   cudrv.stream_destroy(dst);
+  atomic_store_explicit(&m->finished, 1, memory_order_relaxed);
   return NULL;
 }
 
@@ -421,8 +436,28 @@ static void test_handoffs_between_devices(void **state) {
   for (int i = 0; i < MOVERS; i++) *counter(10 + i) = 0;
   uint64_t t0 = gpu_now_ns();
   for (int i = 0; i < MOVERS; i++) {
-    m[i] = (mover){.from = i % 2, .id = 10 + i, .iters = iters};
+    m[i] = (mover){.from = i % 2, .id = 10 + i, .iters = iters, .moved = 0, .finished = 0};
     assert_int_equal(pthread_create(&t[i], NULL, move_worker, &m[i]), 0);
+  }
+  /* Progress every 5 s, so that a stall shows where it is. */
+  for (long last = -1;;) {
+    long now = 0;
+    for (int i = 0; i < MOVERS; i++) now += atomic_load_explicit(&m[i].moved, memory_order_relaxed);
+    if (now == last) {
+      printf("hand-offs: no progress in 5 s at %ld of %ld; in use %zu / %zu\n", now, (long)MOVERS * iters, in_use(0),
+             in_use(1));
+      fflush(stdout);
+      if (gpu_now_ns() - t0 > 120ull * 1000 * 1000 * 1000) fail_msg("hand-offs stalled");
+    } else if (last >= 0) {
+      printf("hand-offs: %ld of %ld\n", now, (long)MOVERS * iters);
+      fflush(stdout);
+    }
+    last = now;
+    int done = 1;
+    for (int i = 0; i < MOVERS; i++) done &= atomic_load_explicit(&m[i].finished, memory_order_relaxed);
+    if (done) break;
+    struct timespec ts = {5, 0};
+    nanosleep(&ts, NULL);
   }
   long moved = 0;
   unsigned bad = 0;
