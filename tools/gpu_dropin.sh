@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The drop-in checks on a GPU machine: the GPU tests, the LD_PRELOAD program,
 # PyTorch (tests/gpu/torch_test.py, tests/gpu/torch_memory_api.py,
-# tests/gpu/torch_graph_test.py, tests/gpu/torch_ipc_test.py) and CuPy
-# (tests/gpu/cupy_test.py), plus what the installed PyTorch does with
-# record_stream.
+# tests/gpu/torch_graph_test.py, tests/gpu/torch_ipc_test.py,
+# tests/gpu/torch_multi_gpu_test.py) and CuPy (tests/gpu/cupy_test.py),
+# plus what the installed PyTorch does with record_stream.
 #
 #   tools/gpu_dropin.sh build        here: builds the bundle (.gpu_bundle/, or
 #                                    $MAGPIE_GPU_BUNDLE) with libmagpie.so,
@@ -18,7 +18,8 @@ if [[ ${1:-} == build ]]; then
   bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
   "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog || exit 1
   cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
-    "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" "$bundle/"
+    "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" \
+    "$root/tests/gpu/torch_multi_gpu_test.py" "$bundle/"
   mkdir -p "$bundle/python"
   cp -r "$root/python/magpie" "$bundle/python/"
   # Beside the package, as the installed wheel has it: magpie.torch's native
@@ -58,6 +59,8 @@ echo "### torch_graph_test"
 timeout 400 python3 "$B/torch_graph_test.py" --variants pytorch,magpie || status=1
 echo "### torch_ipc_test"
 timeout 300 python3 "$B/torch_ipc_test.py" || status=1
+echo "### torch_multi_gpu_test (two GPUs; skipped on one)"
+timeout 400 python3 "$B/torch_multi_gpu_test.py" || status=1
 echo "### cupy_test"
 timeout 120 python3 "$B/cupy_test.py" || status=1
 echo "### dropin: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
