@@ -19,7 +19,7 @@ if [[ ${1:-} == build ]]; then
   "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog || exit 1
   cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
     "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" \
-    "$root/tests/gpu/torch_multi_gpu_test.py" "$bundle/"
+    "$root/tests/gpu/torch_multi_gpu_test.py" "$root/tests/gpu/verdicts.py" "$bundle/"
   mkdir -p "$bundle/python"
   cp -r "$root/python/magpie" "$bundle/python/"
   # Beside the package, as the installed wheel has it: magpie.torch's native

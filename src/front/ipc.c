@@ -104,7 +104,10 @@ MAGPIE_API int magpie_ipc_revoke(const magpie_ipc_handle *handle) {
   int rc = ipc_parse(handle, &w, "magpie_ipc_revoke");
   if (rc == MAGPIE_OK) rc = global_ensure();
   if (rc != MAGPIE_OK) return rc;
-  if (w.pid != (uint32_t)getpid() || w.nonce != globals.ipc_nonce)
+  pthread_mutex_lock(&globals.ipc_lock);
+  int mine = globals.ipc_started && w.pid == (uint32_t)getpid() && w.nonce == globals.ipc_nonce;
+  pthread_mutex_unlock(&globals.ipc_lock);
+  if (!mine)
     return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
                      "magpie_ipc_revoke: the handle was exported by process %u; only that process can revoke it",
                      (unsigned)w.pid);
