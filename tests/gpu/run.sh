@@ -80,6 +80,7 @@ run_one() {
   fi
 }
 
+gpus=$( (nvidia-smi -L 2> /dev/null || true) | grep -c '^GPU ')
 for t in "$here"/tests/*; do
   [[ -x $t ]] || continue
   name=$(basename "$t")
@@ -92,6 +93,9 @@ for t in "$here"/tests/*; do
   # The allocator again where the device reports no virtual memory
   # management: slabs are cuMemAlloc'd and found through the page map.
   [[ $name == gpu_alloc_test ]] && run_one "$name[no-vmm]" "$t" MAGPIE_CUDA_VMM=0
+  # The soak again over two GPUs where there are two: every hand-off
+  # crosses the devices (gpu_soak_test.c).
+  [[ $name == gpu_soak_test && $gpus -ge 2 ]] && run_one "$name[2 devices]" "$t" MAGPIE_SOAK_DEVICES=2
 done
 
 echo "$pass passed, $fail failed${failed[0]:+ (${failed[*]})}"
