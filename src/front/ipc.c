@@ -19,6 +19,7 @@
 #include "front/global.h"
 #include "front/ipc.h"
 #include "heap/heap.h"
+#include "pool/epoch.h"
 
 /* An import of this process. INVARIANT: on globals.ipc_imports (under
  * ipc_lock) from a successful import until its close begins; [base,
@@ -258,16 +259,25 @@ MAGPIE_API int magpie_ipc_import(const magpie_ipc_handle *handle, void **ptr, si
   return MAGPIE_OK;
 }
 
-/* Waits for the work enqueued on stream so far (an event, synchronised). */
-static int ipc_stream_wait(const backend_ops *ops, int device, cudaStream_t stream) {
-  uint64_t cid = 0;
-  if (backend_capture_state(ops, stream, &cid) != BACKEND_CAPTURE_NONE) return MAGPIE_ERR_CAPTURE;
-  void *ev = NULL;
-  int rc = ops->event_create(device, &ev);
+/* Waits for the work enqueued on stream so far: one seal from the stream's
+ * heap (its pooled events, as every other wait of magpie's; creating an
+ * event can stall behind a busy device), then a wait on it. */
+static int ipc_stream_wait(const backend_ops *ops, cudaStream_t stream) {
+  uint64_t id = 0;
+  int dev = -1;
+  if (backend_capture_state(ops, stream, &id) != BACKEND_CAPTURE_NONE) return MAGPIE_ERR_CAPTURE;
+  if (ops->stream_id(stream, &id) != MAGPIE_OK || ops->stream_device(stream, &dev) != MAGPIE_OK)
+    return MAGPIE_ERR_INVALID_STREAM;
+  heap *h = heap_get(dev);
+  if (h == NULL) return magpie_last_error();
+  stream_rec *rec = epoch_stream_acquire(&h->epochs, id);
+  if (rec == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+  epoch_ticket tk;
+  int rc = epoch_seal(rec, stream, &tk);
+  epoch_stream_release(rec); /* the ticket holds its own reference */
   if (rc != MAGPIE_OK) return rc;
-  rc = ops->event_record(ev, stream);
-  if (rc == MAGPIE_OK) rc = ops->event_synchronize(ev);
-  ops->event_destroy(ev);
+  rc = epoch_wait(&tk);
+  epoch_ticket_release(&tk);
   return rc;
 }
 
@@ -284,7 +294,7 @@ MAGPIE_API int magpie_ipc_close(void *ptr, cudaStream_t stream) {
     return error_set(MAGPIE_ERR_INVALID_POINTER,
                      "magpie_ipc_close(%p): not an address magpie_ipc_import returned (or closed already)", ptr);
   const backend_ops *ops = global_ops();
-  rc = ipc_stream_wait(ops, imp->device, stream);
+  rc = ipc_stream_wait(ops, stream);
   if (rc != MAGPIE_OK) {
     pthread_mutex_lock(&globals.ipc_lock);
     imp->next = globals.ipc_imports;

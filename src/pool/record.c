@@ -298,7 +298,7 @@ void record_sync_done(record_table *t, record_entry *chain, int ok) {
   pthread_mutex_unlock(&t->lock);
 }
 
-static int record_entry_ready(record_entry *e) {
+static int record_entry_ready(const record_entry *e) {
   /* INVARIANT (above): a parked entry has its tickets, no refs. */
   MAGPIE_ASSERT(e->parked == 1 && e->ntickets >= 1 && e->nrefs == 0);
   if (atomic_load_relaxed(&e->holds) != 0) return 0; /* imported elsewhere */

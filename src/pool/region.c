@@ -148,14 +148,6 @@ static int region_granule_mapped(region *r, size_t g) {
   return (atomic_load_seq_cst(&r->granmap[g / 64]) >> (g % 64)) & 1;
 }
 
-int region_is_mapped(region *r, uintptr_t addr, size_t size) {
-  if (!r->vmm || addr < r->base || addr - r->base > r->size || size > r->size - (addr - r->base)) return 0;
-  size_t g0 = (addr - r->base) / r->gran, g1 = (addr - r->base + size + r->gran - 1) / r->gran;
-  for (size_t g = g0; g < g1; g++)
-    if (!region_granule_mapped(r, g)) return 0;
-  return 1;
-}
-
 int region_map_at(region *r, uintptr_t addr, size_t size) {
   int rc = region_commit(r, size);
   if (rc != MAGPIE_OK) return rc;

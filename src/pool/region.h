@@ -103,8 +103,6 @@ static inline void region_reset_peak(region *r) {
  * backend's set_access over every mapped granule, without it through
  * peer_enable. Idempotent; never takes r->lock. */
 int region_enable_peer(region *r, int peer);
-/* Is [addr, addr+size) mapped (every granule; VMM only)? For export. */
-int region_is_mapped(region *r, uintptr_t addr, size_t size);
 
 /* VMM only: claim size bytes of the reserved range without mapping them
  * (large segments map and unmap granules inside it themselves). Returns 0
