@@ -16,6 +16,7 @@
 #include "magpie.h"
 #include "magpie_sim.h"
 
+#define KiB ((size_t)1 << 10)
 #define MiB ((size_t)1 << 20)
 
 /* Runs first, before anything sets magpie up: the size classes follow from
@@ -25,13 +26,16 @@ static void test_size_class_size_before_init(void **state) {
   assert_int_equal(magpie_size_class_size(0), 256);
   assert_int_equal(magpie_size_class_size(3), 1024);
   assert_int_equal(magpie_size_class_size(4), 1280);
-  assert_int_equal(magpie_size_class_size(43), MiB);
-  assert_int_equal(magpie_size_class_size(44), 0);
+  assert_int_equal(magpie_size_class_size(23), 32 * KiB);
+  assert_int_equal(magpie_size_class_size(24), 48 * KiB); /* two per power of two above 32 KiB */
+  assert_int_equal(magpie_size_class_size(25), 64 * KiB);
+  assert_int_equal(magpie_size_class_size(33), MiB);
+  assert_int_equal(magpie_size_class_size(34), 0);
   assert_int_equal(magpie_size_class_size(UINT32_MAX), 0);
   /* The same as the table set-up fills in. */
   cudaStream_t s = magpie_sim_stream_create();
   assert_non_null(s);
-  for (unsigned i = 0; i < 44; i++) {
+  for (unsigned i = 0; i < 34; i++) {
     void *p = magpie_malloc_async(magpie_size_class_size(i), s);
     assert_non_null(p);
     assert_int_equal(magpie_usable_size(p), magpie_size_class_size(i));

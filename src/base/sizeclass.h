@@ -1,10 +1,22 @@
-/* Size classes: 256 B (the minimum alignment, as cudaMalloc gives) upward,
- * four classes per power of two above 1 KiB, so internal waste is at most
- * 25 % there (below 1 KiB classes step by the 256 B alignment). Lookup is a
- * count-leading-zeros and two shifts: no division, no table walk.
+/* Size classes: 256 B (the minimum alignment, as cudaMalloc gives) upward.
+ * Below 1 KiB classes step by the 256 B alignment; up to 32 KiB (the
+ * classes with slabs) there are four per power of two, so internal waste
+ * is at most 25 %; above it (class blocks of the large segments, up to
+ * 1 MiB) two, at 1.5 and 2 times a power of two (at most a third wasted,
+ * half just above 32 KiB). Lookup is a count-leading-zeros, two shifts and
+ * one comparison: no division, no table walk.
  *
- *   class:  0    1    2    3    4    5    6    7    8    9   ...  43
- *   bytes:  256  512  768  1K   1.25K 1.5K 1.75K 2K  2.5K 3K  ...  1M
+ *   class:  0    1    2    3    4     5    6     7   ...  23   24   25   26  ...  33
+ *   bytes:  256  512  768  1K   1.25K 1.5K 1.75K 2K  ...  32K  48K  64K  96K ...  1M
+ *
+ * Fewer classes above 32 KiB: a thread's class blocks come and go class by
+ * class, and each class held its own high-water mark of them. In one H100
+ * visit, with a thread's surplus of them going back to the segments
+ * (heap_put, trying the lock every time), one thread of the mixed
+ * 256 B-2 MiB workload (2^e + U[0, 2^e) bytes) held 1.58 times its peak
+ * live bytes with two classes per power of two, 1.64 with four; two
+ * threads 1.33-1.36 against 1.47-1.48, eight 1.00-1.02 against 1.09-1.13
+ * (bench/HISTORY.md, 2026-11-26).
  *
  * Requests above SIZECLASS_MAX_SIZE go to the large-block path. */
 #ifndef MAGPIE_SIZECLASS_H
@@ -21,15 +33,18 @@
 static inline unsigned sizeclass_of(size_t size) {
   size_t u = (size + SIZECLASS_MIN_SIZE - 1) >> SIZECLASS_SHIFT; /* units, >= 1 */
   if (u <= 4) return (unsigned)(u - 1);
-  size_t v = u - 1;                                /* >= 4 */
-  unsigned b = 63u - (unsigned)__builtin_clzll(v); /* floor(log2 v) >= 2 */
-  return ((b - 2) << 2) + (unsigned)(v >> (b - 2));
+  size_t v = u - 1;                                       /* >= 4 */
+  unsigned b = 63u - (unsigned)__builtin_clzll(v);        /* floor(log2 v) >= 2 */
+  unsigned q = ((b - 2) << 2) + (unsigned)(v >> (b - 2)); /* four per power of two */
+  /* Above 32 KiB, pairs of those become one: q and q + 1 (q even). */
+  return q < SIZECLASS_FINE_COUNT ? q : (q + SIZECLASS_FINE_COUNT) >> 1;
 }
 
 /* Bytes of class c, by the same formula (globals.sizeclass_table caches it). */
 static inline size_t sizeclass_size_calc(unsigned c) {
   if (c < 8) return (size_t)(c + 1) << SIZECLASS_SHIFT;
-  unsigned b = (c >> 2) + 1; /* c = 4(b-2) + m, m in [4,7] */
+  if (c >= SIZECLASS_FINE_COUNT) c = 2 * c - SIZECLASS_FINE_COUNT + 1; /* the odd quarter step */
+  unsigned b = (c >> 2) + 1;                                           /* c = 4(b-2) + m, m in [4,7] */
   unsigned m = c & 3u;
   return ((size_t)(m + 5) << (b - 2)) << SIZECLASS_SHIFT;
 }

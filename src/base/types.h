@@ -53,7 +53,10 @@ typedef struct stack {
 #define SIZECLASS_SHIFT 8 /* 256-byte units */
 #define SIZECLASS_MIN_SIZE ((size_t)1 << SIZECLASS_SHIFT)
 #define SIZECLASS_MAX_SIZE ((size_t)1 << 20)
-#define SIZECLASS_COUNT 44
+/* Classes up to SIZECLASS_SLAB_MAX (32 KiB): four per power of two above
+ * 1 KiB. Above it, two (sizeclass.h). */
+#define SIZECLASS_FINE_COUNT 24
+#define SIZECLASS_COUNT 34
 
 /* Most blocks one magazine holds (pool/magazine.h sizes its slots by it). */
 #define SIZECLASS_MAG_MAX 64

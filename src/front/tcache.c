@@ -52,6 +52,8 @@ static void tcache_slot_clear(tslot *ts) {
   tdrain_slot_reset(ts);
   ts->drained = 1;
   ts->used = 0;
+  ts->round_trip = 0;
+  memset(ts->out_blocks, 0, sizeof ts->out_blocks);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
   MAGPIE_ASSERT(ts->nout == 0 && ts->lkeep == NULL); /* emptied before (tcache_slot_out) or never used */
   ts->nout = 0;
@@ -158,7 +160,7 @@ static void tcache_outbox_give(tslot *ts, epoch_ticket *t) {
     }
     if (i + 1 < ts->nout) epoch_ticket_copy(t, &m->ticket);
     else m->ticket = *t;
-    depot_put(d, m);
+    heap_put(ts->heap, m, (int)((ts->round_trip >> m->cls) & 1));
   }
   ts->nout = 0;
   ts->out_bytes = 0;
@@ -844,6 +846,9 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
       }
       if (one) {
         if (e == pv) ts->prev[c] = &magazine_sentinel;
+        uint64_t bit = (uint64_t)1 << c;
+        ts->out_blocks[c] += ts->cl[c].loaded->count;
+        ts->round_trip = ts->out_blocks[c] <= tslot_allocs(ts, c) ? ts->round_trip | bit : ts->round_trip & ~bit;
         tcache_outbox_add(ts, ts->cl[c].loaded, s);
       } else {
         e->cap = tcache_next_cap(ts, c);

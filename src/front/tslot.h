@@ -113,6 +113,19 @@ typedef struct tslot {
    * drain and a recycle look at the classes the slot used only. Owner
    * only. */
   uint64_t used;
+  /* Bit c: when a magazine of class blocks of class c last left this slot
+   * (tcache.c, a free finding it full), the slot had allocated at least as
+   * many blocks of the class as had left it: its blocks come and go here,
+   * and what leaves is the thread's surplus, which goes back to the
+   * segments (heap_put). Clear: more leave than it took, so blocks flow
+   * through it (another thread or stream allocates them), and they go to
+   * the depot, where the allocating side takes them with no lock. Owner
+   * only. */
+  uint64_t round_trip;
+  /* Per class, the class blocks that left this slot in full magazines;
+   * round_trip's bit is set while they are no more than the slot's
+   * allocations of the class. Owner only. */
+  uint64_t out_blocks[SIZECLASS_COUNT];
   /* Capacity of the empty magazines this slot takes for its frees, per
    * class (mag_cap..mag_max), the class's allocation count at the last
    * exchange with the depot, and the frees in a row (no allocation between)

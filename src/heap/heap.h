@@ -85,6 +85,11 @@ typedef struct heap {
   /* Reuse before mapping (heap.c, heap_recycle): attempts, and the depot's
    * bytes at the last one that gave nothing back (relaxed; a heuristic). */
   _Atomic uint64_t stat_recycles;
+  /* Magazines of class blocks heap_put sends to the depot before it tries
+   * the large cache's lock again: set after a try found it held, counted
+   * down by each such magazine (relaxed, any thread; a heuristic that
+   * publishes nothing). */
+  _Atomic int32_t put_backoff;
   _Atomic size_t recycle_mark;
   /* Threads inside heap_reap: raised (seq_cst, against heap_capture_hold)
    * on entry, lowered (release) on exit, read with acquire by
@@ -117,6 +122,13 @@ heap *heap_peek(int device);
  * for pending epochs and gives back cached large blocks) before failing
  * with MAGPIE_ERR_OUT_OF_MEMORY. */
 int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out);
+/* A non-empty magazine leaving a thread's slot (its ticket taken over):
+ * to the depot, except that class blocks (the classes without slabs)
+ * that came and went in that slot (round_trip: the thread allocates their
+ * class too) go back to their segments, where they coalesce and serve
+ * any size, if the large cache's lock is free at that moment and no
+ * recent try found it held (put_backoff). */
+void heap_put(heap *h, magazine *m, int round_trip);
 
 /* A large block of at least size bytes usable by stream_id (handle
  * stream) now; under pressure, goes down the same ladder. */

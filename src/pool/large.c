@@ -714,16 +714,24 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
   return *got > 0 ? MAGPIE_OK : rc;
 }
 
-int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t) {
+int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t, int flags) {
   if (n == 0) return MAGPIE_OK;
+  if (flags & LARGE_TRY) {
+    if (pthread_mutex_trylock(&c->lock) != 0) return LARGE_BUSY;
+  } else {
+    pthread_mutex_lock(&c->lock);
+  }
   lticket *lt = NULL;
   if (t->rec != NULL) {
-    if ((lt = meta_alloc(sizeof *lt)) == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+    /* meta_alloc takes no magpie lock (the private arena's own only). */
+    if ((lt = meta_alloc(sizeof *lt)) == NULL) {
+      pthread_mutex_unlock(&c->lock);
+      return MAGPIE_ERR_OUT_OF_MEMORY;
+    }
     lt->t = *t;
     lt->refs = 1; /* this call's, until every block holds its own */
   }
   lticket *deferred = NULL;
-  pthread_mutex_lock(&c->lock);
   for (uint32_t i = 0; i < n; i++) {
     lblock *b = large_hash_find(c, (uintptr_t)blocks[i], 1);
     /* INVARIANT: a magazine's class block is a handed-out class block. */

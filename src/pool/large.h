@@ -252,8 +252,11 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
                       int flags, void **slots, uint32_t *got);
 /* Give n class blocks (free, from a magazine) back to their segments with
  * the magazine's ticket t (t->rec NULL: ready; else the ticket is taken
- * over). MAGPIE_ERR_OUT_OF_MEMORY (host) leaves them to the caller. */
-int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t);
+ * over). MAGPIE_ERR_OUT_OF_MEMORY (host) leaves them to the caller; so
+ * does LARGE_BUSY, with LARGE_TRY in flags, where the lock was held. */
+#define LARGE_TRY 8
+#define LARGE_BUSY 2 /* a return value, as LARGE_WOULD_MAP */
+int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t, int flags);
 
 /* The size class of the class block starting at p in segment sg, or -1 if
  * none starts there. No lock (see lseg.ucls). */
