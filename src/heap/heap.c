@@ -336,7 +336,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
  * classes per power of two, sizeclass.h). Only a thread's own surplus goes
  * back: blocks flowing from a freeing thread to an allocating one
  * (workload 4) would otherwise cross the large cache's lock twice, and
- * cross-thread frees fell from 27-33 to 4.3-4.5 M pairs/s.
+ * cross-thread frees fell from 27-33 to 4.0-4.5 M pairs/s.
  *
  * The lock is only tried, and after a try finds it held the next
  * HEAP_PUT_BACKOFF such magazines go to the depot without trying: under
@@ -344,7 +344,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
  * time made the soak (16 threads, 64 streams) 5.5 times slower, backing
  * off for 8 magazines 1.8 times, for 64 1.08 times, where the mixed
  * workload at 2 / 4 threads held 1.50-1.62 / 1.22-1.35 times its peaks
- * (1.32-1.35 / 1.15 trying every time, 1.62 / 1.32-1.41 before);
+ * (1.32-1.35 / 1.13-1.17 trying every time, 1.62 / 1.32-1.41 before);
  * bench/HISTORY.md, 2026-11-26. */
 #define HEAP_PUT_BACKOFF 64
 
