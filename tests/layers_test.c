@@ -526,23 +526,41 @@ static int64_t depot_class_bytes(heap *h, unsigned cls) {
   return atomic_load_relaxed(&h->depots[cls].ready_bytes) + atomic_load_relaxed(&h->depots[cls].pending_bytes);
 }
 
+enum { CLASS_BLOCKS = 6 };
+
+/* The class-block tests' start: device 0's heap, CLASS_BLOCKS blocks of
+ * size (a class above 32 KiB) allocated on a new stream into p, and what
+ * the depot holds of their class before anything is freed. */
+typedef struct class_case {
+  heap *h;
+  unsigned cls;
+  cudaStream_t s;
+  int64_t depot0;
+} class_case;
+
+static class_case class_case_start(size_t size, void **p) {
+  class_case k = {.h = heap_get(0), .cls = sizeclass_of(size), .s = fake_stream_create(0)};
+  assert_non_null(k.h);
+  assert_true(globals.sizeclass_table[k.cls].seg);
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, k.s));
+  k.depot0 = depot_class_bytes(k.h, k.cls);
+  return k;
+}
+
 /* Class blocks (classes above 32 KiB) that come and go in one thread's
  * slot: what leaves the slot is the thread's surplus and goes back to the
  * segments (heap_put), not to the depot, where each class kept its own
  * high-water mark. There they coalesce and serve a large block without
  * mapping more; another stream still waits for the freeing stream's work. */
-enum { CLASS_BLOCKS = 6 };
 static void test_class_surplus_back_to_segments(void **state) {
   (void)state;
-  heap *h = heap_get(0);
-  assert_non_null(h);
   const size_t size = 600000; /* the 768 KiB class, which no other test here uses */
-  unsigned cls = sizeclass_of(size);
-  assert_true(globals.sizeclass_table[cls].seg);
-  cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
   void *p[CLASS_BLOCKS];
-  for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
-  int64_t depot0 = depot_class_bytes(h, cls);
+  class_case k = class_case_start(size, p);
+  heap *h = k.h;
+  unsigned cls = k.cls;
+  cudaStream_t s = k.s, t = fake_stream_create(0);
+  int64_t depot0 = k.depot0;
   for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   tslot *ts = own_slot(s);
   assert_non_null(ts);
@@ -588,15 +606,11 @@ static void *free_all_thread(void *arg) {
 
 static void test_class_outflow_to_depot(void **state) {
   (void)state;
-  heap *h = heap_get(0);
-  assert_non_null(h);
   const size_t size = 400000; /* the 512 KiB class, which no other test here uses */
-  unsigned cls = sizeclass_of(size);
-  cudaStream_t s = fake_stream_create(0);
   void *p[CLASS_BLOCKS + 1];
-  for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  class_case k = class_case_start(size, p);
+  cudaStream_t s = k.s;
   p[CLASS_BLOCKS] = s;
-  int64_t depot0 = depot_class_bytes(h, cls);
   pthread_t th;
   void *ret = NULL;
   assert_int_equal(pthread_create(&th, NULL, free_all_thread, p), 0);
@@ -605,9 +619,9 @@ static void test_class_outflow_to_depot(void **state) {
   /* Two sealed outboxes of two (512 KiB each) while it ran; what it still
    * held at its exit went to limbo, which the maintenance thread may have
    * drained into the depot since. */
-  assert_true(depot_class_bytes(h, cls) >= depot0 + 4 * (int64_t)globals.sizeclass_table[cls].size);
+  assert_true(depot_class_bytes(k.h, k.cls) >= k.depot0 + 4 * (int64_t)globals.sizeclass_table[k.cls].size);
   fake_stream_complete(s);
-  for (int i = 0; i < 4; i++) {
+  for (int n = 0; n < 4; n++) {
     void *q = magpie_malloc_async(size, s);
     int found = 0;
     for (int i = 0; i < CLASS_BLOCKS; i++) found |= q == p[i];
@@ -621,18 +635,15 @@ static void test_class_outflow_to_depot(void **state) {
  * waiting, and the next HEAP_PUT_BACKOFF do without trying. */
 static void test_class_surplus_to_depot_when_lock_busy(void **state) {
   (void)state;
-  heap *h = heap_get(0);
-  assert_non_null(h);
   const size_t size = 300000; /* the 384 KiB class, which no other test here uses */
-  unsigned cls = sizeclass_of(size);
-  cudaStream_t s = fake_stream_create(0);
   void *p[CLASS_BLOCKS];
-  for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
-  int64_t depot0 = depot_class_bytes(h, cls);
+  class_case k = class_case_start(size, p);
+  heap *h = k.h;
+  cudaStream_t s = k.s;
   pthread_mutex_lock(&h->large.lock);
   for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   pthread_mutex_unlock(&h->large.lock);
-  assert_true(depot_class_bytes(h, cls) > depot0);
+  assert_true(depot_class_bytes(h, k.cls) > k.depot0);
   assert_true(atomic_load_relaxed(&h->put_backoff) > 0);
   atomic_store_relaxed(&h->put_backoff, 0); /* for the tests after this one */
   fake_stream_complete(s);
