@@ -32,8 +32,7 @@ static size_t layers_add_up(void) {
     sum = s.in_use_bytes + s.thread_cached_bytes + s.depot_bytes + s.epoch_pending_bytes + s.large_free_bytes +
           s.overhead_bytes;
     if (sum == s.reserved_bytes) break;
-    struct timespec ts = {0, 1000 * 1000};
-    nanosleep(&ts, NULL);
+    sleep_ms(1);
   }
   assert_int_equal(sum, s.reserved_bytes);
   assert_true(s.large_in_use_bytes <= s.in_use_bytes);
@@ -276,17 +275,20 @@ static void test_errors(void **state) {
   magpie_sim_stream_destroy(b);
 }
 
-/* Waits (bounded) until nothing is parked: a block whose recorded stream
- * is gone comes back through the maintenance thread's device
- * synchronisation, on its own time. */
-static int parked_drains(void) {
+/* done() polled every millisecond, for up to WAIT_MS: 1 once it holds. */
+static int poll_until(int (*done)(void)) {
   for (int i = 0; i < WAIT_MS; i++) {
-    if (record_pending_bytes(&heap0()->records) == 0) return 1;
-    struct timespec ts = {0, 1000 * 1000};
-    nanosleep(&ts, NULL);
+    if (done()) return 1;
+    sleep_ms(1);
   }
   return 0;
 }
+
+/* Waits (bounded) until nothing is parked: a block whose recorded stream
+ * is gone comes back through the maintenance thread's device
+ * synchronisation, on its own time. */
+static int nothing_parked(void) { return record_pending_bytes(&heap0()->records) == 0; }
+static int parked_drains(void) { return poll_until(nothing_parked); }
 
 /* The recorded stream is destroyed, its work still running, before the
  * free. The free succeeds (it used to fail with MAGPIE_ERR_INVALID_STREAM
@@ -384,28 +386,20 @@ static void test_stale_record_outlives_its_stream(void **state) {
   magpie_sim_stream_destroy(a);
 }
 
-/* magpie_stream_retire of a stream the calling thread cached blocks of:
- * they go to the shared pools sealed on it (no limbo, no device
- * synchronisation), another stream gets them once its work completed, and
- * the retired handle is refused after the destroy. */
 /* Waits (bounded) until the maintenance thread has nothing left that needs
  * a device synchronisation (limbo, kept blocks in limbo, parked blocks of
  * destroyed streams) and no reap is under way: what earlier tests left
  * there is drained by a synchronisation on the maintenance thread's own
  * time, which would otherwise count in a later test's figures. */
-static int maintenance_idle(void) {
+static int nothing_to_reap(void) {
   heap *h = heap0();
-  for (int i = 0; i < WAIT_MS; i++) {
-    pthread_mutex_lock(&h->klimbo_lock);
-    int kept = h->klimbo != NULL;
-    pthread_mutex_unlock(&h->klimbo_lock);
-    if (!kept && stack_count(&h->limbo) == 0 && record_sync_wanted(&h->records) == 0 && atomic_load(&h->reaping) == 0)
-      return 1;
-    struct timespec ts = {0, 1000 * 1000};
-    nanosleep(&ts, NULL);
-  }
-  return 0;
+  pthread_mutex_lock(&h->klimbo_lock);
+  int kept = h->klimbo != NULL;
+  pthread_mutex_unlock(&h->klimbo_lock);
+  return !kept && stack_count(&h->limbo) == 0 && record_sync_wanted(&h->records) == 0 && atomic_load(&h->reaping) == 0;
 }
+
+static int maintenance_idle(void) { return poll_until(nothing_to_reap); }
 
 /* Blocks of class cls the calling thread's slot for handle s holds
  * (loaded, previous and outbox magazines), or -1 if it has no such slot. */
@@ -436,6 +430,10 @@ static int retire_failed_line;
 #define RT_CHECK_EQ(a, b) RT_CHECK((a) == (b))
 #define RT_CHECK_NE(a, b) RT_CHECK((a) != (b))
 
+/* magpie_stream_retire of a stream the calling thread cached blocks of:
+ * they go to the shared pools sealed on it (no limbo, no device
+ * synchronisation), another stream gets them once its work completed, and
+ * the retired handle is refused after the destroy. */
 static void *retire_main(void *arg) {
   (void)arg;
   RT_CHECK(maintenance_idle()); /* the device_syncs count below is this test's alone */

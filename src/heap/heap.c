@@ -141,6 +141,18 @@ static size_t heap_reclaim_small(heap *h) {
   return got;
 }
 
+/* Magazine m's class blocks back to their segments (large_class_put,
+ * flags as its); on MAGPIE_OK the segments took its ticket over and m went
+ * back to the empties. */
+static int heap_class_blocks_back(heap *h, magazine *m, int flags) {
+  int rc = large_class_put(&h->large, m->slots, m->count, &m->ticket, flags);
+  if (rc == MAGPIE_OK) {
+    m->ticket = (epoch_ticket){0}; /* the segments took it over */
+    magazine_put_empty(m);
+  }
+  return rc;
+}
+
 /* The depot's class blocks go back to their segments (pool/large.h):
  * every magazine of the classes without slabs, ready ones and pending
  * ones with their tickets, at most as many as the depot held on entry.
@@ -157,12 +169,10 @@ static size_t heap_release_class_blocks(heap *h) {
       magazine *m = depot_give_up(d);
       if (m == NULL) break;
       size_t b = depot_magazine_bytes(m);
-      if (large_class_put(&h->large, m->slots, m->count, &m->ticket, 0) != MAGPIE_OK) {
+      if (heap_class_blocks_back(h, m, 0) != MAGPIE_OK) {
         depot_put(d, m); /* out of host memory: later */
         break;
       }
-      m->ticket = (epoch_ticket){0}; /* the segments took it over */
-      magazine_put_empty(m);
       bytes += b;
     }
   }
@@ -353,13 +363,8 @@ void heap_put(heap *h, magazine *m, int round_trip) {
     if (atomic_load_relaxed(&h->put_backoff) > 0) {
       atomic_sub_relaxed(&h->put_backoff, 1);
     } else {
-      int rc = large_class_put(&h->large, m->slots, m->count, &m->ticket, LARGE_TRY);
-      if (rc == MAGPIE_OK) {
-        m->ticket = (epoch_ticket){0}; /* the segments took it over */
-        m->count = 0;
-        magazine_put_empty(m);
-        return;
-      }
+      int rc = heap_class_blocks_back(h, m, LARGE_TRY);
+      if (rc == MAGPIE_OK) return;
       if (rc == LARGE_BUSY) atomic_store_relaxed(&h->put_backoff, HEAP_PUT_BACKOFF);
     }
   }
