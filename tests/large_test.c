@@ -433,6 +433,59 @@ static void test_idle_thread_gives_back(void **state) {
   fake_set_current_device(0);
 }
 
+/* ---- a busy thread's magazines ---- */
+
+static _Atomic int busy_phase;
+
+/* Fills its magazines as idle_worker does, then allocates and frees one
+ * small block on its stream in a loop, every call on the fast paths,
+ * until busy_phase is 3. A reclaimer almost always finds it inside
+ * magpie: it must ask, and the thread must give back at its next call. */
+static void *busy_worker(void *arg) {
+  (void)arg;
+  fake_set_current_device(2);
+  void *p[256];
+  int n = 0;
+  while (n < 256 && (p[n] = magpie_malloc_async(32 * 1024, idle_stream)) != NULL) n++;
+  for (int i = 0; i < n; i++) magpie_free_async(p[i], idle_stream);
+  for (int first = 1; atomic_load(&busy_phase) != 3; first = 0) {
+    void *q = magpie_malloc_async(256, idle_stream);
+    if (q != NULL) magpie_free_async(q, idle_stream);
+    if (first) atomic_store(&busy_phase, 1);
+  }
+  return NULL;
+}
+
+static void test_busy_thread_gives_back(void **state) {
+  (void)state;
+  idle_stream = fake_stream_create(2);
+  atomic_store(&busy_phase, 0);
+  pthread_t t;
+  pthread_create(&t, NULL, busy_worker, NULL);
+  while (atomic_load(&busy_phase) != 1) sched_yield();
+  fake_stream_complete(idle_stream);
+  magpie_stats st0, st1;
+  int rc0 = magpie_stats_get(2, &st0);
+  /* Only the busy thread's memory makes room for it (device 2: 16 MiB in
+   * 2 MiB granules; the thread's small blocks keep one granule). */
+  fake_set_current_device(2);
+  cudaStream_t s = fake_stream_create(2);
+  void *big = magpie_malloc_async(14 * MiB, s);
+  int rc1 = magpie_stats_get(2, &st1);
+  atomic_store(&busy_phase, 3);
+  pthread_join(t, NULL);
+  assert_int_equal(rc0, MAGPIE_OK);
+  assert_int_equal(rc1, MAGPIE_OK);
+  print_message("busy thread: %zu bytes cached in threads\n", st0.thread_cached_bytes);
+  assert_true(st0.thread_cached_bytes > 0);
+  assert_non_null(big);
+  assert_true(st1.threads_stolen > st0.threads_stolen || st1.threads_flushed > st0.threads_flushed);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  check_layers(2);
+  fake_set_current_device(0);
+}
+
 /* ---- random sequences, invariants after every step, snapshots ---- */
 
 static char *snapshot_text(int dev) {
@@ -678,6 +731,7 @@ int main(void) {
       cmocka_unit_test(test_kept_large_block),
       cmocka_unit_test(test_kept_large_block_default_streams),
       cmocka_unit_test(test_idle_thread_gives_back),
+      cmocka_unit_test(test_busy_thread_gives_back),
       cmocka_unit_test(test_random_sequences_keep_invariants),
       cmocka_unit_test(test_many_streams_snapshot),
       cmocka_unit_test(test_snapshot_bad_input),

@@ -51,7 +51,10 @@ static void work(void *arg) { (void)arg; }
 static int visit(cudaStream_t s, uint64_t *r) {
   void *p[BLOCKS];
   int failed = 0;
-  for (int k = 0; k < BLOCKS; k++) failed += (p[k] = magpie_malloc_async(spread_size(r), s)) == NULL;
+  for (int k = 0; k < BLOCKS; k++) {
+    if ((p[k] = magpie_malloc_async(spread_size(r), s)) != NULL) continue;
+    if (!failed++) fprintf(stderr, "allocation failed: %s\n", magpie_last_error_message());
+  }
   failed += magpie_sim_launch(s, work, NULL) != MAGPIE_OK;
   for (int k = 0; k < BLOCKS; k++) failed += p[k] != NULL && magpie_free_async(p[k], s) != MAGPIE_OK;
   return failed;

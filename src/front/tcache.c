@@ -15,6 +15,7 @@
 #include "base/error.h"
 #include "base/globals.h"
 #include "base/meta.h"
+#include "base/ticks.h"
 #include "front/global.h"
 #include "front/observe.h"
 #include "front/tdrain.h"
@@ -285,7 +286,8 @@ static size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on
 /* Hand a slot's non-empty magazines to limbo (the slot stays). */
 static size_t tcache_slot_empty(tcache *tc, tslot *ts) { return tcache_slot_out(tc, ts, NULL); }
 
-/* Under pressure (an allocation on cur's stream found no memory), the
+/* Under pressure (an allocation on cur's stream reached the heap's
+ * give-back step, tcache_reclaim_threads), the
  * calling thread gives back what it caches for cur's heap, so that slabs
  * its magazines of other classes kept partly free can empty and serve the
  * request: one thread of the 64-block window under limit=16m failed 431
@@ -301,6 +303,20 @@ static size_t tcache_give_back_own(tcache *tc, tslot *cur, cudaStream_t s) {
     if (ts->heap == cur->heap) bytes += tcache_slot_out(tc, ts, ts == cur ? &s : NULL);
   }
   return bytes;
+}
+
+/* Before a heap call that may go down the ladder of relief: the slot and
+ * stream its give-back step hands this thread's own magazines back for
+ * (tcache_reclaim_threads). */
+static void tcache_relief_context(tcache *tc, tslot *ts, cudaStream_t s) {
+  tc->relief_slot = ts;
+  tc->relief_stream = s;
+}
+
+/* Out of the ladder (the allocation returns, or the next slow path). */
+static void tcache_relief_end(tcache *tc) {
+  tc->relief_slot = NULL;
+  if (unlikely(atomic_load_relaxed(&tc->relieving))) atomic_store_relaxed(&tc->relieving, 0);
 }
 
 /* Fold a retiring slot's class counters into its heap. */
@@ -486,9 +502,8 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   uintptr_t p = 0;
   size_t bsize = 0;
   tcache_outbox_seal(ts, s); /* as before a refill */
+  tcache_relief_context(tc, ts, s);
   int rc = heap_large_alloc(h, size, id, s, &p, &bsize);
-  if (rc == MAGPIE_ERR_OUT_OF_MEMORY && tcache_give_back_own(tc, ts, s) > 0)
-    rc = heap_large_alloc(h, size, id, s, &p, &bsize);
   if (rc != MAGPIE_OK) {
     tcache_oom_error(h, size, rc);
     return NULL;
@@ -499,21 +514,28 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   return (void *)p;
 }
 
+/* A reclaimer asked this thread (the owner) to give back: every
+ * magazine goes to limbo, and the request is cleared only once that is
+ * done (the reclaimer may be waiting to find them there). */
+static void tcache_honour_ask(tcache *tc) {
+  if (likely((atomic_load_relaxed(&tc->steal) & TCACHE_ASKED) == 0)) return;
+  tdrain_flush(tc, NULL);
+  int flushed = 0;
+  for (int i = 0; i < TCACHE_SLOTS; i++) {
+    tslot *ts = &tc->slots[i];
+    if (ts->heap == NULL || tcache_slot_empty(tc, ts) == 0) continue;
+    if (!flushed++) atomic_add_relaxed(&ts->heap->stat_threads_flushed, 1);
+  }
+  atomic_and_release(&tc->steal, ~TCACHE_ASKED);
+}
+
 /* Entry to a slow path: wait out a reclaimer at work on this cache, then
  * give back if one asked. */
 static void tcache_enter_slow(tcache *tc) {
   tcache_enter(tc);
-  while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
-  if (unlikely(atomic_load_relaxed(&tc->flush_req))) {
-    atomic_store_relaxed(&tc->flush_req, 0);
-    tdrain_flush(tc, NULL);
-    int flushed = 0;
-    for (int i = 0; i < TCACHE_SLOTS; i++) {
-      tslot *ts = &tc->slots[i];
-      if (ts->heap == NULL || tcache_slot_empty(tc, ts) == 0) continue;
-      if (!flushed++) atomic_add_relaxed(&ts->heap->stat_threads_flushed, 1);
-    }
-  }
+  while ((atomic_load_acquire(&tc->steal) & TCACHE_CLAIMED) != 0) sched_yield();
+  tcache_relief_end(tc);
+  tcache_honour_ask(tc);
 }
 
 /* Checked mode: a block of slab sl (index bi) or a class block of sl's
@@ -555,6 +577,7 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
   if (tc == NULL && (tc = tcache_create()) == NULL) return NULL;
   tcache_enter_slow(tc);
   void *p = tcache_alloc_slow_in(tc, size, s, id);
+  tcache_relief_end(tc);
   tcache_leave(tc);
   return p;
 }
@@ -594,9 +617,8 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
          * goes there first, so that its slabs and segments may serve. */
         if (tcache_capture_refused(tc, s, size)) return NULL;
         tcache_outbox_seal(ts, s);
+        tcache_relief_context(tc, ts, s);
         int rc = heap_refill(ts->heap, c, id, s, &fresh);
-        if (rc == MAGPIE_ERR_OUT_OF_MEMORY && tcache_give_back_own(tc, ts, s) > 0)
-          rc = heap_refill(ts->heap, c, id, s, &fresh);
         if (rc != MAGPIE_OK) {
           tcache_oom_error(ts->heap, size, rc);
           return NULL;
@@ -881,7 +903,7 @@ static void tcache_destroy(void *arg) {
   else globals.tcache_list = tc->lnext;
   if (tc->lnext) tc->lnext->lprev = tc->lprev;
   pthread_mutex_unlock(&globals.tcache_list_lock);
-  while (atomic_load_acquire(&tc->steal) != 0) sched_yield();
+  while ((atomic_load_acquire(&tc->steal) & TCACHE_CLAIMED) != 0) sched_yield();
   tdrain_flush(tc, NULL);
   tdrain_release_spares(tc);
   for (int i = 0; i < TCACHE_SLOTS; i++)
@@ -921,8 +943,8 @@ void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
   pthread_mutex_unlock(&globals.tcache_list_lock);
 }
 
-/* Caches other than the caller's, each marked steal = 1 under the list
- * lock; *n set. The array comes from host metadata (NULL if none). */
+/* Caches other than the caller's, each claimed (TCACHE_CLAIMED) under the
+ * list lock; *n set. The array comes from host metadata (NULL if none). */
 static tcache **tcache_claim_others(int *n) {
   tcache *self = tcache_tls;
   *n = 0;
@@ -932,14 +954,15 @@ static tcache **tcache_claim_others(int *n) {
   tcache **all = count ? meta_alloc((size_t)count * sizeof *all) : NULL;
   if (all != NULL) {
     for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
-      if (tc == self || atomic_load_relaxed(&tc->steal) != 0) continue;
-      /* An exchange that acquires: it reads the last reclaimer's release
-       * store of 0, so what that one did to this cache happens before what
-       * this one does, and before the owner's next acquire of the 0 this
-       * one stores (a plain store would start a new release sequence and
-       * cut that chain: ThreadSanitizer saw the owner's read race with an
-       * earlier reclaimer's write). */
-      atomic_exchange_acq_rel(&tc->steal, 1);
+      if (tc == self || (atomic_load_relaxed(&tc->steal) & TCACHE_CLAIMED) != 0) continue;
+      /* A read-modify-write that acquires: it reads the last reclaimer's
+       * release of the claim (and the owner's of TCACHE_ASKED), so what
+       * those did to this cache happens before what this one does, and
+       * before the owner's next acquire of the clear this one releases (a
+       * plain store would start a new release sequence and cut that chain:
+       * ThreadSanitizer saw the owner's read race with an earlier
+       * reclaimer's write). */
+      atomic_or_acq_rel(&tc->steal, TCACHE_CLAIMED);
       all[(*n)++] = tc;
     }
   }
@@ -961,26 +984,71 @@ static size_t tcache_empty_heap(tcache *tc, heap *h) {
   return got;
 }
 
-/* The heap's give-back step: take idle threads' magazines of h, ask busy
- * threads to give theirs back at their next slow path. */
-static size_t tcache_reclaim_threads(heap *h) {
+/* One pass of the give-back step: take idle threads' magazines of h; ask
+ * busy ones to give theirs back (ask: only on the first pass). Returns the
+ * bytes taken; *waiting counts the busy threads asked that have not given
+ * back yet and are not themselves down the ladder. */
+static size_t tcache_reclaim_pass(heap *h, int ask, int *waiting) {
   int n = 0;
   tcache **all = tcache_claim_others(&n);
+  *waiting = 0;
   if (all == NULL) return 0;
   int barrier = tcache_barrier();
   size_t bytes = 0;
   for (int i = 0; i < n; i++) {
     tcache *tc = all[i];
+    uint32_t clear = TCACHE_CLAIMED;
     if (tcache_owner_out(tc, barrier)) {
       size_t got = tcache_empty_heap(tc, h);
       if (got) atomic_add_relaxed(&h->stat_threads_stolen, 1);
       bytes += got;
+      clear |= TCACHE_ASKED; /* nothing left to give back */
     } else {
-      atomic_store_relaxed(&tc->flush_req, 1);
+      if (ask) atomic_or_relaxed(&tc->steal, TCACHE_ASKED);
+      if ((atomic_load_relaxed(&tc->steal) & TCACHE_ASKED) != 0 && !atomic_load_relaxed(&tc->relieving)) (*waiting)++;
     }
-    atomic_store_release(&tc->steal, 0);
+    atomic_and_release(&tc->steal, ~clear);
   }
   meta_free(all);
+  return bytes;
+}
+
+/* How long a reclaimer waits for busy threads to give back: they do at
+ * their next operation, within microseconds unless the owner is descheduled
+ * or inside a long call of its own; the bound keeps a thread stuck inside
+ * magpie (a device synchronisation) from stalling the allocation for
+ * longer. */
+#define TCACHE_ASK_WAIT_NS (50 * 1000 * 1000)
+
+/* The heap's give-back step: take idle threads' magazines of h, ask busy
+ * threads to give theirs back at their next operation, and wait (bounded)
+ * until they have, taking those that went idle meanwhile. An allocation
+ * that fails after this step then fails with every thread's magazines
+ * given back, as README.md promises: before the wait, one allocation of
+ * stream_rotation_test's four threads under a 24 MiB limit failed in about
+ * one run in twenty, with 16 MiB in busy threads' magazines and 0.4 MiB in
+ * use. */
+static size_t tcache_reclaim_threads(heap *h) {
+  tcache *self = tcache_tls;
+  size_t bytes = 0;
+  if (self != NULL && self->relief_slot != NULL) {
+    /* Inside an allocation (so marked busy: no reclaimer takes this cache
+     * meanwhile). Its own magazines first, as after the heap's call (the
+     * state is the same), and any other thread's request to give back is
+     * met. Others then need not wait for this thread. magpie_trim's caller
+     * gave back before, and is not marked busy: it is left alone. */
+    if (self->relief_slot->heap == h) bytes += tcache_give_back_own(self, self->relief_slot, self->relief_stream);
+    tcache_honour_ask(self);
+    atomic_store_relaxed(&self->relieving, 1);
+  }
+  int waiting = 0;
+  bytes += tcache_reclaim_pass(h, 1, &waiting);
+  uint64_t deadline = waiting ? ticks_now_ns() + TCACHE_ASK_WAIT_NS : 0;
+  for (unsigned round = 0; waiting > 0 && ticks_now_ns() < deadline; round++) {
+    if (round < 16) sched_yield();
+    else ticks_sleep_ns(100 * 1000);
+    bytes += tcache_reclaim_pass(h, 0, &waiting);
+  }
   return bytes;
 }
 
@@ -1030,7 +1098,7 @@ int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded)
       }
       tdrain_inspect(tc, h, fn, ctx);
     }
-    if (tc != self) atomic_store_release(&tc->steal, 0);
+    if (tc != self) atomic_and_release(&tc->steal, ~TCACHE_CLAIMED);
   }
   if (self) tcache_leave(self);
   meta_free(all);

@@ -22,11 +22,11 @@
  * The owner marks itself `busy` with a plain store around every operation
  * and then reads `steal`; a reclaimer sets `steal`, issues a process-wide
  * barrier (membarrier), then reads `busy`. Either the reclaimer sees the
- * owner busy (and only asks it, through flush_req, to give back at its next
- * slow path) or the owner sees `steal` and waits in its slow path until the
- * reclaimer, which took the idle thread's magazines, clears it. The fast
- * paths pay two plain stores and one load, no fence: the barrier is the
- * reclaimer's. */
+ * owner busy (and asks it, through steal's TCACHE_ASKED bit, to give back
+ * at its next operation, which that bit sends down the slow path) or the
+ * owner sees `steal` and waits in its slow path until the reclaimer, which
+ * took the idle thread's magazines, clears it. The fast paths pay two plain
+ * stores and one load, no fence: the barrier is the reclaimer's. */
 #ifndef MAGPIE_TCACHE_H
 #define MAGPIE_TCACHE_H
 

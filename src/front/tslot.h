@@ -153,22 +153,42 @@ typedef struct tsealed {
  * stack when another comes. */
 #define TCACHE_SEALED 128
 
+/* tcache.steal's bits (below). */
+#define TCACHE_CLAIMED 1u
+#define TCACHE_ASKED 2u
+
 typedef struct tcache {
   /* Owner: 1 (relaxed store) on entry to any operation, 0 (release store,
    * pairing with the reclaimer's acquire load after its membarrier) on
    * exit. */
   _Atomic uint32_t busy;
-  /* Reclaimer: 1 (exchange, acq_rel, under tcache_list_lock: it acquires
-   * the previous reclaimer's release of 0) while it decides and possibly
-   * takes this cache's magazines; 0 (release) when done, pairing with the
-   * owner's acquire loads in tcache_enter and tcache_enter_slow, which
-   * come after the owner marked itself busy, and with the next
-   * reclaimer's exchange. */
+  /* Two bits; any bit set sends the owner's fast paths (tcache_enter) to
+   * the slow path, so the fast paths read one word.
+   * TCACHE_CLAIMED: a reclaimer decides and possibly takes this cache's
+   * magazines. Set (fetch_or, acq_rel, under tcache_list_lock: it acquires
+   * the previous reclaimer's release) only while clear; cleared (fetch_and,
+   * release) by that reclaimer when done, pairing with the owner's acquire
+   * loads in tcache_enter and tcache_enter_slow, which come after the owner
+   * marked itself busy, and with the next reclaimer's fetch_or.
+   * TCACHE_ASKED: a reclaimer that found the owner busy asks it to give
+   * back its magazines (fetch_or, relaxed, while it holds the claim). The
+   * owner gives back at its next operation's slow path and then clears it
+   * (fetch_and, release), pairing with a later reclaimer's acquiring
+   * fetch_or: a clear bit seen by the reclaimer means the magazines are in
+   * limbo. A reclaimer that takes an idle cache clears it too. */
   _Atomic uint32_t steal;
-  /* Reclaimer -> owner: empty your magazines at your next slow path
-   * (relaxed both sides: the owner's give-back publishes through the
-   * depot's stacks). */
-  _Atomic uint32_t flush_req;
+  /* Owner: 1 (relaxed) once it is itself down the heap's ladder of relief
+   * past the give-back step (tcache_reclaim_threads, where it gave back
+   * its own magazines), 0 at its next slow path or when the allocation
+   * returns. Reclaimers read it (relaxed) and do not wait for such a
+   * thread: two of them would otherwise wait for each other. */
+  _Atomic uint32_t relieving;
+  /* The slot and stream of the refill or large allocation in progress
+   * (NULL outside one), for the give-back step: the heap's calls leave
+   * the cache as it was at the call, so its own magazines can go back
+   * there as after the call (tcache_give_back_own). Owner only. */
+  tslot *relief_slot;
+  cudaStream_t relief_stream;
   tslot *last;     /* the fast paths' slot */
   tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
   uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */

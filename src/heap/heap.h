@@ -102,9 +102,11 @@ typedef struct heap {
 } heap;
 
 /* The thread-cache layer's give-back (tcache.c registers it: the heap lies
- * below the thread caches and cannot name them). Empties idle threads'
- * magazines of heap h into limbo and asks busy threads to do the same at
- * their next slow path; returns the bytes taken. */
+ * below the thread caches and cannot name them). Gives back the calling
+ * thread's own magazines if it is allocating, empties idle threads'
+ * magazines of heap h into limbo, asks busy threads to do the same at
+ * their next call and waits (bounded) until they have; returns the bytes
+ * taken. */
 typedef size_t (*heap_threads_reclaim_fn)(heap *h);
 void heap_set_threads_reclaim(heap_threads_reclaim_fn fn);
 
