@@ -383,15 +383,21 @@ static pthread_cond_t idle_cv = PTHREAD_COND_INITIALIZER;
 static int idle_phase;
 static cudaStream_t idle_stream;
 
-static void *idle_worker(void *arg) {
-  (void)arg;
+/* The calling thread's magazines of device 2 filled: 256 blocks of 32 KiB
+ * allocated and freed on idle_stream. Slab blocks: their slabs go back
+ * only once every block is free, so the thread's magazines pin them
+ * (class blocks would go back one by one). */
+static void fill_thread_cache(void) {
   fake_set_current_device(2);
   void *p[256];
   int n = 0;
-  /* Slab blocks: their slabs go back only once every block is free, so the
-   * thread's magazines pin them (class blocks would go back one by one). */
   while (n < 256 && (p[n] = magpie_malloc_async(32 * 1024, idle_stream)) != NULL) n++;
   for (int i = 0; i < n; i++) magpie_free_async(p[i], idle_stream);
+}
+
+static void *idle_worker(void *arg) {
+  (void)arg;
+  fill_thread_cache();
   pthread_mutex_lock(&idle_mu);
   idle_phase = 1;
   pthread_cond_broadcast(&idle_cv);
@@ -443,11 +449,7 @@ static _Atomic int busy_phase;
  * magpie: it must ask, and the thread must give back at its next call. */
 static void *busy_worker(void *arg) {
   (void)arg;
-  fake_set_current_device(2);
-  void *p[256];
-  int n = 0;
-  while (n < 256 && (p[n] = magpie_malloc_async(32 * 1024, idle_stream)) != NULL) n++;
-  for (int i = 0; i < n; i++) magpie_free_async(p[i], idle_stream);
+  fill_thread_cache();
   for (int first = 1; atomic_load(&busy_phase) != 3; first = 0) {
     void *q = magpie_malloc_async(256, idle_stream);
     if (q != NULL) magpie_free_async(q, idle_stream);
