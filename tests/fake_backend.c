@@ -253,9 +253,18 @@ static int f_event_sync(void *ev) {
   pthread_mutex_unlock(&fake_lock);
   return MAGPIE_OK;
 }
+static _Atomic unsigned fake_wait_failures;
+void fake_fail_stream_waits(unsigned n) { fake_wait_failures = n; }
+
 static int f_wait_event(cudaStream_t s, void *ev) {
   (void)s;
   (void)ev;
+  unsigned left = fake_wait_failures;
+  if (left > 0) {
+    fake_wait_failures = left - 1;
+    backend_set_error_detail("fake stream wait refused");
+    return MAGPIE_ERR_BACKEND;
+  }
   pthread_mutex_lock(&fake_lock);
   fake_cnt.stream_waits++;
   pthread_mutex_unlock(&fake_lock);

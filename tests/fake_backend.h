@@ -31,6 +31,8 @@ void fake_gate_device_sync(int closed);
  * unmaps are inside the gate now. */
 void fake_gate_unmap(int closed);
 int fake_unmaps_held(void);
+/* The next n stream waits (stream_wait_event) fail, as the driver would. */
+void fake_fail_stream_waits(unsigned n);
 
 typedef struct fake_counters {
   uint64_t maps, unmaps, event_records, event_queries, event_syncs, device_syncs, stream_waits;

@@ -277,6 +277,62 @@ static void test_large_stream_rules(void **state) {
   fake_set_current_device(0);
 }
 
+/* Blocks freed next to each other on different streams do not merge (a
+ * free block carries one stream's event). A request larger than each, on
+ * a third stream, takes them together by waiting on both events, rather
+ * than mapping more; what it leaves of the last stays free, waiting on its
+ * stream. A failed wait leaves them as they were. */
+static void test_run_of_blocks_freed_on_different_streams(void **state) {
+  (void)state;
+  /* Device 1 holds 24 MiB. */
+  fake_set_current_device(1);
+  cudaStream_t a = fake_stream_create(1), b = fake_stream_create(1), c = fake_stream_create(1);
+  char *p1 = magpie_malloc_async(6 * MiB, a);
+  char *p2 = magpie_malloc_async(6 * MiB, a);
+  char *p3 = magpie_malloc_async(6 * MiB, a);
+  assert_non_null(p1);
+  assert_ptr_equal(p2, p1 + 6 * MiB);
+  assert_ptr_equal(p3, p2 + 6 * MiB);
+  assert_int_equal(free_on_other_thread(p1, a), MAGPIE_OK);
+  assert_int_equal(free_on_other_thread(p2, b), MAGPIE_OK);
+  int free0 = large_free_count(1);
+
+  fake_fail_stream_waits(1);
+  assert_null(magpie_malloc_async(10 * MiB, c));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_BACKEND);
+  assert_int_equal(large_free_count(1), free0);
+  check_layers(1);
+
+  magpie_stats st0, st1;
+  fake_counters c0, c1;
+  assert_int_equal(magpie_stats_get(1, &st0), MAGPIE_OK);
+  fake_get_counters(&c0);
+  char *q = magpie_malloc_async(10 * MiB, c);
+  fake_get_counters(&c1);
+  assert_int_equal(magpie_stats_get(1, &st1), MAGPIE_OK);
+  assert_ptr_equal(q, p1);
+  assert_int_equal(st1.stream_waits - st0.stream_waits, 2);
+  assert_int_equal(c1.stream_waits - c0.stream_waits, 2);
+  assert_int_equal(c1.event_syncs, c0.event_syncs);
+  assert_int_equal(c1.device_syncs, c0.device_syncs);
+  assert_int_equal(c1.maps, c0.maps);
+  memset(q, 7, 10 * MiB);
+  check_layers(1);
+  /* The 2 MiB left of p2 still waits on b, whose next request takes it at
+   * once. */
+  char *r = magpie_malloc_async(2 * MiB, b);
+  assert_ptr_equal(r, p1 + 10 * MiB);
+  assert_int_equal(magpie_free_async(r, b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(q, c), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p3, a), MAGPIE_OK);
+  fake_stream_complete(a);
+  fake_stream_complete(b);
+  fake_stream_complete(c);
+  check_layers(1);
+  assert_int_equal(magpie_trim(1, 0), MAGPIE_OK);
+  fake_set_current_device(0);
+}
+
 static void check_snapshot(int dev);
 
 /* A thread keeps the large block freed on its stream for that stream's
@@ -732,6 +788,7 @@ int main(void) {
       cmocka_unit_test(test_large_stream_rules),
       cmocka_unit_test(test_kept_large_block),
       cmocka_unit_test(test_kept_large_block_default_streams),
+      cmocka_unit_test(test_run_of_blocks_freed_on_different_streams),
       cmocka_unit_test(test_idle_thread_gives_back),
       cmocka_unit_test(test_busy_thread_gives_back),
       cmocka_unit_test(test_random_sequences_keep_invariants),

@@ -427,6 +427,148 @@ static void large_uncarve(large_cache *c, lblock *u, lticket **deferred) {
   large_coalesce(c, u, deferred);
 }
 
+static int large_hand_out(large_cache *c, lblock *u, lticket **deferred);
+
+/* ---- runs: adjacent free blocks of different streams ----
+ *
+ * Free neighbours waiting on different streams do not merge (one ticket
+ * holds one event), so a request larger than each of them grew the
+ * segment beside them: the demo on an H100 held four adjacent free
+ * blocks of 14 MiB together, each waiting on its own stream, while it
+ * mapped 2-7 MiB blocks anew (bench/HISTORY.md, 2026-11-26). Where a
+ * stream may be made to wait (as for one block: pressure, or the layer
+ * holding more than its reserve beyond its use), a run of such blocks
+ * serves instead: the allocating stream waits on each foreign ticket's
+ * event, then takes the run's first need bytes; what is left of its last
+ * block stays free with that block's ticket. */
+#define LARGE_RUN_BLOCKS 16 /* blocks a run may span */
+#define LARGE_RUN_WAITS 4   /* distinct tickets a run may need waits on */
+#define LARGE_NO_RUN (-1)   /* large_run_take: no run serves */
+
+typedef struct large_run {
+  lblock *b[LARGE_RUN_BLOCKS];
+  unsigned n;
+  lticket *wait[LARGE_RUN_WAITS];
+  unsigned nwait;
+  size_t bytes;
+} large_run;
+
+/* The shortest run starting at block s that holds need bytes, of at least
+ * two free, wholly mapped blocks. 1 if found (*r set). */
+static int large_run_from(large_cache *c, lblock *s, size_t need, uint64_t stream_id, large_run *r) {
+  r->n = r->nwait = 0;
+  r->bytes = 0;
+  for (lblock *b = s; b != NULL && r->n < LARGE_RUN_BLOCKS; b = b->next) {
+    if (b->state != LBLOCK_FREE || !large_wholly_mapped(b->seg, large_gran(c), b->base, b->size)) return 0;
+    if (!lblock_ready_for(b, stream_id)) {
+      unsigned k = 0;
+      while (k < r->nwait && r->wait[k] != b->ticket) k++;
+      if (k == r->nwait) {
+        if (r->nwait == LARGE_RUN_WAITS) return 0;
+        r->wait[r->nwait++] = b->ticket;
+      }
+    }
+    r->b[r->n++] = b;
+    r->bytes += b->size;
+    if (r->bytes >= need) return r->n >= 2;
+  }
+  return 0;
+}
+
+/* Put run r's blocks back as they were, free, in place of u (which spans
+ * them exactly; u is freed). */
+static void large_run_restore(large_cache *c, const large_run *r, lblock *u) {
+  lblock *prev = u->prev, *next = u->next;
+  for (unsigned i = 0; i < r->n; i++) {
+    lblock *b = r->b[i];
+    b->prev = i == 0 ? prev : r->b[i - 1];
+    b->next = i + 1 == r->n ? next : r->b[i + 1];
+    large_free_link(c, b);
+  }
+  if (prev) prev->next = r->b[0];
+  else u->seg->first = r->b[0];
+  if (next) next->prev = r->b[r->n - 1];
+  meta_free(u);
+  MAGPIE_ASSERT(large_seg_tiles(r->b[0]->seg));
+}
+
+/* Serve need bytes for stream_id from the best run (fewest waits, then
+ * least left over), handed out in *out (lock held on entry and exit;
+ * dropped around the waits, while the run is out of the free lists as
+ * one USED block). LARGE_NO_RUN where none serves (or no descriptor);
+ * an error code where a wait or the hand-out failed (the run is back as
+ * it was). */
+static int large_run_take(large_cache *c, size_t need, uint64_t stream_id, cudaStream_t stream, lblock **out,
+                          lticket **deferred) {
+  large_run best, r;
+  int found = 0;
+  for (lseg *sg = c->segs; sg; sg = sg->next)
+    for (lblock *s = sg->first; s; s = s->next)
+      if (s->state == LBLOCK_FREE && large_run_from(c, s, need, stream_id, &r) &&
+          (!found || r.nwait < best.nwait || (r.nwait == best.nwait && r.bytes < best.bytes))) {
+        best = r;
+        found = 1;
+      }
+  if (!found) return LARGE_NO_RUN;
+  lblock *u = meta_alloc(sizeof *u);
+  if (u == NULL) return LARGE_NO_RUN;
+  lblock *first = best.b[0], *last = best.b[best.n - 1];
+  for (unsigned i = 0; i < best.n; i++) large_free_unlink(c, best.b[i]);
+  u->seg = first->seg;
+  u->base = first->base;
+  u->size = best.bytes;
+  u->state = LBLOCK_USED;
+  u->prev = first->prev;
+  u->next = last->next;
+  if (u->prev) u->prev->next = u;
+  else u->seg->first = u;
+  if (u->next) u->next->prev = u;
+  for (unsigned k = 0; k < best.nwait; k++) lticket_ref(best.wait[k]);
+  pthread_mutex_unlock(&c->lock);
+  int rc = MAGPIE_OK;
+  for (unsigned k = 0; k < best.nwait && rc == MAGPIE_OK; k++)
+    rc = c->ops->stream_wait_event(stream, best.wait[k]->t.ev->ev);
+  pthread_mutex_lock(&c->lock);
+  for (unsigned k = 0; k < best.nwait; k++) lticket_unref(best.wait[k], deferred);
+  /* What the request leaves of the last block stays free, with its ticket. */
+  uintptr_t last_base = last->base;
+  size_t last_size = last->size;
+  lblock *rest = NULL;
+  if (rc == MAGPIE_OK && best.bytes > need) {
+    rest = last;
+    rest->size = best.bytes - need;
+    rest->base = u->base + need;
+    u->size = need;
+    rest->prev = u;
+    rest->next = u->next;
+    if (rest->next) rest->next->prev = rest;
+    u->next = rest;
+    large_free_link(c, rest);
+  }
+  if (rc == MAGPIE_OK) rc = large_hand_out(c, u, deferred);
+  if (rc != MAGPIE_OK) {
+    if (rest != NULL) {
+      large_free_unlink(c, rest);
+      u->next = rest->next;
+      if (u->next) u->next->prev = u;
+      u->size = best.bytes;
+      last->base = last_base;
+      last->size = last_size;
+    }
+    large_run_restore(c, &best, u);
+    return rc;
+  }
+  for (unsigned i = 0; i < best.n; i++) {
+    if (best.b[i] == rest) continue;
+    lticket_unref(best.b[i]->ticket, deferred);
+    meta_free(best.b[i]);
+  }
+  atomic_add_relaxed(&c->stream_waits, best.nwait);
+  MAGPIE_ASSERT(large_seg_tiles(u->seg));
+  *out = u;
+  return MAGPIE_OK;
+}
+
 /* Map the unmapped granules under u (lock held on entry and exit; dropped
  * around each driver call). */
 static int large_map_under(large_cache *c, lblock *u) {
@@ -607,8 +749,19 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
      * with internal dependencies allowed). */
     size_t held = atomic_load_relaxed(&c->mapped_bytes), used = atomic_load_relaxed(&c->in_use_bytes);
     int soft = c->reuse_wait && held > used && held - used > large_keep(c);
-    int use_wait =
-        !(flags & LARGE_READY_ONLY) && ((flags & LARGE_MAY_WAIT_EVENT) || soft) && wait.b != NULL && wait.cost == 0;
+    int may_wait = !(flags & LARGE_READY_ONLY) && ((flags & LARGE_MAY_WAIT_EVENT) || soft);
+    int use_wait = may_wait && wait.b != NULL && wait.cost == 0;
+    if (may_wait && !use_wait && (best.b == NULL || best.cost > 0)) {
+      /* No one block serves without mapping: a run of them may. */
+      lblock *u = NULL;
+      rc = large_run_take(c, need, stream_id, stream, &u, deferred);
+      if (rc == MAGPIE_OK) {
+        *out = u;
+        return MAGPIE_OK;
+      }
+      if (rc != LARGE_NO_RUN) break;
+      rc = MAGPIE_ERR_OUT_OF_MEMORY;
+    }
     if (!use_wait && (flags & LARGE_NO_MAP)) return LARGE_WOULD_MAP;
     if (best.b != NULL && !use_wait) goto carve_best;
     if (use_wait) {

@@ -19,7 +19,10 @@
  * Neighbouring free blocks are merged when both are ready for every stream,
  * both wait on the same stream (the later ticket covers the earlier), or
  * one waits on a stream and the other is ready and wholly mapped (the
- * merged block waits on that stream: large.c, large_mergeable).
+ * merged block waits on that stream: large.c, large_mergeable). Where a
+ * stream may be made to wait, a request no single free block serves may
+ * take a run of adjacent free blocks waiting on different streams, its
+ * stream waiting on each one's event (large.c, large_run_take).
  *
  * Lock order: large_cache.lock is a leaf; no driver call is made while it
  * is held. Mapping and unmapping happen outside it; a granule being mapped
