@@ -630,6 +630,36 @@ static void test_class_outflow_to_depot(void **state) {
   }
 }
 
+/* A large allocation first sends the slot's cached class blocks back to
+ * their segments (with the outbox it seals anyway), where they coalesce
+ * with the free space around them instead of keeping it apart; not to
+ * the depot. */
+static void test_large_allocation_sends_class_blocks_back(void **state) {
+  (void)state;
+  const size_t size = 90000; /* the 96 KiB class, which no other test here uses */
+  heap *h = heap_get(0);
+  unsigned cls = sizeclass_of(size);
+  assert_true(globals.sizeclass_table[cls].seg);
+  cudaStream_t s = fake_stream_create(0);
+  void *p[2];
+  for (int i = 0; i < 2; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  for (int i = 0; i < 2; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  assert_true(ts->cl[cls].loaded->count + ts->prev[cls]->count > 0);
+  int64_t depot0 = depot_class_bytes(h, cls);
+  void *big = magpie_malloc_async((size_t)2 << 20, s);
+  assert_non_null(big);
+  assert_int_equal(ts->cl[cls].loaded->count + ts->prev[cls]->count, 0);
+  assert_int_equal(depot_class_bytes(h, cls), depot0);
+  /* The slot's next block of the class comes from the segments. */
+  void *q = magpie_malloc_async(size, s);
+  assert_non_null(q);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 /* The round trip's give-back only tries the large cache's lock: while
  * another thread holds it, the surplus goes to the depot instead of
  * waiting, and the next HEAP_PUT_BACKOFF do without trying. */
@@ -759,6 +789,7 @@ int main(void) {
       cmocka_unit_test(test_outbox_seals_together),
       cmocka_unit_test(test_outbox_sealed_before_refill),
       cmocka_unit_test(test_class_surplus_back_to_segments),
+      cmocka_unit_test(test_large_allocation_sends_class_blocks_back),
       cmocka_unit_test(test_class_outflow_to_depot),
       cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),
       cmocka_unit_test(test_concurrent_refills_share_a_carve),
