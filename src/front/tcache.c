@@ -203,12 +203,15 @@ static magazine *tcache_outbox_take(tslot *ts, unsigned c) {
  * with it (heap_put, as the slot's own: the caller marks the classes
  * returned, the bits this returns, as round trips for that seal). Cached
  * in the thread they sit between the segments' free holes and keep them
- * apart, so the segments grew beside them: one thread of the mixed 256
- * B-2 MiB workload on an H100 held 1.58 times its peak live bytes, 1.46
- * with them sent back (2 threads 1.44-1.56 -> 1.41-1.42, 16 threads 0.92
- * -> 0.84-0.85; bench/HISTORY.md, 2026-11-26). Doing it only where the
- * segments were about to grow held 1.52. The outbox is sealed before
- * every large allocation anyway, so this adds no event. */
+ * apart, so the segments grew beside them: the mixed 256 B-2 MiB
+ * workload on an H100 held 1.58 / 1.18-1.24 / 1.02-1.04 / 0.91-0.92 times
+ * its peak live bytes at 1 / 4 / 8 / 16 threads, 1.46 / 1.10-1.20 /
+ * 0.94-0.95 / 0.83-0.84 with them sent back (2 threads 1.41-1.53 against
+ * 1.45-1.55). The price: its class blocks come from the segments' lock
+ * more often, and one thread ran 3.2-3.9 M operations a second instead
+ * of 4.8-6.7 (bench/HISTORY.md, 2026-11-26). Doing it only where the
+ * segments were about to grow held 1.52 at one thread. The outbox is
+ * sealed before every large allocation anyway, so this adds no event. */
 static uint64_t tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
   uint64_t back = 0;
   for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++) {
