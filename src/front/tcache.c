@@ -198,38 +198,6 @@ static magazine *tcache_outbox_take(tslot *ts, unsigned c) {
   return NULL;
 }
 
-/* Before a large allocation, the slot's magazines of class blocks (the
- * classes without slabs) join the outbox, to go back to their segments
- * with it (heap_put, as the slot's own: the caller marks the classes
- * returned, the bits this returns, as round trips for that seal). Cached
- * in the thread they sit between the segments' free holes and keep them
- * apart, so the segments grew beside them: the mixed 256 B-2 MiB
- * workload on an H100 held 1.58 / 1.18-1.24 / 1.02-1.04 / 0.91-0.92 times
- * its peak live bytes at 1 / 4 / 8 / 16 threads, 1.46 / 1.10-1.20 /
- * 0.94-0.95 / 0.83-0.84 with them sent back (2 threads 1.41-1.53 against
- * 1.45-1.55). The price: its class blocks come from the segments' lock
- * more often, and one thread ran 3.2-3.9 M operations a second instead
- * of 4.8-6.7 (bench/HISTORY.md, 2026-11-26). Doing it only where the
- * segments were about to grow held 1.52 at one thread. The outbox is
- * sealed before every large allocation anyway, so this adds no event. */
-static uint64_t tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
-  uint64_t back = 0;
-  for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++) {
-    if (!globals.sizeclass_table[c].seg) continue;
-    magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
-    for (int k = 0; k < 2; k++) {
-      magazine *m = *pair[k];
-      if (!magazine_is_real(m) || m->count == 0) continue;
-      if (ts->nout == TCACHE_OUTBOX) tcache_outbox_seal(ts, s);
-      ts->outbox[ts->nout++] = m;
-      ts->out_bytes += depot_magazine_bytes(m);
-      *pair[k] = &magazine_sentinel;
-      back |= (uint64_t)1 << c;
-    }
-  }
-  return back;
-}
-
 /* Seal on s (naming ts's stream: its id matched) and free the large block
  * at p, the outbox under the same seal (filled on this stream before this
  * free). *sealed: whether the seal was made (else rc is its error). */
@@ -293,26 +261,56 @@ static void tcache_outbox_leave(tslot *ts, const cudaStream_t *seal_on) {
   else tcache_outbox_give(ts, NULL);
 }
 
+/* Class c's non-empty magazines of slot ts (loaded and previous) into its
+ * outbox, which leaves whenever it is full (tcache_outbox_leave, seal_on
+ * as there). Returns their bytes. */
+static size_t tcache_class_to_outbox(tslot *ts, unsigned c, const cudaStream_t *seal_on) {
+  size_t bytes = 0;
+  magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
+  for (int k = 0; k < 2; k++) {
+    magazine *m = *pair[k];
+    if (!magazine_is_real(m) || m->count == 0) continue;
+    bytes += depot_magazine_bytes(m);
+    if (ts->nout == TCACHE_OUTBOX) tcache_outbox_leave(ts, seal_on);
+    ts->outbox[ts->nout++] = m;
+    ts->out_bytes += depot_magazine_bytes(m);
+    *pair[k] = &magazine_sentinel;
+  }
+  return bytes;
+}
+
 /* Hand a slot's non-empty magazines out, the outbox's included (the slot
  * stays): sealed on *seal_on (a handle the caller just passed, naming the
  * slot's stream) to the depot, one seal per outbox's worth, or with seal_on
  * NULL to limbo. Returns their bytes. */
 static size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on) {
   size_t bytes = ts->out_bytes + tcache_kept_out(tc, ts, seal_on);
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    magazine **pair[2] = {&ts->cl[c].loaded, &ts->prev[c]};
-    for (int k = 0; k < 2; k++) {
-      magazine *m = *pair[k];
-      if (!magazine_is_real(m) || m->count == 0) continue;
-      bytes += depot_magazine_bytes(m);
-      if (ts->nout == TCACHE_OUTBOX) tcache_outbox_leave(ts, seal_on);
-      ts->outbox[ts->nout++] = m;
-      ts->out_bytes += depot_magazine_bytes(m);
-      *pair[k] = &magazine_sentinel;
-    }
-  }
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) bytes += tcache_class_to_outbox(ts, c, seal_on);
   tcache_outbox_leave(ts, seal_on);
   return bytes;
+}
+
+/* Before a large allocation, the slot's magazines of class blocks (the
+ * classes without slabs) join the outbox, to go back to their segments
+ * with it (heap_put, as the slot's own: their classes are marked round
+ * trips in ts->round_trip, which the caller restores after its seal). Cached
+ * in the thread they sit between the segments' free holes and keep them
+ * apart, so the segments grew beside them: the mixed 256 B-2 MiB
+ * workload on an H100 held 1.58 / 1.18-1.24 / 1.02-1.04 / 0.91-0.92 times
+ * its peak live bytes at 1 / 4 / 8 / 16 threads, 1.46 / 1.10-1.20 /
+ * 0.94-0.95 / 0.83-0.84 with them sent back (2 threads: 1.45-1.55 with,
+ * 1.41-1.53 without). The price: its class blocks come from the segments' lock
+ * more often, and one thread ran 3.2-3.9 M operations a second instead
+ * of 4.8-6.7 (bench/HISTORY.md, 2026-11-26). Doing it only where the
+ * segments were about to grow held 1.52 at one thread. The outbox is
+ * sealed before every large allocation anyway, so this adds no event. */
+static void tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
+  for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++) {
+    if (!globals.sizeclass_table[c].seg) continue;
+    uint64_t round_trip = ts->round_trip;
+    ts->round_trip |= (uint64_t)1 << c; /* for a seal of a full outbox too */
+    if (tcache_class_to_outbox(ts, c, &s) == 0) ts->round_trip = round_trip;
+  }
 }
 
 /* Hand a slot's non-empty magazines to limbo (the slot stays). */
@@ -536,7 +534,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   /* As before a refill, and the slot's class blocks with the outbox, to
    * their segments (tcache_class_blocks_out). */
   uint64_t round_trip = ts->round_trip;
-  ts->round_trip |= tcache_class_blocks_out(ts, s);
+  tcache_class_blocks_out(ts, s);
   tcache_outbox_seal(ts, s);
   ts->round_trip = round_trip;
   tcache_relief_context(tc, ts, s);
