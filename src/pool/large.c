@@ -530,33 +530,27 @@ static int large_run_take(large_cache *c, size_t need, uint64_t stream_id, cudaS
     rc = c->ops->stream_wait_event(stream, best.wait[k]->t.ev->ev);
   pthread_mutex_lock(&c->lock);
   for (unsigned k = 0; k < best.nwait; k++) lticket_unref(best.wait[k], deferred);
+  /* Handed out at its final size before the rest is cut off, so that a
+   * failed hand-out leaves only the run to put back. */
+  if (rc == MAGPIE_OK) {
+    u->size = need;
+    rc = large_hand_out(c, u, deferred);
+    if (rc != MAGPIE_OK) u->size = best.bytes;
+  }
+  if (rc != MAGPIE_OK) {
+    large_run_restore(c, &best, u);
+    return rc;
+  }
   /* What the request leaves of the last block stays free, with its ticket. */
-  uintptr_t last_base = last->base;
-  size_t last_size = last->size;
-  lblock *rest = NULL;
-  if (rc == MAGPIE_OK && best.bytes > need) {
-    rest = last;
+  lblock *rest = best.bytes > need ? last : NULL;
+  if (rest != NULL) {
     rest->size = best.bytes - need;
     rest->base = u->base + need;
-    u->size = need;
     rest->prev = u;
     rest->next = u->next;
     if (rest->next) rest->next->prev = rest;
     u->next = rest;
     large_free_link(c, rest);
-  }
-  if (rc == MAGPIE_OK) rc = large_hand_out(c, u, deferred);
-  if (rc != MAGPIE_OK) {
-    if (rest != NULL) {
-      large_free_unlink(c, rest);
-      u->next = rest->next;
-      if (u->next) u->next->prev = u;
-      u->size = best.bytes;
-      last->base = last_base;
-      last->size = last_size;
-    }
-    large_run_restore(c, &best, u);
-    return rc;
   }
   for (unsigned i = 0; i < best.n; i++) {
     if (best.b[i] == rest) continue;
