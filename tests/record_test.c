@@ -434,16 +434,30 @@ static int retire_failed_line;
  * they go to the shared pools sealed on it (no limbo, no device
  * synchronisation), another stream gets them once its work completed, and
  * the retired handle is refused after the destroy. */
+/* How many blocks it frees on the stream it retires: all of them stay in
+ * its slot. The slot's outbox seals (and its blocks leave for the depot)
+ * at TCACHE_OUTBOX_BYTES or TCACHE_OUTBOX magazines. With the two
+ * magazines the allocations leave in the slot (at most 2 * mag_max blocks)
+ * it holds at most RETIRE_BLOCKS + 128 blocks of 4 KiB, under 1 MiB; and
+ * eight full magazines need at least 132 frees in a row beyond what the
+ * slot held (empty magazines start at mag_cap = 12 blocks and grow as
+ * tcache_next_cap says: 12, 12, 12, 24, 24, 48). With 256 blocks, a slot
+ * that had kept 51 blocks from its allocations sealed its outbox now and
+ * then, and the check below failed about once in a hundred runs. */
+#define RETIRE_BLOCKS 120
 static void *retire_main(void *arg) {
   (void)arg;
   RT_CHECK(maintenance_idle()); /* the device_syncs count below is this test's alone */
   cudaStream_t s = magpie_sim_stream_create(), c = magpie_sim_stream_create();
-  static void *v[256];
-  for (int i = 0; i < 256; i++) RT_CHECK_NONNULL(v[i] = magpie_malloc_async(SMALL, s));
+  unsigned cls = sizeclass_of(SMALL);
+  RT_CHECK(RETIRE_BLOCKS + 2 * globals.sizeclass_table[cls].mag_max < TCACHE_OUTBOX_BYTES / SMALL);
+  RT_CHECK(globals.sizeclass_table[cls].mag_cap == 12);
+  static void *v[RETIRE_BLOCKS];
+  for (int i = 0; i < RETIRE_BLOCKS; i++) RT_CHECK_NONNULL(v[i] = magpie_malloc_async(SMALL, s));
   struct gated g;
   gated_init(&g);
   RT_CHECK_EQ(magpie_sim_launch(s, gated_run, &g), MAGPIE_OK);
-  free_all(v, 256, s);
+  free_all(v, RETIRE_BLOCKS, s);
   magpie_stats before, after;
   RT_CHECK_EQ(magpie_stats_get(0, &before), MAGPIE_OK);
   /* What this thread caches for s, read from its slot (the statistics'
@@ -451,9 +465,8 @@ static void *retire_main(void *arg) {
    * maintenance thread may move meanwhile), and what the depot holds of
    * the class: only this thread uses the class now, and the maintenance
    * thread only ever adds to it. */
-  unsigned cls = sizeclass_of(SMALL);
   int64_t cached = slot_cached_blocks(s, cls) * (int64_t)SMALL;
-  RT_CHECK(cached >= 256 * SMALL / 2);
+  RT_CHECK(cached >= RETIRE_BLOCKS * SMALL);
   depot *d = &heap0()->depots[cls];
   int64_t depot0 = atomic_load(&d->ready_bytes) + atomic_load(&d->pending_bytes);
   RT_CHECK_EQ(magpie_stream_retire(s), MAGPIE_OK);
@@ -465,7 +478,7 @@ static void *retire_main(void *arg) {
   static void *w[256];
   for (int i = 0; i < 256; i++) { /* none of s's blocks while its work is gated */
     RT_CHECK_NONNULL(w[i] = magpie_malloc_async(SMALL, c));
-    for (int j = 0; j < 256; j++) RT_CHECK_NE(w[i], v[j]);
+    for (int j = 0; j < RETIRE_BLOCKS; j++) RT_CHECK_NE(w[i], v[j]);
   }
   free_all(w, 256, c);
   sem_post(&g.gate);
