@@ -1,9 +1,15 @@
 /* Address -> slab lookup in O(1), lock-free: a two-level radix table over
- * 256 KiB pages of the 48-bit user address space (the chunks small
+ * 32 KiB pages of the 48-bit user address space (the chunks small
  * classes' slabs are made of, span.h; granules and large segments cover
  * whole runs of pages). It serves the reserved virtual range and the
  * fallback's scattered slabs alike (one path, two dependent loads), with
  * no hash and no lock on lookup.
+ *
+ * A leaf covers 4 GiB (2^17 pages, 1 MiB of host memory), so that the top
+ * level stays at 512 KiB of the process's data with 32 KiB pages. A VMM
+ * segment's pages are set as its granules are mapped (large.c), so the
+ * table grows with the memory mapped, 8 bytes a page, not with the
+ * segments' virtual reach.
  *
  * Leaves are created on first use with a CAS and never freed. Entries are
  * written (release) when a slab is published and cleared when its memory is
@@ -28,7 +34,7 @@ static inline struct slab *pagemap_lookup(uintptr_t addr) {
 }
 
 /* Point every page of [base, base+size) at s (NULL to clear). base and size
- * are multiples of the page (256 KiB). Returns MAGPIE_OK or
+ * are multiples of the page (32 KiB). Returns MAGPIE_OK or
  * MAGPIE_ERR_OUT_OF_MEMORY (host metadata), in which case nothing was
  * set. */
 int pagemap_set(uintptr_t base, size_t size, struct slab *s);

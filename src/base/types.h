@@ -63,13 +63,17 @@ typedef struct stack {
 
 /* Chunks: slabs are runs of chunks of this many bytes cut from shared
  * granules (pool/span.h): one chunk for classes of which it holds at least
- * SIZECLASS_CHUNK_MIN_BLOCKS blocks (up to 32 KiB), the fewest chunks that
+ * SIZECLASS_CHUNK_MIN_BLOCKS blocks (up to 4 KiB), the fewest chunks that
  * waste at most an eighth for larger ones (sizeclass.c). On the
  * H200, workload 2 at sixteen threads held 1.34-1.41 times its threads'
  * peaks with 16 here (blocks up to 16 KiB, 465-478 M ops/s), 1.27 with 8
  * (387-409 M ops/s; the run to run spread of that figure is about as
- * wide). */
-#define SIZECLASS_CHUNK_SHIFT 18
+ * wide). Chunks of 256 KiB held 1.46 times one thread's peak of the mixed
+ * 256 B-2 MiB workload on an H100, 32 KiB 1.40, at the same speed (three
+ * rounds each, bench/HISTORY.md); on the simulated device 1.48 and 1.35
+ * (five seeds), 64 KiB 1.41. A granule of 2 MiB holds 64 chunks, the most
+ * a span's mask takes. */
+#define SIZECLASS_CHUNK_SHIFT 15
 #define SIZECLASS_CHUNK ((size_t)1 << SIZECLASS_CHUNK_SHIFT)
 #define SIZECLASS_CHUNK_MIN_BLOCKS 8
 
@@ -79,8 +83,8 @@ typedef struct stack {
  * a class's memory until every block of a slab is free: one thread of the
  * mixed 256 B-2 MiB workload held 3 times its peak live bytes with slabs
  * up to 1 MiB on the simulated device, against 1.46 with every block above
- * 32 KiB in segments (bench/HISTORY.md). Up to here a chunk holds at least
- * SIZECLASS_CHUNK_MIN_BLOCKS blocks. */
+ * 32 KiB in segments (bench/HISTORY.md). The slab of a class near here is
+ * a run of a few chunks (sizeclass.c). */
 #define SIZECLASS_SLAB_MAX ((size_t)32 << 10)
 /* Most bytes of one magazine of those classes (at least one block). */
 #define SIZECLASS_SEG_MAG_BYTES ((size_t)256 << 10)
@@ -99,9 +103,9 @@ typedef struct sizeclass_info {
 
 /* ---- pagemap.h: address -> slab ---- */
 
-#define PAGEMAP_PAGE_SHIFT 18
+#define PAGEMAP_PAGE_SHIFT 15
 #define PAGEMAP_ADDR_BITS 48
-#define PAGEMAP_LEAF_BITS 14
+#define PAGEMAP_LEAF_BITS 17
 #define PAGEMAP_TOP_BITS (PAGEMAP_ADDR_BITS - PAGEMAP_PAGE_SHIFT - PAGEMAP_LEAF_BITS)
 
 struct slab;
