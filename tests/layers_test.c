@@ -771,6 +771,69 @@ static void test_concurrent_span_maps_share_a_span(void **state) {
   for (int i = 0; i < free_chunks; i++) span_chunk_put(&h->spans, held[i].sp, held[i].base, 1);
 }
 
+/* A span the set needs takes a whole mapped granule of a free block of
+ * the large segments, ready for every stream once its seal completed,
+ * instead of mapping a granule; the granule goes back to the segments,
+ * free and ready, when the span is empty. On device 1 (24 MiB), which no
+ * other test here uses. */
+static void test_span_takes_a_granule_lent_by_the_segments(void **state) {
+  (void)state;
+  cudaStream_t s = fake_stream_create(1);
+  void *big = magpie_malloc_async((size_t)8 << 20, s);
+  assert_non_null(big);
+  heap *h = heap_get(1);
+  assert_non_null(h);
+  size_t g = h->region.gran;
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s); /* the free's seal completed; no query asked yet */
+  /* Every chunk of the spans there are (if any) is taken, so that a new
+   * span is needed. */
+  pthread_mutex_lock(&h->spans.span_lock);
+  int free_chunks = 0;
+  for (span *sp = h->spans.list; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
+  pthread_mutex_unlock(&h->spans.span_lock);
+  assert_true(free_chunks <= SPAN_HOLD_MAX);
+  static span_got held[SPAN_HOLD_MAX];
+  for (int i = 0; i < free_chunks; i++)
+    assert_int_equal(span_chunk_get(&h->spans, 1, 1, &held[i].base, &held[i].sp), MAGPIE_OK);
+  fake_counters before, after;
+  fake_get_counters(&before);
+  size_t reserved = atomic_load(&h->region.mapped);
+  int64_t overhead = atomic_load(&h->region.overhead);
+  uintptr_t base = 0;
+  span *sp = NULL;
+  /* may_map 0: a lent granule maps nothing, so the ladder's first pass may take it. */
+  assert_int_equal(span_chunk_get(&h->spans, 1, 0, &base, &sp), MAGPIE_OK);
+  fake_get_counters(&after);
+  assert_int_equal(after.maps, before.maps);
+  assert_int_equal(atomic_load(&h->region.mapped), reserved);
+  assert_true(sp->lent);
+  assert_true(base >= (uintptr_t)big && base + g <= (uintptr_t)big + ((size_t)8 << 20));
+  assert_int_equal(base % g, 0);
+  assert_int_equal(atomic_load(&h->large.lent_bytes), g);
+  assert_int_equal(atomic_load(&h->region.overhead), overhead + (int64_t)(g - SPAN_CHUNK));
+  assert_null(pagemap_lookup(base)); /* no slab claimed its page yet */
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(1, &st), MAGPIE_OK);
+  assert_int_equal(st.large_in_use_bytes, 0);
+  /* Empty again: the granule is the segments' free memory. */
+  span_chunk_put(&h->spans, sp, base, 1);
+  assert_int_equal(atomic_load(&h->large.lent_bytes), 0);
+  assert_int_equal(atomic_load(&h->region.overhead), overhead);
+  slab *d = pagemap_lookup(base);
+  assert_non_null(d);
+  assert_int_equal(d->cls, SLAB_LARGE);
+  for (int i = 0; i < free_chunks; i++) span_chunk_put(&h->spans, held[i].sp, held[i].base, 1);
+  /* The whole 8 MiB serves one stream again, with no new mapping. */
+  fake_get_counters(&before);
+  void *again = magpie_malloc_async((size_t)8 << 20, s);
+  assert_ptr_equal(again, big);
+  fake_get_counters(&after);
+  assert_int_equal(after.maps, before.maps);
+  assert_int_equal(magpie_free_async(again, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   fake_set_devices(3);
   fake_set_capacity(1, (size_t)24 << 20);
@@ -794,6 +857,7 @@ int main(void) {
       cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),
       cmocka_unit_test(test_concurrent_refills_share_a_carve),
       cmocka_unit_test(test_concurrent_span_maps_share_a_span),
+      cmocka_unit_test(test_span_takes_a_granule_lent_by_the_segments),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -31,6 +31,7 @@ void stats_collect(heap *h, magpie_stats *out) {
   /* Class blocks (pool/large.h) are in use for the large cache, and
    * counted where they are (threads, depot, in use) like slab blocks. */
   size_t lu = atomic_load_relaxed(&h->large.in_use_bytes), lc = atomic_load_relaxed(&h->large.class_bytes);
+  lc += atomic_load_relaxed(&h->large.lent_bytes); /* spans' granules: their slabs' blocks are counted as such */
   out->large_in_use_bytes = lu > lc ? lu - lc : 0;
   /* Blocks parked by record_stream (record.c): freed, not yet back in a
    * pool; the large cache still counts large ones in use. */

@@ -4,7 +4,9 @@
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_set.slab_lock,
  * slab_desc_lock, registry.grow_lock, span_set.span_grow_lock ->
- * (region.lock, span_set.span_lock), large_cache.lock, one at a time; and
+ * (region.lock, span_set.span_lock, and a lent granule's large_cache.lock,
+ * stream_rec.seal_lock, epoch_table.lock), large_cache.lock, one at a
+ * time; and
  * heap_recycle's record_table.lock and slab_set.reclaim_lock ->
  * (slab_set.slab_lock, large_cache.lock)).
  * reaper_lock, klimbo_lock and gpool_set.lock are leaves.
@@ -38,6 +40,11 @@ heap *heap_peek(int device) {
   if (device < 0 || device >= HEAP_MAX_DEVICES) return NULL;
   return atomic_load_acquire(&globals.heaps[device]);
 }
+
+/* The span set's lender: the large segments' free memory (pool/large.h,
+ * granules lent to the span set). */
+static int heap_lend_granule(void *ctx, uintptr_t *base) { return large_lend_granule(ctx, base); }
+static void heap_take_back_granule(void *ctx, uintptr_t base) { large_return_granule(ctx, base); }
 
 static heap *heap_create(int device) {
   const backend_ops *ops = globals.heap_ops;
@@ -79,6 +86,7 @@ static heap *heap_create(int device) {
   large_init(&h->large, &h->region, ops, total, h->reuse_wait, h);
   gpool_set_init(&h->graphs);
   span_set_init(&h->spans, &h->region);
+  span_set_lender(&h->spans, (span_lender){heap_lend_granule, heap_take_back_granule, &h->large});
   slab_set_init(&h->slabs, &h->region, &h->spans, h->depots, h);
   record_table_init(&h->records, heap_records_sync, h);
   /* Events made now, while the device is likely idle (a failure here only
@@ -589,7 +597,10 @@ static void heap_release_above_threshold(heap *h) {
   if (h->release_threshold == SIZE_MAX || heap_excess(h) == 0) return;
   heap_relieve(h, HEAP_STEP_RECLAIM);
   if (heap_excess(h) > 0) large_release(&h->large, heap_excess(h));
-  if (heap_excess(h) > 0) slab_release_free(&h->slabs, heap_excess(h));
+  /* Slabs of spans the segments lent go back to them, still mapped: the
+   * second release unmaps those. */
+  if (heap_excess(h) > 0 && slab_release_free(&h->slabs, heap_excess(h)) > 0 && heap_excess(h) > 0)
+    large_release(&h->large, heap_excess(h));
 }
 
 static void *heap_reaper_main(void *arg) {

@@ -79,7 +79,7 @@ typedef struct lblock {
   struct lblock *wnext;         /* large_settle_locked's work list */
   lticket *ticket;              /* free: the free's epoch (NULL: ready) */
   int state;
-  uint32_t klass; /* USED: 0 for a large block, cls + 1 for a class block */
+  uint32_t klass; /* USED: 0 for a large block, cls + 1 for a class block, LARGE_KLASS_LENT */
   /* USED large block freed by its user and kept by a thread for its
    * stream (front/tcache.c): LARGE_KEPT, or LARGE_KEPT_LIMBO once the
    * thread let it go to wait for a device synchronisation (heap.c). Set
@@ -150,6 +150,7 @@ typedef struct large_cache {
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
   _Atomic size_t class_bytes;  /* class blocks (counted in in_use_bytes too) */
+  _Atomic size_t lent_bytes;   /* granules lent to the span set (counted in in_use_bytes too) */
   _Atomic uint64_t segments;
   _Atomic uint64_t stream_waits;
   _Atomic uint64_t bytes_unmapped;
@@ -302,6 +303,19 @@ static inline int large_class_mark(lseg *sg, uintptr_t p, int used) {
   if (used) return (atomic_fetch_or_explicit(u, LARGE_CLASS_USED, memory_order_relaxed) & LARGE_CLASS_USED) == 0;
   return (atomic_fetch_and_explicit(u, (uint8_t)~LARGE_CLASS_USED, memory_order_relaxed) & LARGE_CLASS_USED) != 0;
 }
+
+/* ---- granules lent to the span set (heap.c wires them) ----
+ * A whole mapped granule of a free block ready for every stream (after
+ * one round of queries if none is), marked USED with klass
+ * LARGE_KLASS_LENT, outside the hash, its pages cleared in the page map:
+ * MAGPIE_OK and *base, LARGE_WOULD_MAP if there is none,
+ * MAGPIE_ERR_OUT_OF_MEMORY (host). Taken under the span set's grow lock
+ * (span.c); this lock stays a leaf. */
+#define LARGE_KLASS_LENT UINT32_MAX
+int large_lend_granule(large_cache *c, uintptr_t *base);
+/* The lent granule at base comes back, free and ready for every stream
+ * (its slabs' blocks all were), its pages the segment's again. */
+void large_return_granule(large_cache *c, uintptr_t base);
 
 /* Pressure and trimming. */
 /* Query the events of free blocks still waiting on a stream; merge those

@@ -57,12 +57,13 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f, large_state_fn
        * by record_stream: state_of knows. */
       uint8_t k = b->klass != 0 ? 0 : atomic_load_acquire(&b->kept);
       uint64_t stream = 0;
-      const char *st = k == LARGE_KEPT         ? "thread"
-                       : k == LARGE_KEPT_LIMBO ? "limbo"
-                       : state_of              ? state_of(ctx, b->base, &stream)
-                                               : "in_use";
+      const char *st = b->klass == LARGE_KLASS_LENT ? "span"
+                       : k == LARGE_KEPT            ? "thread"
+                       : k == LARGE_KEPT_LIMBO      ? "limbo"
+                       : state_of                   ? state_of(ctx, b->base, &stream)
+                                                    : "in_use";
       fprintf(f, "\"state\":\"%s\"", st);
-      if (b->klass != 0) fprintf(f, ",\"class\":%u", b->klass - 1);
+      if (b->klass != 0 && b->klass != LARGE_KLASS_LENT) fprintf(f, ",\"class\":%u", b->klass - 1);
       if (strcmp(st, "pending") == 0) fprintf(f, ",\"stream\":%llu", (unsigned long long)stream);
       fputc('}', f);
     } else if (b->ticket == NULL || lticket_done(b->ticket)) fputs("\"state\":\"free\"}", f);

@@ -1,7 +1,8 @@
 /* Spans: granules shared by the slabs of size classes; see span.h.
- * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock: leaves,
- * one at a time). The only
- * driver call under a lock is a span's map, under span_grow_lock. */
+ * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock,
+ * the lender's locks: leaves, one at a time). The only driver calls under
+ * a lock are a span's map, and the lender's event queries before a lend,
+ * under span_grow_lock. */
 #include "pool/span.h"
 
 #include <pthread.h>
@@ -14,7 +15,10 @@ void span_set_init(span_set *ss, region *r) {
   pthread_mutex_init(&ss->span_lock, NULL);
   pthread_mutex_init(&ss->span_grow_lock, NULL);
   ss->list = NULL;
+  ss->lender = (span_lender){0};
 }
+
+void span_set_lender(span_set *ss, span_lender l) { ss->lender = l; }
 
 /* Bits [i, i+n) of a span's mask. */
 static uint64_t span_bits(unsigned i, unsigned n) { return (n == 64 ? ~(uint64_t)0 : ((uint64_t)1 << n) - 1) << i; }
@@ -50,8 +54,8 @@ static int span_take_free(span_set *ss, unsigned n, uintptr_t *base, span **out)
 int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span **out) {
   MAGPIE_ASSERT(n >= 1 && (size_t)n * SPAN_CHUNK <= ss->region->gran);
   if (span_take_free(ss, n, base, out)) return MAGPIE_OK;
-  if (!may_map) return SPAN_WOULD_MAP;
-  /* No free chunk: map a granule, one thread at a time. Threads of other
+  if (!may_map && ss->lender.lend == NULL) return SPAN_WOULD_MAP;
+  /* No free chunk: a lent granule, else map one, one thread at a time. Threads of other
    * classes that ran dry meanwhile wait here and take the new span's
    * spare chunks: on the H200, sixteen threads starting together each
    * mapped a granule of their own, and one or two of those sat almost
@@ -64,7 +68,17 @@ int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span 
   }
   span *sp = meta_alloc(sizeof *sp);
   int rc = sp == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : MAGPIE_OK;
-  if (rc == MAGPIE_OK) rc = region_map(ss->region, ss->region->gran, &sp->base, &sp->raw, &sp->raw_size);
+  if (rc == MAGPIE_OK) {
+    sp->lent = ss->lender.lend != NULL && ss->lender.lend(ss->lender.ctx, &sp->base) == MAGPIE_OK;
+    if (sp->lent) {
+      sp->raw = sp->base;
+      sp->raw_size = ss->region->gran;
+    } else if (!may_map) {
+      rc = SPAN_WOULD_MAP;
+    } else {
+      rc = region_map(ss->region, ss->region->gran, &sp->base, &sp->raw, &sp->raw_size);
+    }
+  }
   if (rc != MAGPIE_OK) {
     pthread_mutex_unlock(&ss->span_grow_lock);
     meta_free(sp);
@@ -74,7 +88,8 @@ int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span 
   sp->nchunks = (unsigned)(sp->size / SPAN_CHUNK);
   sp->used = span_bits(0, n); /* the first n chunks are the caller's */
   /* Overhead: every mapped byte but the chunks handed out (fallback
-   * alignment included). */
+   * alignment included). A lent granule's bytes leave the lender's free
+   * bytes at the same time, so the layers still add up. */
   region_overhead_add(ss->region, (int64_t)(sp->raw_size - n * SPAN_CHUNK));
   pthread_mutex_lock(&ss->span_lock);
   sp->next = ss->list;
@@ -103,6 +118,7 @@ void span_chunk_put(span_set *ss, span *sp, uintptr_t base, unsigned n) {
   pthread_mutex_unlock(&ss->span_lock);
   if (!empty) return;
   region_overhead_add(ss->region, -(int64_t)sp->raw_size);
-  region_unmap(ss->region, sp->base, sp->size, sp->raw, sp->raw_size);
+  if (sp->lent) ss->lender.take_back(ss->lender.ctx, sp->base);
+  else region_unmap(ss->region, sp->base, sp->size, sp->raw, sp->raw_size);
   meta_free(sp);
 }

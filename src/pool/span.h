@@ -14,10 +14,14 @@
  *            belongs to a slab (or is being made one); a slab's chunks are
  *            contiguous bits; a span is on its set's list iff used != 0.
  *
- * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock: leaves,
- * one at a time). A span is
- * mapped under span_grow_lock only (one map at a time per set) and
- * unmapped with no lock held. */
+ * A span's granule is mapped for it, or lent by the set's lender (the large
+ * segments' free memory, heap.c) and given back there when the span is
+ * empty.
+ *
+ * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock,
+ * the lender's lock: leaves, one at a time). A span is mapped or lent
+ * under span_grow_lock only (one at a time per set), and unmapped or given
+ * back with no lock held. */
 #ifndef MAGPIE_SPAN_H
 #define MAGPIE_SPAN_H
 
@@ -43,8 +47,20 @@ typedef struct span {
   size_t raw_size;
   uint64_t used;     /* under span_set.span_lock */
   unsigned nchunks;  /* size / SPAN_CHUNK, at most 64; immutable */
+  int lent;          /* 1: the lender's granule (given back, not unmapped); immutable */
   struct span *next; /* the set's list, under span_set.span_lock */
 } span;
+
+/* Where a span's granule may come from before a new one is mapped: a
+ * granule some other layer holds mapped, free and ready for every stream
+ * (lend: MAGPIE_OK and *base, else nonzero), and where it goes back
+ * (take_back) once the span is empty. Called under span_grow_lock
+ * (lend) and with no lock held (take_back). */
+typedef struct span_lender {
+  int (*lend)(void *ctx, uintptr_t *base);
+  void (*take_back)(void *ctx, uintptr_t base);
+  void *ctx;
+} span_lender;
 
 /* A device's spans. */
 typedef struct span_set {
@@ -54,9 +70,11 @@ typedef struct span_set {
   /* Held across one span's map: threads that find every span full
    * together share that span instead of each mapping one. */
   pthread_mutex_t span_grow_lock;
+  span_lender lender; /* set once before the set is used; lend NULL: none */
 } span_set;
 
 void span_set_init(span_set *ss, region *r);
+void span_set_lender(span_set *ss, span_lender l);
 
 /* What span_chunk_get returns when no span has a free run and may_map is 0
  * (positive: no error is set; the caller may recycle memory and retry). */
@@ -64,8 +82,9 @@ void span_set_init(span_set *ss, region *r);
 
 /* n contiguous free chunks of one span of ss (n * SPAN_CHUNK at most the
  * granularity): the run's address and span. When no span has such a run,
- * a new span is mapped if may_map, else SPAN_WOULD_MAP is returned.
- * MAGPIE_ERR_OUT_OF_MEMORY (device or host) otherwise. */
+ * a new span takes a lent granule, or a mapped one if may_map, else
+ * SPAN_WOULD_MAP is returned. MAGPIE_ERR_OUT_OF_MEMORY (device or host)
+ * otherwise. */
 int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span **out);
 /* Give back a run of n chunks taken together; the span is unmapped if no
  * other chunk is in use. */
