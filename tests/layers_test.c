@@ -733,22 +733,29 @@ static void *span_thread(void *arg) {
   return NULL;
 }
 
+/* Take every free chunk of h's spans into held (so that the next
+ * span_chunk_get needs a new span); returns how many. */
+static int hold_free_chunks(heap *h, span_got *held) {
+  pthread_mutex_lock(&h->spans.span_lock);
+  int free_chunks = 0;
+  for (span *sp = h->spans.list; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
+  pthread_mutex_unlock(&h->spans.span_lock);
+  assert_true(free_chunks <= SPAN_HOLD_MAX);
+  for (int i = 0; i < free_chunks; i++)
+    assert_int_equal(span_chunk_get(&h->spans, 1, 1, &held[i].base, &held[i].sp), MAGPIE_OK);
+  return free_chunks;
+}
+
 static void test_concurrent_span_maps_share_a_span(void **state) {
   (void)state;
   heap *h = heap_get(0);
   assert_non_null(h);
   assert_true(h->region.gran / SPAN_CHUNK >= SPAN_THREADS);
   /* Fill every span there is, so that the threads below find none free. */
-  pthread_mutex_lock(&h->spans.span_lock);
-  int free_chunks = 0;
-  for (span *sp = h->spans.list; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
-  pthread_mutex_unlock(&h->spans.span_lock);
-  assert_true(free_chunks <= SPAN_HOLD_MAX);
   static span_got held[SPAN_HOLD_MAX];
   fake_counters before, after;
   fake_get_counters(&before);
-  for (int i = 0; i < free_chunks; i++)
-    assert_int_equal(span_chunk_get(&h->spans, 1, 1, &held[i].base, &held[i].sp), MAGPIE_OK);
+  int free_chunks = hold_free_chunks(h, held);
   fake_get_counters(&after);
   assert_int_equal(after.maps, before.maps);
 
@@ -788,14 +795,8 @@ static void test_span_takes_a_granule_lent_by_the_segments(void **state) {
   fake_stream_complete(s); /* the free's seal completed; no query asked yet */
   /* Every chunk of the spans there are (if any) is taken, so that a new
    * span is needed. */
-  pthread_mutex_lock(&h->spans.span_lock);
-  int free_chunks = 0;
-  for (span *sp = h->spans.list; sp; sp = sp->next) free_chunks += (int)sp->nchunks - __builtin_popcountll(sp->used);
-  pthread_mutex_unlock(&h->spans.span_lock);
-  assert_true(free_chunks <= SPAN_HOLD_MAX);
   static span_got held[SPAN_HOLD_MAX];
-  for (int i = 0; i < free_chunks; i++)
-    assert_int_equal(span_chunk_get(&h->spans, 1, 1, &held[i].base, &held[i].sp), MAGPIE_OK);
+  int free_chunks = hold_free_chunks(h, held);
   fake_counters before, after;
   fake_get_counters(&before);
   size_t reserved = atomic_load(&h->region.mapped);
