@@ -350,9 +350,9 @@ static void test_small_classes_share_a_granule(void **state) {
     assert_true((uintptr_t)p[i] >= sl[i]->base && (uintptr_t)p[i] < sl[i]->base + SPAN_CHUNK);
     for (int j = 0; j < i; j++) assert_true(sl[j]->base != sl[i]->base);
   }
-  /* A 64 KiB block (a magazine of four carved) and a 512 KiB one (one)
+  /* A 96 KiB block (a magazine of two carved) and a 512 KiB one (one)
    * are class blocks of one segment granule. */
-  const size_t bigger[] = {65536, (size_t)512 << 10};
+  const size_t bigger[] = {(size_t)96 << 10, (size_t)512 << 10};
   void *q[2];
   for (int i = 0; i < 2; i++) {
     unsigned cls = sizeclass_of(bigger[i]);

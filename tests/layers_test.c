@@ -41,9 +41,9 @@ static void test_sizeclass(void **state) {
     if (c > 0) assert_true(globals.sizeclass_table[c - 1].size < size);
     /* At most 25 % wasted up to 32 KiB, a third above (two classes per
      * power of two). */
-    if (size > 1024 && size <= SIZECLASS_SLAB_MAX) assert_true((cs - size) * 4 <= cs);
-    if (size > SIZECLASS_SLAB_MAX) assert_true((cs - size) * 3 <= cs);
-    assert_int_equal(c >= SIZECLASS_FINE_COUNT, size > SIZECLASS_SLAB_MAX);
+    if (size > 1024 && size <= 32768) assert_true((cs - size) * 4 <= cs);
+    if (size > 32768) assert_true((cs - size) * 3 <= cs);
+    assert_int_equal(c >= SIZECLASS_FINE_COUNT, size > 32768);
   }
   assert_int_equal(sizeclass_of(SIZECLASS_MAX_SIZE), SIZECLASS_COUNT - 1);
   for (unsigned c = 1; c < SIZECLASS_COUNT; c++)

@@ -78,7 +78,7 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
     ci->mag_cap = start < ci->mag_max ? start : ci->mag_max;
     /* Class blocks: a thread keeps one magazine of a class (tcache.c) of
      * at most SIZECLASS_SEG_MAG_BYTES, so that what threads cache of the
-     * classes above 32 KiB stays small next to their blocks' sizes. */
+     * classes above 64 KiB stays small next to their blocks' sizes. */
     if (ci->seg) {
       size_t segcap = SIZECLASS_SEG_MAG_BYTES / ci->size;
       if (segcap < 1) segcap = 1;

@@ -12,7 +12,7 @@
  *       "granule": G, "mapped": [[FIRST_GRANULE, COUNT], ...],
  *       "blocks": [{"base": A, "size": S, "mapped": M,
  *                   "state": "in_use"|"free"|"pending", "stream": ID}]}]}
- *   A class block of a segment (a block of a size class above 32 KiB,
+ *   A class block of a segment (a block of a size class above 64 KiB,
  *   pool/large.h) has "class": C and a slab block's state ("in_use",
  *   "thread", "depot", "pending" with "stream", "limbo").
  * Slab block states, in address order as runs: "in_use" (handed out),
