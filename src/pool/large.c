@@ -387,6 +387,14 @@ static void large_consider(large_cache *c, lblock *b, size_t need, large_pick *b
   }
 }
 
+/* Block r goes right after block a in its segment's address order. */
+static void large_link_after(lblock *a, lblock *r) {
+  r->prev = a;
+  r->next = a->next;
+  if (r->next) r->next->prev = r;
+  a->next = r;
+}
+
 /* Cut a USED block of need bytes from free block b (at its start or end).
  * The new block keeps a reference to b's ticket until it is handed out. */
 static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
@@ -406,10 +414,7 @@ static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
   b->size -= need;
   if (at_end) {
     u->base = b->base + b->size;
-    u->prev = b;
-    u->next = b->next;
-    if (b->next) b->next->prev = u;
-    b->next = u;
+    large_link_after(b, u);
   } else {
     u->base = b->base;
     b->base += need;
@@ -549,10 +554,7 @@ static int large_run_take(large_cache *c, size_t need, uint64_t stream_id, cudaS
   if (rest != NULL) {
     rest->size = best.bytes - need;
     rest->base = u->base + need;
-    rest->prev = u;
-    rest->next = u->next;
-    if (rest->next) rest->next->prev = rest;
-    u->next = rest;
+    large_link_after(u, rest);
     large_free_link(c, rest);
   }
   for (unsigned i = 0; i < best.n; i++) {
@@ -930,9 +932,8 @@ static lblock *large_cut_granule(large_cache *c, lblock *b, uintptr_t at, size_t
     return NULL;
   }
   if (at > b->base && rest > 0) {
-    *r = (lblock){.base = at + g, .size = rest, .seg = u->seg, .prev = u, .next = u->next};
-    if (u->next) u->next->prev = r;
-    u->next = r;
+    *r = (lblock){.base = at + g, .size = rest, .seg = u->seg};
+    large_link_after(u, r);
     u->size = g;
     large_free_link(c, r);
   }
