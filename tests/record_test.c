@@ -430,11 +430,8 @@ static int retire_failed_line;
 #define RT_CHECK_EQ(a, b) RT_CHECK((a) == (b))
 #define RT_CHECK_NE(a, b) RT_CHECK((a) != (b))
 
-/* magpie_stream_retire of a stream the calling thread cached blocks of:
- * they go to the shared pools sealed on it (no limbo, no device
- * synchronisation), another stream gets them once its work completed, and
- * the retired handle is refused after the destroy. */
-/* How many blocks it frees on the stream it retires: all of them stay in
+/* How many blocks retire_main (below) frees on the stream it retires: all
+ * of them stay in
  * its slot. The slot's outbox seals (and its blocks leave for the depot)
  * at TCACHE_OUTBOX_BYTES or TCACHE_OUTBOX magazines. With the two
  * magazines the allocations leave in the slot (at most 2 * mag_max blocks)
@@ -445,6 +442,11 @@ static int retire_failed_line;
  * that had kept 51 blocks from its allocations sealed its outbox now and
  * then, and the check below failed about once in a hundred runs. */
 #define RETIRE_BLOCKS 120
+
+/* magpie_stream_retire of a stream the calling thread cached blocks of:
+ * they go to the shared pools sealed on it (no limbo, no device
+ * synchronisation), another stream gets them once its work completed, and
+ * the retired handle is refused after the destroy. */
 static void *retire_main(void *arg) {
   (void)arg;
   RT_CHECK(maintenance_idle()); /* the device_syncs count below is this test's alone */
