@@ -55,14 +55,22 @@ static void free_all(void **v, int n, cudaStream_t s) {
   for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(v[i], s), MAGPIE_OK);
 }
 
-/* Allocates on s until p comes back (bounded); frees what it took. */
+/* Allocates blocks of p's size on s until p's bytes come back (bounded);
+ * frees what it took. A slab block comes back as itself. A large block's
+ * bytes may come back inside a block that starts elsewhere: its free
+ * neighbours merge with it, and since spans take granules the large
+ * segments lend (and give them back when empty), a returned granule next
+ * to p made the 4 MiB blocks that followed start 2 MiB before it, in 3 of
+ * 16 runs of this test under TSan; every byte of the device was handed out
+ * and p never was, at its own address. */
 static int comes_back(void *p, size_t size, cudaStream_t s) {
   static void *v[20000];
   int n = 0, found = 0;
   while (n < 20000 && !found) {
     v[n] = magpie_malloc_async(size, s);
     assert_non_null(v[n]);
-    found = v[n++] == p;
+    char *q = v[n++];
+    found = q == p || (size > SIZECLASS_MAX_SIZE && q < (char *)p + size && (char *)p < q + size);
   }
   free_all(v, n, s);
   return found;
