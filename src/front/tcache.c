@@ -595,12 +595,20 @@ void tcache_capture_error(cudaStream_t s, size_t size) {
 
 /* Before an allocation takes what threads share (a refill, a large
  * block): is s capturing a graph magpie was not told of? Its blocks would
- * belong to the graph and be reused outside it. One driver query, on
- * these paths only (with a capture announced, front/capture.c has
- * routed capturing streams already). 1 with the error set: refused. */
+ * belong to the graph and be reused outside it. With a capture announced,
+ * front/capture.c has routed capturing streams already. An ordinary
+ * handle was asked its id by this allocation (tcache_alloc_fast, or
+ * tcache_alloc_slow_in when that could not), and CUDA refuses the id of a
+ * capturing stream in every capture mode (global, thread-local, relaxed,
+ * and a relaxed thread in a global capture: CUDA_ERROR_STREAM_CAPTURE_
+ * UNSUPPORTED; H100, CUDA 13.0, driver 580; the simulated device alike):
+ * s was not capturing then, and the driver is not asked again. That query
+ * cost about as much as cuStreamGetId on every large allocation. Special
+ * handles' ids come from a per-context cache without the driver: one
+ * query. 1 with the error set: refused. */
 static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
   uint64_t cid;
-  if ((atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 ||
+  if ((atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 || !tcache_special_handle(s) ||
       backend_capture_state(tc->ops, s, &cid) == BACKEND_CAPTURE_NONE)
     return 0;
   tcache_capture_error(s, size);
