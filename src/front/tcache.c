@@ -600,9 +600,9 @@ void tcache_capture_error(cudaStream_t s, size_t size) {
  * handle was asked its id by this allocation (tcache_alloc_fast, or
  * tcache_alloc_slow_in when that could not), and CUDA refuses the id of a
  * capturing stream in every capture mode (global, thread-local, relaxed,
- * and a relaxed thread in a global capture: CUDA_ERROR_STREAM_CAPTURE_
- * UNSUPPORTED; H100, CUDA 13.0, driver 580; the simulated device alike):
- * s was not capturing then, and the driver is not asked again. That query
+ * and a relaxed thread in a global capture; H100, CUDA 13.0, driver 580;
+ * the simulated device alike; bench/results/h100-2026-11-26-0168709): s
+ * was not capturing then, and the driver is not asked again. That query
  * cost about as much as cuStreamGetId on every large allocation. Special
  * handles' ids come from a per-context cache without the driver: one
  * query. 1 with the error set: refused. */
