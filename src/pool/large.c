@@ -685,6 +685,13 @@ static int large_whole_granules(const lblock *b, size_t g, size_t *i, size_t *en
   return *i < *end;
 }
 
+/* The first mapped granule of those (*i; *end as above), if any. */
+static int large_first_mapped_whole(const lblock *b, size_t g, size_t *i, size_t *end) {
+  if (!large_whole_granules(b, g, i, end)) return 0;
+  while (*i < *end && b->seg->gran[*i] != GRAN_MAPPED) (*i)++;
+  return *i < *end;
+}
+
 /* Mapped bytes in whole granules of free ready blocks (unmappable now). */
 static size_t large_free_whole_locked(large_cache *c) {
   size_t g = large_gran(c), sum = 0, i, end;
@@ -973,9 +980,7 @@ int large_lend_granule(large_cache *c, uintptr_t *base) {
     uintptr_t at = 0;
     for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
       size_t i, end;
-      if ((pick != NULL && b->size >= pick->size) || !large_whole_granules(b, g, &i, &end)) continue;
-      while (i < end && b->seg->gran[i] != GRAN_MAPPED) i++;
-      if (i == end) continue;
+      if ((pick != NULL && b->size >= pick->size) || !large_first_mapped_whole(b, g, &i, &end)) continue;
       pick = b;
       at = b->seg->base + i * g;
     }
@@ -1135,10 +1140,8 @@ size_t large_wait(large_cache *c) {
 static int large_find_unmappable(large_cache *c, lseg **seg, size_t *g0, size_t *g1, size_t max_gran) {
   size_t g = large_gran(c), i, end;
   for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
-    if (!large_whole_granules(b, g, &i, &end)) continue;
+    if (!large_first_mapped_whole(b, g, &i, &end)) continue;
     lseg *sg = b->seg;
-    while (i < end && sg->gran[i] != GRAN_MAPPED) i++;
-    if (i >= end) continue;
     size_t j = i;
     while (j < end && sg->gran[j] == GRAN_MAPPED && j - i < max_gran) sg->gran[j++] = GRAN_UNMAPPING;
     *seg = sg;
