@@ -33,13 +33,13 @@ void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_
    * (bench/HISTORY.md, 2026-11-26). An ordinary mutex where the type is
    * refused. */
   pthread_mutexattr_t attr;
-  int typed = pthread_mutexattr_init(&attr) == 0;
-  if (typed && pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP) != 0) {
+  int adaptive = pthread_mutexattr_init(&attr) == 0;
+  if (adaptive) {
+    adaptive =
+        pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP) == 0 && pthread_mutex_init(&c->lock, &attr) == 0;
     pthread_mutexattr_destroy(&attr);
-    typed = 0;
   }
-  if (!typed || pthread_mutex_init(&c->lock, &attr) != 0) pthread_mutex_init(&c->lock, NULL);
-  if (typed) pthread_mutexattr_destroy(&attr);
+  if (!adaptive) pthread_mutex_init(&c->lock, NULL);
   pthread_cond_init(&c->granule_cv, NULL);
 }
 
