@@ -65,6 +65,73 @@ static void lticket_release_all(lticket *lt) {
   }
 }
 
+/* ---- descriptors (lock held): spares first, else the host allocator ---- */
+
+static lblock *large_block_new(large_cache *c) {
+  lblock *b = c->spare_blocks;
+  if (b == NULL) return meta_alloc(sizeof *b);
+  c->spare_blocks = b->hnext;
+  c->nspare_blocks--;
+  memset(b, 0, sizeof *b); /* as meta_alloc's */
+  return b;
+}
+
+static void large_block_drop(large_cache *c, lblock *b) {
+  if (c->nspare_blocks >= LARGE_SPARES) {
+    meta_free(b);
+    return;
+  }
+  b->hnext = c->spare_blocks;
+  c->spare_blocks = b;
+  c->nspare_blocks++;
+}
+
+/* A ticket for the free t (taken over once the caller links it), one
+ * reference: the caller's. */
+static lticket *large_ticket_new(large_cache *c, const epoch_ticket *t) {
+  lticket *lt = c->spare_tickets;
+  if (lt != NULL) {
+    c->spare_tickets = lt->dnext;
+    c->nspare_tickets--;
+  } else if ((lt = meta_alloc(sizeof *lt)) == NULL) {
+    return NULL;
+  }
+  *lt = (lticket){.t = *t, .refs = 1};
+  return lt;
+}
+
+/* The descriptor of a ticket whose epoch is released elsewhere (or was
+ * never taken). */
+static void large_ticket_drop(large_cache *c, lticket *lt) {
+  if (c->nspare_tickets >= LARGE_SPARES) {
+    meta_free(lt);
+    return;
+  }
+  lt->dnext = c->spare_tickets;
+  c->spare_tickets = lt;
+  c->nspare_tickets++;
+}
+
+/* Most deferred tickets large_unlock copies out to keep their descriptors. */
+#define LARGE_UNLOCK_COPIES 16
+
+/* Let go of the lock, then release the tickets deferred under it (no
+ * driver call or other lock while it is held): their epochs are copied out
+ * first, so that their descriptors stay as spares. */
+static void large_unlock(large_cache *c, lticket *deferred) {
+  epoch_ticket t[LARGE_UNLOCK_COPIES];
+  unsigned n = 0;
+  while (deferred != NULL && n < LARGE_UNLOCK_COPIES && c->nspare_tickets < LARGE_SPARES) {
+    lticket *lt = deferred;
+    deferred = lt->dnext;
+    t[n++] = lt->t;
+    large_ticket_drop(c, lt);
+  }
+  pthread_mutex_unlock(&c->lock);
+  for (unsigned i = 0; i < n; i++) epoch_ticket_release(&t[i]);
+  lticket_release_all(deferred);
+}
+
 static int lblock_ready_for(const lblock *b, uint64_t stream_id) {
   return b->ticket == NULL || b->ticket->t.rec->id == stream_id || lticket_done(b->ticket);
 }
@@ -233,7 +300,7 @@ static void large_absorb(large_cache *c, lblock *a, lblock *b, lblock **dead) {
     b->hnext = *dead; /* not wnext: b may still be on the work list */
     *dead = b;
   } else {
-    meta_free(b);
+    large_block_drop(c, b);
   }
 }
 
@@ -292,7 +359,7 @@ static size_t large_settle_locked(large_cache *c, lticket **deferred) {
   while (dead != NULL) {
     lblock *b = dead;
     dead = b->hnext;
-    meta_free(b);
+    large_block_drop(c, b);
   }
   return ready;
 }
@@ -420,7 +487,7 @@ static lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
     b->state = LBLOCK_USED;
     return b;
   }
-  lblock *u = meta_alloc(sizeof *u);
+  lblock *u = large_block_new(c);
   if (u == NULL) return NULL;
   u->seg = b->seg;
   u->size = need;
@@ -513,7 +580,7 @@ static void large_run_restore(large_cache *c, const large_run *r, lblock *u) {
   if (prev) prev->next = r->b[0];
   else u->seg->first = r->b[0];
   if (next) next->prev = r->b[r->n - 1];
-  meta_free(u);
+  large_block_drop(c, u);
   MAGPIE_ASSERT(large_seg_tiles(r->b[0]->seg));
 }
 
@@ -535,7 +602,7 @@ static int large_run_take(large_cache *c, size_t need, uint64_t stream_id, cudaS
         found = 1;
       }
   if (!found) return LARGE_NO_RUN;
-  lblock *u = meta_alloc(sizeof *u);
+  lblock *u = large_block_new(c);
   if (u == NULL) return LARGE_NO_RUN;
   lblock *first = best.b[0], *last = best.b[best.n - 1];
   for (unsigned i = 0; i < best.n; i++) large_free_unlink(c, best.b[i]);
@@ -577,7 +644,7 @@ static int large_run_take(large_cache *c, size_t need, uint64_t stream_id, cudaS
   for (unsigned i = 0; i < best.n; i++) {
     if (best.b[i] == rest) continue;
     lticket_unref(best.b[i]->ticket, deferred);
-    meta_free(best.b[i]);
+    large_block_drop(c, best.b[i]);
   }
   atomic_add_relaxed(&c->stream_waits, best.nwait);
   MAGPIE_ASSERT(large_seg_tiles(u->seg));
@@ -864,8 +931,7 @@ int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t st
     *out = u->base;
     *bsize = u->size;
   }
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
   return rc;
 }
 
@@ -889,8 +955,7 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
     atomic_add_relaxed(&c->class_bytes, u->size);
     slots[(*got)++] = (void *)u->base;
   }
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
   return *got > 0 ? MAGPIE_OK : rc;
 }
 
@@ -902,14 +967,12 @@ int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch
     pthread_mutex_lock(&c->lock);
   }
   lticket *lt = NULL;
-  if (t->rec != NULL) {
-    /* meta_alloc takes no magpie lock (the private arena's own only). */
-    if ((lt = meta_alloc(sizeof *lt)) == NULL) {
-      pthread_mutex_unlock(&c->lock);
-      return MAGPIE_ERR_OUT_OF_MEMORY;
-    }
-    lt->t = *t;
-    lt->refs = 1; /* this call's, until every block holds its own */
+  /* One reference: this call's, until every block holds its own. A
+   * descriptor from the host allocator takes no magpie lock (the private
+   * arena's own only). */
+  if (t->rec != NULL && (lt = large_ticket_new(c, t)) == NULL) {
+    pthread_mutex_unlock(&c->lock);
+    return MAGPIE_ERR_OUT_OF_MEMORY;
   }
   lticket *deferred = NULL;
   for (uint32_t i = 0; i < n; i++) {
@@ -927,8 +990,7 @@ int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch
     large_coalesce(c, b, &deferred);
   }
   lticket_unref(lt, &deferred);
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
   return MAGPIE_OK;
 }
 
@@ -948,11 +1010,11 @@ static lblock *large_cut_granule(large_cache *c, lblock *b, uintptr_t at, size_t
   MAGPIE_ASSERT(b->ticket == NULL && at >= b->base && at + g <= b->base + b->size);
   size_t rest = b->base + b->size - (at + g);
   lblock *r = NULL;
-  if (rest > 0 && at > b->base && (r = meta_alloc(sizeof *r)) == NULL) return NULL;
+  if (rest > 0 && at > b->base && (r = large_block_new(c)) == NULL) return NULL;
   /* From its end: [at, end) of b, then its tail split off. */
   lblock *u = at == b->base ? large_carve(c, b, g, 0) : large_carve(c, b, b->base + b->size - at, 1);
   if (u == NULL) {
-    meta_free(r);
+    if (r != NULL) large_block_drop(c, r);
     return NULL;
   }
   if (at > b->base && rest > 0) {
@@ -999,8 +1061,7 @@ int large_lend_granule(large_cache *c, uintptr_t *base) {
     *base = at;
     rc = MAGPIE_OK;
   }
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
   return rc;
 }
 
@@ -1025,8 +1086,7 @@ void large_return_granule(large_cache *c, uintptr_t base) {
     large_free_link(c, b);
     large_coalesce(c, b, &deferred);
   }
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
 }
 
 int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
@@ -1039,14 +1099,12 @@ int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
 }
 
 int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize) {
-  lticket *lt = NULL;
-  if (t->rec != NULL) {
-    if ((lt = meta_alloc(sizeof *lt)) == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
-    lt->t = *t;
-    lt->refs = 1;
-  }
-  lticket *deferred = NULL;
+  lticket *lt = NULL, *deferred = NULL;
   pthread_mutex_lock(&c->lock);
+  if (t->rec != NULL && (lt = large_ticket_new(c, t)) == NULL) {
+    pthread_mutex_unlock(&c->lock);
+    return MAGPIE_ERR_OUT_OF_MEMORY;
+  }
   lblock *b = large_hash_find(c, p, 1);
   int rc = MAGPIE_OK;
   if (b != NULL && (b->klass != 0 || atomic_load_acquire(&b->kept) != 0)) {
@@ -1071,9 +1129,8 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
     large_coalesce(c, b, &deferred);
   }
 out:
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
-  meta_free(lt); /* not taken: the caller keeps (and releases) its ticket */
+  if (lt != NULL) large_ticket_drop(c, lt); /* not taken: the caller keeps (and releases) its ticket */
+  large_unlock(c, deferred);
   return rc;
 }
 
@@ -1106,8 +1163,7 @@ size_t large_reclaim(large_cache *c) {
   pthread_mutex_lock(&c->lock);
   large_query_pending_locked(c, EPOCH_NO_STREAM, &deferred);
   size_t ready = large_settle_locked(c, &deferred);
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
   return ready;
 }
 
@@ -1127,8 +1183,7 @@ size_t large_wait(large_cache *c) {
     int rc = epoch_wait(&lt->t);
     pthread_mutex_lock(&c->lock);
     lticket_unref(lt, &deferred);
-    pthread_mutex_unlock(&c->lock);
-    lticket_release_all(deferred);
+    large_unlock(c, deferred);
     if (rc != MAGPIE_OK) break; /* the driver failed: leave the rest */
   }
   large_reclaim(c);
@@ -1213,7 +1268,6 @@ size_t large_release(large_cache *c, size_t want) {
   pthread_mutex_lock(&c->lock);
   large_settle_locked(c, &deferred);
   size_t released = large_release_locked(c, want);
-  pthread_mutex_unlock(&c->lock);
-  lticket_release_all(deferred);
+  large_unlock(c, deferred);
   return released;
 }
