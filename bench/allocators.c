@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bestfit.h"
 
 static bench_alloc table[BA_COUNT];
 static atomic_ulong failures[BA_COUNT];
@@ -196,12 +197,20 @@ static void noop_init(bench_alloc *a, size_t arena) {
   a->available = 1;
 }
 
+/* --- best-fit reference (bestfit.c) --- */
+
+static void *bf_alloc(size_t size, cudaStream_t s) { return checked(BA_BESTFIT, bestfit_alloc(size)); }
+static void bf_free(void *p, size_t size, cudaStream_t s) { bestfit_free(p); }
+static void bf_free_cross(void *p, size_t size, cudaStream_t a, cudaStream_t u) { bestfit_free(p); }
+
 void bench_allocs_init(const char *torch_shim, size_t noop_arena) {
   table[BA_MAGPIE] = (bench_alloc){"magpie", 1, "", mp_alloc, mp_free, mp_free_cross, mp_reset, mp_peak};
   table[BA_CUDA_MALLOC] = (bench_alloc){"cudaMalloc", 0, "", cm_alloc, cm_free, cm_free_cross, cm_reset, cm_peak};
   table[BA_CUDA_ASYNC] = (bench_alloc){"cudaMallocAsync", 0, "", ca_alloc, ca_free, ca_free_cross, ca_reset, ca_peak};
   table[BA_TORCH] = (bench_alloc){"pytorch", 0, "", pt_alloc, pt_free, pt_free_cross, pt_reset, pt_peak};
   table[BA_NOOP] = (bench_alloc){"noop", 0, "", noop_alloc, noop_free, noop_free_cross, noop_reset, noop_peak};
+  table[BA_BESTFIT] =
+      (bench_alloc){"bestfit", 1, "", bf_alloc, bf_free, bf_free_cross, bestfit_reset_peak, bestfit_peak_reserved};
   if (!bench_dev_is_cuda()) {
     for (int i = BA_CUDA_MALLOC; i <= BA_TORCH; i++)
       snprintf(table[i].why_not, sizeof table[i].why_not, "needs a GPU (this run is on the simulated device)");

@@ -11,6 +11,10 @@
  *   noop             the floor: a bump pointer over memory allocated once,
  *                    no reuse tracking (each thread bumps through its own
  *                    slice of the arena and wraps around; blocks may alias)
+ *   bestfit          the floor for memory (bestfit.c): an ideal best fit
+ *                    that gives each granule back the moment it empties and
+ *                    reuses across streams at once; its addresses name no
+ *                    memory, so only workloads 2 and 5 run it
  *
  * The CUDA references need a GPU; the PyTorch one needs the shim. The
  * table says which are available in this run and why not. */
@@ -22,7 +26,10 @@
 
 #include "magpie.h"
 
-enum { BA_MAGPIE, BA_CUDA_MALLOC, BA_CUDA_ASYNC, BA_TORCH, BA_NOOP, BA_COUNT };
+enum { BA_MAGPIE, BA_CUDA_MALLOC, BA_CUDA_ASYNC, BA_TORCH, BA_NOOP, BA_BESTFIT, BA_COUNT };
+
+/* Does allocator w hand out memory a workload may touch? (bestfit does not.) */
+static inline int bench_alloc_touchable(int w) { return w != BA_BESTFIT; }
 
 typedef struct bench_alloc {
   const char *name;

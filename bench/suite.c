@@ -135,7 +135,7 @@ static void usage(void) {
           "  -w LIST            workloads to run, e.g. 1,2,5 (default 1,2,3,4,5,6)\n"
           "  --csv FILE         write every figure as CSV (workload,allocator,x,metric,value)\n"
           "  --torch SHIM.so    PyTorch's allocator through bench/torch_shim.cpp (built by run_gpu.sh)\n"
-          "  --allocs LIST      allocators to run (magpie,cudaMalloc,cudaMallocAsync,pytorch,noop)\n"
+          "  --allocs LIST      allocators to run (magpie,cudaMalloc,cudaMallocAsync,pytorch,noop,bestfit)\n"
           "  --seed N           seed of every random choice (default 1)\n"
           "  --noop-arena SIZE  the no-op reference's arena (default 8g on a GPU, 2g simulated)\n"
           " 1 latency:   --lat-sizes MIN,MAX (256,64m)  --lat-pairs N (200000)\n"

@@ -142,7 +142,7 @@ void workload_crossfree(const suite_opts *o) {
   printf("%-16s %12s %11s %14s\n", "allocator", "M pairs/s", "magpie/x", "peak reserved");
   double mp = 0;
   for (int w = 0; w < BA_COUNT; w++) {
-    if (!o->use[w]) continue;
+    if (!o->use[w] || !bench_alloc_touchable(w)) continue;
     a[w].reset();
     double r = run(o, &a[w], pairs, streams);
     uint64_t reserved = a[w].peak_reserved();

@@ -144,7 +144,7 @@ void workload_latency(const suite_opts *o) {
     suite_size_name(size, sz, sizeof sz);
     double mp = 0;
     for (int w = 0; w < BA_COUNT; w++) {
-      if (!o->use[w]) continue;
+      if (!o->use[w] || !bench_alloc_touchable(w)) continue;
       if (w == BA_MAGPIE) {
         double id_ns = measure_stream_id(o->lat_pairs, s);
         if (id_ns >= 0) {

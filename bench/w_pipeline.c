@@ -325,11 +325,13 @@ void workload_pipeline(const suite_opts *o) {
   uint64_t handoffs[BA_COUNT] = {0}, failures[BA_COUNT] = {0}, reserved[BA_COUNT] = {0}, call_ns, max_ns;
   /* The floor first in the first round, so that every row can be read
    * against it; later rounds rotate the order. */
+  /* Not bestfit: its addresses name no memory for the kernels. */
   static const int order[] = {BA_NOOP, BA_MAGPIE, BA_CUDA_ASYNC, BA_TORCH, BA_CUDA_MALLOC};
+  enum { NORDER = sizeof order / sizeof order[0] };
   int R = o->pipe_rounds;
   for (int r = 0; r < R; r++) {
-    for (int k = 0; k < BA_COUNT; k++) {
-      int w = order[(k + r) % BA_COUNT];
+    for (int k = 0; k < NORDER; k++) {
+      int w = order[(k + r) % NORDER];
       if (!o->use[w]) continue;
       a[w].reset();
       rounds[w][r] = run(o, &a[w], lanes, 0, &handoffs[w], &failures[w], &call_ns, &max_ns);
@@ -337,7 +339,7 @@ void workload_pipeline(const suite_opts *o) {
       if (w == BA_MAGPIE && r == R - 1) suite_magpie_stats("pipeline", "after its last round");
     }
   }
-  for (int k = 0; k < BA_COUNT; k++) {
+  for (int k = 0; k < NORDER; k++) {
     int w = order[k];
     if (!o->use[w]) continue;
     double v[16];

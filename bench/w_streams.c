@@ -99,7 +99,7 @@ void workload_streams(const suite_opts *o) {
     char x[16];
     snprintf(x, sizeof x, "%d", n);
     for (int w = 0; w < BA_COUNT; w++) {
-      if (!o->use[w] || w == BA_CUDA_MALLOC) continue;
+      if (!o->use[w] || w == BA_CUDA_MALLOC || !bench_alloc_touchable(w)) continue;
       a[w].reset();
       if (w == BA_MAGPIE) magpie_trim(0, 0);
       rot_result r = run(o, &a[w], w == BA_MAGPIE, streams, n);
