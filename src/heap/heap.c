@@ -408,13 +408,17 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
  *
  * The lock is only tried, and after a try finds it held the next
  * HEAP_PUT_BACKOFF such magazines go to the depot without trying: under
- * contention magazines circulate through the depot as before. Trying every
- * time made the soak (16 threads, 64 streams) 5.5 times slower, backing
- * off for 8 magazines 1.8 times, for 64 1.08 times, where the mixed
- * workload at 2 / 4 threads held 1.50-1.62 / 1.22-1.35 times its peaks
- * (1.32-1.35 / 1.13-1.17 trying every time, 1.62 / 1.32-1.41 before);
- * bench/HISTORY.md, 2026-11-26. */
-#define HEAP_PUT_BACKOFF 64
+ * contention magazines circulate through the depot. Magazines in the depot
+ * keep their blocks apart from the free memory around them: two threads
+ * of the mixed workload grew their segments with 10-19 MiB free in 40-54
+ * holes, none as long as the 1.4-2 MiB asked. Backing off for 64 (when the
+ * lock was an ordinary mutex and each give-back called the host
+ * allocator, trying every time made the soak 5.5 times slower) held 2 / 4
+ * threads at 1.38-1.47 / 1.11-1.27 times their peaks; for 4, 1.19-1.29 /
+ * 1.08-1.14, at the same speed within the spread at 1-16 threads; trying
+ * every time, 1.23-1.26 / 1.05-1.08 but a quarter slower at 16 threads
+ * (H100, three rounds each; bench/HISTORY.md, 2026-11-26). */
+#define HEAP_PUT_BACKOFF 4
 
 void heap_put(heap *h, magazine *m, int round_trip) {
   if (round_trip && globals.sizeclass_table[m->cls].seg) {
