@@ -5,8 +5,9 @@
  * on each visit it allocates --rot-blocks blocks of 4-64 KiB (2^e + U[0,
  * 2^e)) on that stream and frees them there, so at most that many blocks
  * are live. Per N: operations (allocs + frees) per second, the reserved
- * memory (the allocator's peak since its reset; for magpie, whose peak
- * cannot be restarted, the largest of samples taken every 16 visits), and
+ * memory (the allocator's peak since its reset; magpie's restarted with
+ * magpie_stats_reset_peaks: sampling it every 16 visits, as before, put a
+ * statistics call into the measured loop), and
  * for magpie the magazines sent to limbo and the device-wide
  * synchronisations it made. A thread cache keyed by stream that forgets
  * streams (magpie's 32 slots per thread) shows here as a cliff past its
@@ -31,11 +32,6 @@ typedef struct rot_result {
   uint64_t failures;
 } rot_result;
 
-static size_t magpie_reserved_now(void) {
-  magpie_stats st;
-  return magpie_stats_get(0, &st) == MAGPIE_OK ? st.reserved_bytes : 0;
-}
-
 static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaStream_t *streams, int n) {
   rot_result r = {0};
   int B = o->rot_blocks;
@@ -44,9 +40,11 @@ static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaSt
   if (p == NULL || sz == NULL) return r;
   uint64_t seed = o->seed * 0xD6E8FEB86659FD93ull + (uint64_t)n;
   magpie_stats s0 = {0}, s1 = {0};
-  if (is_magpie) magpie_stats_get(0, &s0);
-  size_t peak = 0;
-  uint64_t ops = 0, visits = 0;
+  if (is_magpie) {
+    magpie_stats_get(0, &s0);
+    magpie_stats_reset_peaks(0);
+  }
+  uint64_t ops = 0;
   /* At least rot_rounds rounds and 25,600 visits (100 rounds of 256
    * streams), after one untimed round. */
   int rounds = o->rot_rounds > 25600 / n ? o->rot_rounds : 25600 / n;
@@ -62,10 +60,6 @@ static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaSt
       for (int k = 0; k < B; k++)
         if (p[k]) a->free(p[k], sz[k], s);
       if (round >= 0) ops += 2 * (uint64_t)B; /* the untimed round is not counted */
-      if (is_magpie && ++visits % 16 == 0) {
-        size_t now = magpie_reserved_now();
-        if (now > peak) peak = now;
-      }
     }
     if (round >= 0 && round + 1 < rounds && suite_now() - t0 >= ROT_MAX_SECONDS) {
       r.capped = 1;
@@ -76,8 +70,7 @@ static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaSt
   r.ops_per_s = (double)ops / el;
   if (is_magpie) {
     magpie_stats_get(0, &s1);
-    if (s1.reserved_bytes > peak) peak = s1.reserved_bytes;
-    r.reserved = peak;
+    r.reserved = s1.peak_reserved_bytes;
     r.limbo = s1.limbo_magazines - s0.limbo_magazines;
     r.syncs = s1.device_syncs - s0.device_syncs;
   } else {
