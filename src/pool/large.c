@@ -770,14 +770,21 @@ static size_t large_free_whole_locked(large_cache *c) {
 
 /* Growing while free memory sits mapped in holes too small for the
  * request: give back as much of it as is about to be mapped, beyond a
- * small reserve kept for reuse (1/32 of the large bytes in use, at least
+ * small reserve kept for reuse (1/128 of the large bytes in use, at least
  * 8 MiB). Peak reserved memory then follows peak live memory instead of
  * the history of sizes, at the price of one unmap per granule remapped.
  * With class blocks in the segments, a reserve of 32 MiB held one thread
  * of the mixed 256 B-2 MiB workload (35 MB live) at 2.37 times its peak
- * on the simulated device, 8 MiB at 2.19. */
+ * on the simulated device, 8 MiB at 2.19. The inference-like trace
+ * (workload 5, 5-8 GB live) grew its segments with the reserve's 170 MiB
+ * of whole granules kept mapped: with 1/128 instead of 1/32 it held a
+ * median 1.095 times its peak live bytes against 1.123 (ten runs each,
+ * alternating, H100; 1.141 against 1.162 in an earlier visit) and
+ * replayed 2.6 instead of 3.0 M operations a second, the price of the
+ * granules it remaps; workloads 2 and 3 the same (bench/HISTORY.md,
+ * 2026-11-26). */
 static size_t large_keep(large_cache *c) {
-  size_t keep = atomic_load_relaxed(&c->in_use_bytes) / 32;
+  size_t keep = atomic_load_relaxed(&c->in_use_bytes) / 128;
   return keep < 8 * ((size_t)1 << 20) ? 8 * ((size_t)1 << 20) : keep;
 }
 
