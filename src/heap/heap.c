@@ -415,8 +415,9 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
  * lock was an ordinary mutex and each give-back called the host
  * allocator, trying every time made the soak 5.5 times slower) held 2 / 4
  * threads at 1.38-1.47 / 1.11-1.27 times their peaks; for 4, 1.19-1.29 /
- * 1.08-1.14 (1.19-1.32 / 1.06-1.20 over five visits), at the same speed
- * within the spread at 1-16 threads; trying every time, 1.20-1.26 /
+ * 1.08-1.14 (1.19-1.35 / 1.06-1.20 over six visits), at the same speed
+ * within the spread at 1-16 threads in two A/B visits (two threads 15-20 %
+ * slower in a third); trying every time, 1.20-1.26 /
  * 1.05-1.08 but 15-25 % slower at 16 threads; 1 or 2 as 4; a back-off
  * doubled on each busy try and halved on each taken held more (H100;
  * bench/HISTORY.md, 2026-11-26). */
