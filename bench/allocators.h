@@ -11,7 +11,7 @@
  *   noop             the floor: a bump pointer over memory allocated once,
  *                    no reuse tracking (each thread bumps through its own
  *                    slice of the arena and wraps around; blocks may alias)
- *   bestfit          the floor for memory (bestfit.c): an ideal best fit
+ *   bestfit          the reference for memory (bestfit.c): an ideal best fit
  *                    that gives each granule back the moment it empties and
  *                    reuses across streams at once; its addresses name no
  *                    memory, so only workloads 2 and 5 run it
