@@ -104,11 +104,11 @@ static size_t bf_cost(uintptr_t a, size_t n) {
   return cost;
 }
 
-/* Count [a, a + n) as live (sign 1) or no longer (-1). */
-static int bf_account(uintptr_t a, size_t n, int sign) {
+/* Count [a, a + n) as live (sign 1) or no longer (-1). Its granules are
+ * in the table: bestfit_alloc made room before it carved the block. */
+static void bf_account(uintptr_t a, size_t n, int sign) {
   size_t first, last;
   bf_granules(a, n, &first, &last);
-  if (bf_grow_table(last) != 0) return -1;
   for (size_t g = first; g <= last; g++) {
     uintptr_t gs = BF_BASE + g * BF_GRANULE, ge = gs + BF_GRANULE;
     uintptr_t s = gs > a ? gs : a, e = ge < a + n ? ge : a + n;
@@ -117,7 +117,6 @@ static int bf_account(uintptr_t a, size_t n, int sign) {
     if (was == 0 && bf.live[g] != 0 && ++bf.reserved > bf.peak) bf.peak = bf.reserved;
     if (was != 0 && bf.live[g] == 0) bf.reserved--;
   }
-  return 0;
 }
 
 static int bf_setup(void) {
@@ -181,7 +180,7 @@ void *bestfit_alloc(size_t size) {
   } else {
     bf_unlink(best);
   }
-  bf_account(u->base, u->size, 1); /* its granules are in the table: cannot fail */
+  bf_account(u->base, u->size, 1);
   u->used = 1;
   bf_block **slot = bf_slot(u->base);
   u->hnext = *slot;
