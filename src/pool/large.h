@@ -149,6 +149,10 @@ typedef struct large_cache {
   lblock **hash; /* under lock */
   size_t hash_cap, hash_count;
   int growing; /* a thread is adding a segment; under lock */
+  /* Threads mapping granules under a block now (large_map_under, lock
+   * dropped around the driver calls); under lock. An allocation that
+   * would map waits for them first (large.c, LARGE_MAP_WAITS). */
+  int mapping;
   /* Descriptors kept for reuse: free lblocks (linked through hnext) and
    * ltickets (through dnext), at most LARGE_SPARES of each. Under lock.
    * Splits, merges and frees make and drop one or two descriptors per
