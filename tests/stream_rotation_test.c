@@ -152,9 +152,73 @@ static void test_300_streams(void **state) {
   rotate(300, 4);
 }
 
+/* A thread taking turns on two streams, each turn using two blocks of two
+ * classes (64 KiB and 32 KiB) on its stream after a burst of sixteen of
+ * each there: the thread keeps what the burst left in its magazines on
+ * both streams however few it then uses, unless its slots decay (tcache.c,
+ * tcache_slot_decay): the blocks a slot never touched go back to the
+ * depot, sealed on their stream (the checker sees no violation). A thread of its own, whose exit gives back what
+ * it holds, and the first test: the statistics count every thread's
+ * magazines. */
+typedef struct decay_run {
+  cudaStream_t st[2];
+  size_t thread_cached;
+  int failed;
+} decay_run;
+
+static void *decay_thread(void *arg) {
+  decay_run *d = arg;
+  const size_t sizes[4] = {64 << 10, 64 << 10, 32 << 10, 32 << 10};
+  /* A burst on each stream first: sixteen blocks of each class, freed
+   * there, fill the slot's magazines. */
+  for (int i = 0; i < 2; i++) {
+    void *p[32];
+    for (int k = 0; k < 32; k++) d->failed += (p[k] = magpie_malloc_async(sizes[k % 4], d->st[i])) == NULL;
+    d->failed += magpie_sim_launch(d->st[i], work, NULL) != MAGPIE_OK;
+    for (int k = 0; k < 32; k++) d->failed += p[k] != NULL && magpie_free_async(p[k], d->st[i]) != MAGPIE_OK;
+  }
+  for (int step = 0; step < 2000; step++) {
+    cudaStream_t s = d->st[step % 2];
+    void *p[4];
+    for (int k = 0; k < 4; k++) d->failed += (p[k] = magpie_malloc_async(sizes[k], s)) == NULL;
+    d->failed += magpie_sim_launch(s, work, NULL) != MAGPIE_OK;
+    for (int k = 0; k < 4; k++) d->failed += p[k] != NULL && magpie_free_async(p[k], s) != MAGPIE_OK;
+  }
+  magpie_stats st;
+  d->failed += magpie_stats_get(0, &st) != MAGPIE_OK;
+  d->thread_cached = st.thread_cached_bytes;
+  /* Sealed on their streams: this thread's exit leaves nothing for limbo. */
+  for (int i = 0; i < 2; i++) magpie_stream_retire(d->st[i]);
+  return NULL;
+}
+
+static void test_two_streams_decay(void **state) {
+  (void)state;
+  uint64_t v0 = magpie_sim_check_violations();
+  decay_run d = {0};
+  for (int i = 0; i < 2; i++) assert_non_null(d.st[i] = magpie_sim_stream_create());
+  magpie_stats s0, s1;
+  assert_int_equal(magpie_stats_get(0, &s0), MAGPIE_OK);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, decay_thread, &d), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(magpie_stats_get(0, &s1), MAGPIE_OK);
+  print_message("two streams, two blocks of 64 and 32 KiB a turn: %zu bytes in the thread's magazines\n",
+                d.thread_cached);
+  assert_int_equal(d.failed, 0);
+  checker_expect_none(v0);
+  assert_int_equal(s1.device_syncs - s0.device_syncs, 0);
+  /* Without the decay the burst's blocks stay: 2 x 16 x (64 + 32 KiB) =
+   * 3 MiB; what the turns use is 2 x 192 KiB. */
+  assert_true(d.thread_cached <= 2 * 4 * (96 << 10));
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  for (int i = 0; i < 2; i++) assert_int_equal(magpie_sim_stream_destroy(d.st[i]), MAGPIE_OK);
+}
+
 int main(void) {
   if (checker_init() != 0) return 1;
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_two_streams_decay), /* first: no other thread has cached anything */
       cmocka_unit_test(test_33_streams),
       cmocka_unit_test(test_300_streams),
       cmocka_unit_test(test_threads_under_limit),

@@ -55,7 +55,13 @@ static void tcache_slot_clear(tslot *ts) {
   ts->used = 0;
   ts->round_trip = 0;
   memset(ts->out_blocks, 0, sizeof ts->out_blocks);
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
+    ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;
+    ts->cl[c].low = ts->pcount[c] = ts->lows[c] = 0;
+    ts->fill[c] = 0;
+  }
+  ts->entries = 0;
+  ts->emptied = 0;
   MAGPIE_ASSERT(ts->nout == 0 && ts->lkeep == NULL); /* emptied before (tcache_slot_out) or never used */
   ts->nout = 0;
   ts->out_bytes = 0;
@@ -615,6 +621,101 @@ static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
   return 1;
 }
 
+/* Decay. A thread taking turns on streams keeps each stream's magazines
+ * while it works on the others, and what a refill brought (a whole
+ * magazine) stays however few blocks the thread then uses: the demo's
+ * eight threads on two streams each held 12-13 MiB in their magazines for
+ * under 1 MiB of small blocks in use. Every TCACHE_DECAY_ENTRIES entries
+ * into a slot from another, three quarters of the blocks of each small
+ * class that the slot held all along since the last decay (its low-water
+ * mark over loaded and prev) leave through the outbox, sealed on the
+ * slot's stream, for the depot, where other threads and streams take them
+ * instead of carving slabs; the class's refills then bring half as many
+ * blocks as before (tcache_refill_trim), twice as many again after a decay
+ * interval in which the slot ran out (jemalloc's thread caches decay
+ * alike). A thread on one stream never enters another slot: nothing
+ * decays there. On an H100 (eight runs each, alternating), the demo's
+ * threads held 6.6-7.6 MiB in their magazines instead of 10.0-12.9 and
+ * it peaked at 32-40 MiB reserved (mean 35.5) instead of 38-58 (43.3);
+ * the pipeline (workload 3) at 96-98 MiB instead of 118-122, as fast;
+ * small pairs, workloads 2, 4, 5 and the soak the same within their
+ * spreads. Decaying the slots of threads on 24 streams or more too (whose
+ * slots drain anyway) made workload 6 up to half as fast in some rounds
+ * (bench/HISTORY.md, 2026-11-26). */
+#define TCACHE_DECAY_ENTRIES 16
+
+/* The slot's blocks of class c changed on a slow path: the low-water mark
+ * takes in what the fast path saw since (prev's count stood still), then
+ * starts again from now. */
+static void tcache_note_held(tslot *ts, unsigned c) {
+  uint32_t lows = ts->lows[c], was = ts->cl[c].low + ts->pcount[c];
+  uint32_t pc = ts->prev[c]->count, now = ts->cl[c].loaded->count + pc;
+  if (was < lows) lows = was;
+  if (now < lows) lows = now;
+  ts->lows[c] = (uint8_t)lows;
+  ts->pcount[c] = (uint8_t)pc;
+  ts->cl[c].low = ts->cl[c].loaded->count;
+}
+
+/* n blocks from the bottom of m (untouched the longest) into the outbox;
+ * they stay in m if host memory for a magazine ran out. */
+static void tcache_shed(tslot *ts, unsigned c, magazine *m, uint32_t n, cudaStream_t s) {
+  magazine *e = magazine_get_empty(c);
+  if (e == NULL) return;
+  memcpy(e->slots, m->slots, n * sizeof m->slots[0]);
+  memmove(m->slots, m->slots + n, (m->count - n) * sizeof m->slots[0]);
+  e->count = n;
+  e->cap = m->cap;
+  m->count -= n;
+  if (m == ts->cl[c].loaded) ts->clean[c] = ts->clean[c] > n ? (uint8_t)(ts->clean[c] - n) : 0;
+  tcache_outbox_add(ts, e, s);
+}
+
+static void tcache_refill_trim(tslot *ts, unsigned c, magazine *fresh, cudaStream_t s) {
+  tcache_shed(ts, c, fresh, fresh->count - ts->fill[c], s);
+}
+
+static void tcache_slot_decay(tcache *tc, tslot *ts, cudaStream_t s) {
+  (void)tc;
+  ts->entries = 0;
+  int shed = 0;
+  for (uint64_t used = ts->used; used != 0; used &= used - 1) {
+    unsigned c = (unsigned)__builtin_ctzll(used);
+    const sizeclass_info *ci = &globals.sizeclass_table[c];
+    tcache_note_held(ts, c);
+    magazine *m = ts->cl[c].loaded, *pv = ts->prev[c];
+    uint32_t low = ts->lows[c];
+    uint32_t fill = ts->fill[c] != 0 ? ts->fill[c] : ci->mag_cap;
+    if (ci->seg || !magazine_is_real(m)) {
+      /* class blocks have their own bound */
+    } else if (ts->emptied & ((uint64_t)1 << c)) {
+      fill = fill * 2 < ci->mag_cap ? fill * 2 : ci->mag_cap;
+    } else if (low >= 2) {
+      uint32_t n = low - low / 4;
+      if (magazine_is_real(pv) && pv->count > 0 && pv->count <= n) {
+        n -= pv->count;
+        ts->prev[c] = &magazine_sentinel;
+        tcache_outbox_add(ts, pv, s);
+        shed = 1;
+      }
+      if (n > m->count) n = m->count;
+      if (n > 0) {
+        tcache_shed(ts, c, m, n, s);
+        shed = 1;
+      }
+      fill = fill / 2 > 0 ? fill / 2 : 1;
+    }
+    ts->fill[c] = (uint8_t)(fill < ci->mag_cap ? fill : 0);
+    ts->pcount[c] = (uint8_t)ts->prev[c]->count;
+    ts->cl[c].low = ts->cl[c].loaded->count;
+    ts->lows[c] = (uint8_t)(ts->cl[c].low + ts->pcount[c]);
+  }
+  ts->emptied = 0;
+  /* What left goes on now: in the outbox it would wait for the slot's
+   * next refill, which a slot that needs fewer blocks may not make. */
+  if (shed) tcache_outbox_seal(ts, s);
+}
+
 void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
   tcache *tc = tcache_tls;
   if (tc == NULL && (tc = tcache_create()) == NULL) return NULL;
@@ -637,6 +738,12 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   }
   tslot *ts = tcache_slot_for_alloc(tc, s, id);
   if (ts == NULL) return NULL;
+  /* Not on the special handles: their capture state is only known after a
+   * query (tcache_capture_refused), and a decay may seal. Not where the
+   * thread's slots drain (on TDRAIN_SLOTS streams or more, tdrain.c):
+   * what a visit leaves goes at its end already. */
+  if (ts != tc->last && ++ts->entries >= TCACHE_DECAY_ENTRIES && !tcache_special_handle(s) && tc->nalloc < TDRAIN_SLOTS)
+    tcache_slot_decay(tc, ts, s);
   if (ts != tc->last || ts->drained) tdrain_enter(tc, ts);
   if (size > SIZECLASS_MAX_SIZE)
     return tcache_capture_refused(tc, s, size) ? NULL : tcache_alloc_large(tc, ts, size, id, s);
@@ -651,10 +758,12 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       magazine *t = ts->cl[c].loaded;
       ts->cl[c].loaded = ts->prev[c];
       ts->prev[c] = t;
+      publish = -1; /* replaced, nothing to publish */
     } else {
       /* The outbox first: its blocks were freed on this stream. */
       magazine *fresh = tcache_outbox_take(ts, c);
-      if (fresh == NULL) fresh = tdrain_carry_take(tc, ts, c); /* an armed slot's */
+      int carried = 0;
+      if (fresh == NULL && (fresh = tdrain_carry_take(tc, ts, c)) != NULL) carried = 1; /* an armed slot's */
       if (fresh == NULL) {
         /* Taking from what all threads share: what waits in the outbox
          * goes there first, so that its slabs and segments may serve. */
@@ -668,6 +777,9 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
         }
         depot_note_thread_in(&ts->heap->depots[fresh->cls], fresh);
       }
+      ts->emptied |= (uint64_t)1 << c;
+      if (!carried && !globals.sizeclass_table[c].seg && ts->fill[c] != 0 && fresh->count > ts->fill[c])
+        tcache_refill_trim(ts, c, fresh, s);
       ts->mark[c] = tslot_allocs(ts, c);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->cl[c].loaded;
@@ -677,6 +789,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   }
   magazine *m = ts->cl[c].loaded;
   void *p = m->slots[--m->count];
+  tcache_note_held(ts, c);
   if (tc->check) {
     slab *sl = pagemap_lookup((uintptr_t)p);
     uint32_t i = 0;
@@ -686,7 +799,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   tslot_count(ts, (int64_t)globals.sizeclass_table[c].size);
   /* Publish for the peak only when the depot was involved: swaps between
    * the two magazines stay free of shared writes. */
-  if (publish) tcache_publish(tc, ts->heap);
+  if (publish > 0) tcache_publish(tc, ts->heap);
   if (!tc->check) tc->last = ts;
   return p;
 }
@@ -929,6 +1042,7 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   }
   magazine *m = ts->cl[c].loaded;
   m->slots[m->count++] = p;
+  tcache_note_held(ts, c);
   tslot_count(ts, -(int64_t)bsize);
   if (publish) tcache_publish(tc, ts->heap);
   if (!tc->check && ts->alloc_ok) tc->last = ts;

@@ -114,6 +114,7 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
   tslot_count(ts, (int64_t)globals.sizeclass_table[c].size);
   atomic_owner_inc_u64(&ts->cl[c].hits);
   void *p = m->slots[--m->count];
+  if (m->count < ts->cl[c].low) ts->cl[c].low = m->count;
   tcache_leave(tc);
   return p;
 }

@@ -50,6 +50,9 @@ typedef struct tclass {
   magazine *loaded;
   _Atomic uint64_t hits;   /* allocations served by the fast path */
   _Atomic uint64_t misses; /* and by the slow path */
+  /* The fewest blocks loaded held since a slow path last looked (tcache.c,
+   * tcache_note_held). Owner only. */
+  uint32_t low;
 } tclass;
 
 typedef struct tslot {
@@ -133,6 +136,20 @@ typedef struct tslot {
   uint8_t cap[SIZECLASS_COUNT];
   uint64_t mark[SIZECLASS_COUNT];
   uint8_t run[SIZECLASS_COUNT];
+  /* Entries into this slot from another since its last decay. Owner
+   * only. */
+  uint32_t entries;
+  /* Per class: the blocks a refill keeps, the rest going back through the
+   * outbox (tcache.c, tcache_refill_trim), halved by a decay that sheds
+   * blocks and doubled by one after the slot ran out; 0: all of them.
+   * INVARIANT: 0 or below the class's starting capacity. Owner only. */
+  uint8_t fill[SIZECLASS_COUNT];
+  /* Per class: prev's count when a slow path last looked, and the fewest
+   * blocks loaded and prev held together since the last decay. Owner
+   * only. */
+  uint8_t pcount[SIZECLASS_COUNT];
+  uint8_t lows[SIZECLASS_COUNT];
+  uint64_t emptied; /* bit c: class c refilled since the last decay */
   /* heap, for statistics readers (owner-written, relaxed; a reader may
    * miss a slot being set up or retired). */
   _Atomic(heap *) stats_heap;
