@@ -639,10 +639,14 @@ static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
  * it peaked at 32-40 MiB reserved (mean 35.5) instead of 38-58 (43.3);
  * the pipeline (workload 3) at 96-98 MiB instead of 118-122, as fast;
  * small pairs, workloads 2, 4, 5 and the soak the same within their
- * spreads. Decaying the slots of threads on 24 streams or more too (whose
- * slots drain anyway) made workload 6 up to half as fast in some rounds
+ * spreads (every 16 entries then). Every 8 instead of 16, ten rounds
+ * each: the demo peaked at 36.6 MiB on average instead of 37.8 (1.55
+ * times its peak in use instead of 1.68), its threads' magazines 5.3-6.5
+ * MiB instead of 6.9-7.4, the pipeline 92-94 MiB instead of 96. Decaying
+ * the slots of threads on 24 streams or more too (whose slots drain
+ * anyway) made workload 6 up to half as fast in some rounds
  * (bench/HISTORY.md, 2026-11-26). */
-#define TCACHE_DECAY_ENTRIES 16
+#define TCACHE_DECAY_ENTRIES 8
 
 /* The slot's blocks of class c changed on a slow path: the low-water mark
  * takes in what the fast path saw since (prev's count stood still), then
