@@ -679,8 +679,7 @@ static void tcache_refill_trim(tslot *ts, unsigned c, magazine *fresh, cudaStrea
   tcache_shed(ts, c, fresh, fresh->count - ts->fill[c], s);
 }
 
-static void tcache_slot_decay(tcache *tc, tslot *ts, cudaStream_t s) {
-  (void)tc;
+static void tcache_slot_decay(tslot *ts, cudaStream_t s) {
   ts->entries = 0;
   int shed = 0;
   for (uint64_t used = ts->used; used != 0; used &= used - 1) {
@@ -747,7 +746,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
    * thread's slots drain (on TDRAIN_SLOTS streams or more, tdrain.c):
    * what a visit leaves goes at its end already. */
   if (ts != tc->last && ++ts->entries >= TCACHE_DECAY_ENTRIES && !tcache_special_handle(s) && tc->nalloc < TDRAIN_SLOTS)
-    tcache_slot_decay(tc, ts, s);
+    tcache_slot_decay(ts, s);
   if (ts != tc->last || ts->drained) tdrain_enter(tc, ts);
   if (size > SIZECLASS_MAX_SIZE)
     return tcache_capture_refused(tc, s, size) ? NULL : tcache_alloc_large(tc, ts, size, id, s);
@@ -762,7 +761,6 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       magazine *t = ts->cl[c].loaded;
       ts->cl[c].loaded = ts->prev[c];
       ts->prev[c] = t;
-      publish = -1; /* replaced, nothing to publish */
     } else {
       /* The outbox first: its blocks were freed on this stream. */
       magazine *fresh = tcache_outbox_take(ts, c);
@@ -803,7 +801,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   tslot_count(ts, (int64_t)globals.sizeclass_table[c].size);
   /* Publish for the peak only when the depot was involved: swaps between
    * the two magazines stay free of shared writes. */
-  if (publish > 0) tcache_publish(tc, ts->heap);
+  if (publish) tcache_publish(tc, ts->heap);
   if (!tc->check) tc->last = ts;
   return p;
 }
