@@ -153,6 +153,7 @@ typedef struct global_vars {
   pthread_mutex_t tcache_list_lock;
   struct tcache *tcache_list;
   int64_t tcache_retired_live[MAGPIE_MAX_DEVICES];
+  int64_t tcache_retired_kept[MAGPIE_MAX_DEVICES]; /* as tcache_retired_live: threads gone */
   int tcache_can_steal;
   void (*tcache_describe)(struct heap *h, char *buf, size_t n);
   /* The fast paths' one switch (front/alloc.c reads it relaxed: it only

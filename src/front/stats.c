@@ -16,7 +16,8 @@ static size_t stats_nonneg(int64_t v) { return v > 0 ? (size_t)v : 0; }
 
 void stats_collect(heap *h, magpie_stats *out) {
   memset(out, 0, sizeof *out);
-  int64_t live = tcache_live_bytes(h->device);
+  int64_t kept_threads = 0;
+  int64_t live = tcache_live_bytes(h->device, &kept_threads);
   size_t reserved = atomic_load_relaxed(&h->region.mapped);
   /* Graph pools' blocks (pool/gpool.h) are in use: the graphs own them,
    * free in their pool or not; the large cache counts them in use too. */
@@ -40,7 +41,7 @@ void stats_collect(heap *h, magpie_stats *out) {
   out->large_in_use_bytes -= parked_large <= out->large_in_use_bytes ? parked_large : out->large_in_use_bytes;
   /* Large blocks kept by threads for their streams (tcache.c), or in limbo
    * on their way back: freed, not in use. */
-  size_t kept = stats_nonneg(atomic_load_relaxed(&h->stat_kept_bytes));
+  size_t kept = stats_nonneg(kept_threads);
   size_t kept_all = kept + stats_nonneg(atomic_load_relaxed(&h->stat_kept_limbo_bytes));
   out->large_in_use_bytes -= kept_all <= out->large_in_use_bytes ? kept_all : out->large_in_use_bytes;
   out->slab_count = atomic_load_relaxed(&h->slabs.mapped);

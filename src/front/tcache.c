@@ -226,11 +226,11 @@ static int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsiz
 static void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b) {
   ts->lkeep = b;
   tc->kept = ts;
-  atomic_add_relaxed(&ts->heap->stat_kept_bytes, (int64_t)b->size);
+  atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], (int64_t)b->size);
 }
 
 static void tcache_kept_detach(tcache *tc, tslot *ts) {
-  atomic_sub_relaxed(&ts->heap->stat_kept_bytes, (int64_t)ts->lkeep->size);
+  atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], -(int64_t)ts->lkeep->size);
   ts->lkeep = NULL;
   tc->kept = NULL;
 }
@@ -1068,17 +1068,25 @@ static void tcache_destroy(void *arg) {
   for (int i = 0; i < TCACHE_SLOTS; i++)
     if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
   pthread_mutex_lock(&globals.tcache_list_lock);
-  for (int d = 0; d < HEAP_MAX_DEVICES; d++) globals.tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
+  for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
+    globals.tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
+    globals.tcache_retired_kept[d] += atomic_load_relaxed(&tc->kept_bytes[d]);
+  }
   pthread_mutex_unlock(&globals.tcache_list_lock);
   tcache_tls = NULL;
   meta_free(tc);
 }
 
-int64_t tcache_live_bytes(int device) {
+int64_t tcache_live_bytes(int device, int64_t *kept) {
+  *kept = 0;
   if (device < 0 || device >= HEAP_MAX_DEVICES) return 0;
   pthread_mutex_lock(&globals.tcache_list_lock);
   int64_t sum = globals.tcache_retired_live[device];
-  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[device]);
+  *kept = globals.tcache_retired_kept[device];
+  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
+    sum += atomic_load_relaxed(&tc->live[device]);
+    *kept += atomic_load_relaxed(&tc->kept_bytes[device]);
+  }
   pthread_mutex_unlock(&globals.tcache_list_lock);
   return sum;
 }

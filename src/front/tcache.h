@@ -168,8 +168,9 @@ static MAGPIE_INLINE int tcache_free(void *ptr, cudaStream_t stream) {
   return tcache_free_slow(ptr, stream);
 }
 
-/* Statistics: this device's live bytes over all threads, past and present. */
-int64_t tcache_live_bytes(int device);
+/* Statistics: this device's live bytes over all threads, past and present,
+ * and (*kept) the bytes of the large blocks they keep (tcache.kept_bytes). */
+int64_t tcache_live_bytes(int device, int64_t *kept);
 /* Statistics: per-class hits and misses of heap h (added to the arrays). */
 void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses);
 

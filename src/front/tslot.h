@@ -216,6 +216,13 @@ typedef struct tcache {
    * owner only (relaxed load + store); read (relaxed) by statistics under
    * tcache_list_lock. */
   _Atomic int64_t live[HEAP_MAX_DEVICES];
+  /* Bytes of the large block this thread keeps (tcache.kept), per device:
+   * freed, not in use. Written by whoever owns the cache (the owner, or a
+   * reclaimer while the owner is out: tcache_empty_heap), relaxed load +
+   * store; read (relaxed) by statistics under tcache_list_lock. A counter
+   * in the heap took two locked read-modify-writes per pair of a kept
+   * block's allocation and free. */
+  _Atomic int64_t kept_bytes[HEAP_MAX_DEVICES];
   int64_t published[HEAP_MAX_DEVICES]; /* owner only */
   struct tcache *lnext, *lprev;        /* under tcache_list_lock */
   /* Per slot, so that the slow paths find a slot without touching every

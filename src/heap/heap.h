@@ -77,7 +77,6 @@ typedef struct heap {
   _Atomic uint64_t stat_limbo;
   _Atomic uint64_t stat_device_syncs; /* limbo drains that synchronised the device */
   _Atomic int64_t stat_limbo_bytes;
-  _Atomic int64_t stat_kept_bytes;       /* large blocks kept by threads (tcache.c) */
   _Atomic int64_t stat_kept_limbo_bytes; /* kept large blocks in limbo (part of stat_limbo_bytes) */
   _Atomic uint64_t stat_ladder[HEAP_STEP_COUNT];
   _Atomic uint64_t stat_threads_flushed;
@@ -156,7 +155,7 @@ void heap_note_cached(heap *h);
  * path by the reaper thread. */
 void heap_limbo_put(heap *h, magazine *m);
 /* The same for a kept large block (LARGE_KEPT, its bytes out of
- * stat_kept_bytes already): freed after the next device synchronisation.
+ * its thread's kept_bytes already): freed after the next device synchronisation.
  * MAGPIE_ERR_OUT_OF_MEMORY (host metadata): nothing done. */
 int heap_limbo_put_large(heap *h, lblock *b);
 
