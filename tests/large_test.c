@@ -403,6 +403,52 @@ static void test_kept_large_block(void **state) {
   assert_int_equal(pthread_join(th, NULL), 0);
 }
 
+/* A kept block handed out again (lent) is in use like any other: its
+ * size is known, and another thread may free it. After that free, the
+ * keeping thread's own free of it, which would have kept it again without
+ * the large cache's lock, is a double free; its next block is kept as
+ * before. */
+static void *free_lent_block_main(void *arg) {
+  char *p = arg;
+  assert_int_equal(magpie_free_async(p, fake_stream_create(0)), MAGPIE_OK);
+  return NULL;
+}
+
+static void *lent_block_freed_elsewhere_main(void *arg) {
+  (void)arg;
+  cudaStream_t s = fake_stream_create(0);
+  char *p = kept_block_cycles(s);
+  assert_int_equal(magpie_usable_size(p), 16 * MiB);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, free_lent_block_main, p), 0);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_int_equal(magpie_usable_size(p), 0);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_ERR_DOUBLE_FREE);
+  check_layers(0);
+  char *q = magpie_malloc_async(16 * MiB, s);
+  assert_non_null(q);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.thread_cached_bytes - st0.thread_cached_bytes, 16 * MiB);
+  assert_ptr_equal(magpie_malloc_async(16 * MiB, s), q);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_ERR_DOUBLE_FREE);
+  fake_stream_complete(s);
+  check_layers(0);
+  check_snapshot(0);
+  return NULL;
+}
+
+static void test_lent_block_freed_elsewhere(void **state) {
+  (void)state;
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, lent_block_freed_elsewhere_main, NULL), 0);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+}
+
 /* The same on the legacy and per-thread default streams (PyTorch's
  * default stream is the legacy one), each in a thread of its own: matched
  * by id, they keep the block too; once the thread's current device has
@@ -787,6 +833,7 @@ int main(void) {
       cmocka_unit_test(test_trim_waits_for_release_in_flight),
       cmocka_unit_test(test_large_stream_rules),
       cmocka_unit_test(test_kept_large_block),
+      cmocka_unit_test(test_lent_block_freed_elsewhere),
       cmocka_unit_test(test_kept_large_block_default_streams),
       cmocka_unit_test(test_run_of_blocks_freed_on_different_streams),
       cmocka_unit_test(test_idle_thread_gives_back),

@@ -66,6 +66,7 @@ static void tcache_slot_clear(tslot *ts) {
   ts->nout = 0;
   ts->out_bytes = 0;
   ts->lkeep = NULL;
+  ts->lout = NULL;
 }
 
 /* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
@@ -251,7 +252,7 @@ static size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on
       heap_note_cached(ts->heap);
       return size;
     }
-    atomic_store_relaxed(&b->kept, LARGE_KEPT); /* ours still: to limbo */
+    large_kept_set(b, LARGE_KEPT); /* ours still: to limbo */
   }
   if (heap_limbo_put_large(ts->heap, b) != MAGPIE_OK) {
     tcache_kept_attach(tc, ts, b);
@@ -527,7 +528,9 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
       uintptr_t kp = k->base;
       size_t ks = k->size;
       tcache_kept_detach(tc, ts);
-      large_unkeep(k);
+      ts->lout_word = large_lend(k);
+      ts->lout = k;
+      ts->lout_base = kp;
       /* Published at the next exchange, as the fast paths do. */
       tslot_count(ts, (int64_t)ks);
       if (!tc->check) tc->last = ts;
@@ -833,7 +836,8 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * handles, whose stream depends on the current context, by id, as
  * tcache_free_special does): the slot keeps it for its stream if the
  * thread keeps none and allocates on no other stream (one lock to mark it
- * in the large layer, no event). PyTorch allocates on the legacy default
+ * in the large layer, none if the slot kept it before and handed it out
+ * again; no event). PyTorch allocates on the legacy default
  * stream unless told otherwise: before the default handles were let in, a
  * 4 MiB torch.empty cost about 1.2 us more than a 4 KiB one (H100). A
  * thread taking turns on streams would strand it while on the others:
@@ -847,7 +851,13 @@ static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
     return 0;
   if (tcache_special_handle(s) && tcache_stream_id(tc, s) != ts->id) return 0; /* another context's */
   lblock *b = NULL;
-  if (!large_keep_block(&ts->heap->large, (uintptr_t)p, TCACHE_KEEP_MAX, &b)) return 0;
+  /* The block this slot lent out, freed here: kept again without the
+   * large cache's lock where nothing happened to it meanwhile. */
+  if (ts->lout != NULL && ts->lout_base == (uintptr_t)p) {
+    if (large_rekeep(ts->lout, ts->lout_word)) b = ts->lout;
+    ts->lout = NULL;
+  }
+  if (b == NULL && !large_keep_block(&ts->heap->large, (uintptr_t)p, TCACHE_KEEP_MAX, &b)) return 0;
   tcache_kept_attach(tc, ts, b);
   tslot_count(ts, -(int64_t)b->size);
   tcache_publish(tc, ts->heap); /* cached now: trim and the threshold see it */

@@ -103,6 +103,14 @@ typedef struct tslot {
    * large allocation it does not fit. Owner only. INVARIANT: as for the
    * magazines. */
   lblock *lkeep;
+  /* The kept block this slot last handed out again (large_lend), its base
+   * and the word large_rekeep expects, or lout NULL. Its free on this
+   * slot's stream keeps it again without the large cache's lock; the
+   * word decides whether it still may (pool/large.h, lblock.kept), so a
+   * stale entry costs one failed compare-and-swap. Owner only. */
+  lblock *lout;
+  uintptr_t lout_base;
+  uint64_t lout_word;
   /* Per class, while the slot is armed: how many blocks at the bottom of
    * the loaded magazine were ready for every stream when it was installed
    * (a carried magazine's count: tcache.carry; 0 for any other), and the

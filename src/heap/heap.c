@@ -725,7 +725,7 @@ int heap_limbo_put_large(heap *h, lblock *b) {
   heap_kept *n = meta_alloc(sizeof *n);
   if (n == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   n->b = b;
-  atomic_store_relaxed(&b->kept, LARGE_KEPT_LIMBO);
+  large_kept_set(b, LARGE_KEPT_LIMBO);
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)b->size);
   atomic_add_relaxed(&h->stat_kept_limbo_bytes, (int64_t)b->size);
   atomic_add_relaxed(&h->stat_limbo, 1);

@@ -72,15 +72,18 @@ static lblock *large_block_new(large_cache *c) {
   if (b == NULL) return meta_alloc(sizeof *b);
   c->spare_blocks = b->hnext;
   c->nspare_blocks--;
-  memset(b, 0, sizeof *b); /* as meta_alloc's */
+  /* As meta_alloc's but the keeping word (the last field), which a
+   * lender's stale compare-and-swap may read now (large.h, lblock.kept):
+   * its state is 0 (the block was free) and its generation stays. */
+  memset(b, 0, offsetof(lblock, kept));
   return b;
 }
 
+/* Block descriptors are kept, never given back to the host allocator, so
+ * that a stale lblock pointer a thread holds (tslot.lout) still names a
+ * descriptor: their number is at most the most blocks the segments held
+ * at once. */
 static void large_block_drop(large_cache *c, lblock *b) {
-  if (c->nspare_blocks >= LARGE_SPARES) {
-    meta_free(b);
-    return;
-  }
   b->hnext = c->spare_blocks;
   c->spare_blocks = b;
   c->nspare_blocks++;
@@ -706,11 +709,13 @@ static int large_map_under(large_cache *c, lblock *u) {
 static int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
   /* INVARIANT (large.h): every granule under a handed-out block is mapped. */
   MAGPIE_ASSERT(u->state == LBLOCK_USED && lseg_mapped_in(u->seg, c->region->gran, u->base, u->size) == u->size);
-  MAGPIE_ASSERT(atomic_load_relaxed(&u->kept) == 0);
+  MAGPIE_ASSERT((atomic_load_relaxed(&u->kept) & LARGE_KEPT_STATE) == 0);
   if (!large_hash_insert(c, u)) {
     backend_set_error_detail("out of host memory for the large-block table");
     return MAGPIE_ERR_OUT_OF_MEMORY;
   }
+  /* A new generation: a lender's word for this descriptor is stale now. */
+  atomic_store_release(&u->kept, (atomic_load_relaxed(&u->kept) & ~LARGE_KEPT_STATE) + (LARGE_KEPT_STATE + 1));
   lticket_unref(u->ticket, deferred);
   u->ticket = NULL;
   atomic_add_relaxed(&c->in_use_bytes, u->size);
@@ -1129,7 +1134,8 @@ void large_return_granule(large_cache *c, uintptr_t base) {
 int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
   pthread_mutex_lock(&c->lock);
   lblock *b = large_hash_find(c, p, 0);
-  if (b != NULL && atomic_load_acquire(&b->kept) != 0) b = NULL; /* freed by its user */
+  unsigned k = b != NULL ? large_kept_state(b) : 0;
+  if (k == LARGE_KEPT || k == LARGE_KEPT_LIMBO) b = NULL; /* freed by its user */
   if (b) *bsize = b->size;
   pthread_mutex_unlock(&c->lock);
   return b != NULL;
@@ -1144,7 +1150,12 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
   }
   lblock *b = large_hash_find(c, p, 1);
   int rc = MAGPIE_OK;
-  if (b != NULL && (b->klass != 0 || atomic_load_acquire(&b->kept) != 0)) {
+  /* A block its keeper lent out: freed here unless the keeper took it
+   * back first (then this is a second free). */
+  uint64_t lent = b != NULL ? atomic_load_acquire(&b->kept) : 0;
+  if (b != NULL && (lent & LARGE_KEPT_STATE) == LARGE_KEPT_OUT)
+    (void)atomic_cas_strong_acq_rel(&b->kept, &lent, lent & ~LARGE_KEPT_STATE);
+  if (b != NULL && (b->klass != 0 || large_kept_state(b) != 0)) {
     /* A class block goes back through magazines, and a kept block was
      * freed already: put its entry back (the unlink left room, so the
      * insert cannot grow or fail). */
@@ -1186,11 +1197,13 @@ int large_graph_mark(large_cache *c, uintptr_t p, int on) {
 int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out) {
   pthread_mutex_lock(&c->lock);
   lblock *b = large_hash_find(c, p, 0);
-  int ok = b != NULL && b->klass == 0 && b->size <= max && atomic_load_relaxed(&b->kept) == 0;
-  if (ok) {
-    atomic_store_relaxed(&b->kept, LARGE_KEPT);
-    *out = b;
-  }
+  uint64_t v = b != NULL ? atomic_load_acquire(&b->kept) : 0;
+  unsigned k = (unsigned)(v & LARGE_KEPT_STATE);
+  /* Handed out, or lent by its keeper (who may take it back meanwhile:
+   * the compare-and-swap decides). */
+  int ok = b != NULL && b->klass == 0 && b->size <= max && (k == 0 || k == LARGE_KEPT_OUT) &&
+           atomic_cas_strong_acq_rel(&b->kept, &v, (v & ~LARGE_KEPT_STATE) | LARGE_KEPT);
+  if (ok) *out = b;
   pthread_mutex_unlock(&c->lock);
   return ok;
 }
@@ -1294,7 +1307,7 @@ static size_t large_release_locked(large_cache *c, size_t want) {
     atomic_add_relaxed(&c->bytes_unmapped, sg->raw_size);
     atomic_sub_relaxed(&c->segments, 1);
     slab_desc_put(sg->desc);
-    meta_free(sg->first);
+    large_block_drop(c, sg->first);
     large_seg_destroy(sg);
   }
   return released;

@@ -80,17 +80,34 @@ typedef struct lblock {
   lticket *ticket;              /* free: the free's epoch (NULL: ready) */
   int state;
   uint32_t klass; /* USED: 0 for a large block, cls + 1 for a class block, LARGE_KLASS_LENT */
-  /* USED large block freed by its user and kept by a thread for its
-   * stream (front/tcache.c): LARGE_KEPT, or LARGE_KEPT_LIMBO once the
-   * thread let it go to wait for a device synchronisation (heap.c). Set
-   * under the lock by large_keep_block; cleared (release) by the holder, without
-   * the lock, before it hands the block out again or frees it; read under
-   * the lock (acquire) by large_free (a free of a kept block is a double
-   * free) and by snapshots. A kept block's lblock stays put (it is USED). */
-  _Atomic uint8_t kept;
+  /* A USED large block's keeping: a state in the low byte
+   * (LARGE_KEPT_STATE) and a generation above it.
+   *   0: handed out (a free block's state is 0 too);
+   *   LARGE_KEPT: freed by its user and kept by a thread for its stream
+   *     (front/tcache.c); LARGE_KEPT_LIMBO once the thread let it go to
+   *     wait for a device synchronisation (heap.c);
+   *   LARGE_KEPT_OUT: handed out again by the thread that kept it, which
+   *     may keep it again at its free without the lock (large_rekeep).
+   * 0 or LARGE_KEPT_OUT -> LARGE_KEPT: under the lock (large_keep_block),
+   * or LARGE_KEPT_OUT -> LARGE_KEPT by the lending thread without it
+   * (compare-and-swap, acq_rel); LARGE_KEPT -> LARGE_KEPT_OUT, 0 or
+   * LARGE_KEPT_LIMBO by the holder (release); LARGE_KEPT_OUT -> 0 by a
+   * free under the lock (compare-and-swap: one of it and the lender's
+   * wins). The generation grows by one at every hand-out (under the
+   * lock), so while it is unchanged the descriptor names the same block:
+   * a block's base and size change only while it is free, and only a
+   * hand-out leads from free to kept or lent. Descriptors are never given
+   * back to the host allocator (large.c, large_block_drop) and their
+   * recycling leaves this word alone, so a lender's stale word fails its
+   * compare-and-swap on a descriptor still. Read under the lock (acquire)
+   * by large_free (a free of a kept block is a double free), lookups and
+   * snapshots. A kept block's lblock stays put (it is USED). Last field:
+   * recycling clears the fields before it. */
+  _Atomic uint64_t kept;
 } lblock;
 
-enum { LARGE_KEPT = 1, LARGE_KEPT_LIMBO = 2 };
+enum { LARGE_KEPT = 1, LARGE_KEPT_LIMBO = 2, LARGE_KEPT_OUT = 3 };
+#define LARGE_KEPT_STATE ((uint64_t)0xff)
 
 /* Granule states. MAPPING and UNMAPPING belong to one thread working
  * outside the lock; others wait on granule_cv. */
@@ -116,7 +133,7 @@ typedef struct lseg {
   struct lseg *next;
 } lseg;
 
-/* Most spare descriptors of each kind a large cache keeps (large_cache). */
+/* Most spare ticket descriptors a large cache keeps (large_cache). */
 #define LARGE_SPARES 256
 
 /* Free-list bins: sizes of 1-7 quanta exactly, then four bins per power
@@ -153,14 +170,15 @@ typedef struct large_cache {
    * dropped around the driver calls); under lock. An allocation that
    * would map waits for them first (large.c, LARGE_MAP_WAITS). */
   int mapping;
-  /* Descriptors kept for reuse: free lblocks (linked through hnext) and
-   * ltickets (through dnext), at most LARGE_SPARES of each. Under lock.
-   * Splits, merges and frees make and drop one or two descriptors per
-   * operation; from the host allocator (one arena, no thread cache,
-   * meta.c) each pair cost about 60 ns under the lock. */
+  /* Descriptors kept for reuse: free lblocks (linked through hnext; all
+   * of them: lblock.kept) and ltickets (through dnext; at most
+   * LARGE_SPARES). Under lock. Splits, merges and frees make and drop one
+   * or two descriptors per operation; from the host allocator (one arena,
+   * no thread cache, meta.c) each pair cost about 60 ns under the lock. */
   lblock *spare_blocks;
   lticket *spare_tickets;
-  uint32_t nspare_blocks, nspare_tickets;
+  size_t nspare_blocks;
+  uint32_t nspare_tickets;
   /* Statistics: written under the lock (relaxed), read without it. */
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
@@ -243,8 +261,37 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
  * thread for its stream: marked LARGE_KEPT, *out set. 0 (nothing marked)
  * if p is not a handed-out large block, is kept already or is larger. */
 int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out);
-/* The holder hands a kept block out again or is about to free it. */
-static inline void large_unkeep(lblock *b) { atomic_store_release(&b->kept, 0); }
+/* b's keeping state (lblock.kept's low byte). */
+static inline unsigned large_kept_state(const lblock *b) {
+  return (unsigned)(atomic_load_acquire(&b->kept) & LARGE_KEPT_STATE);
+}
+
+/* The holder of kept block b sets its state, the generation unchanged. */
+static inline void large_kept_set(lblock *b, unsigned state) {
+  uint64_t v = atomic_load_relaxed(&b->kept);
+  atomic_store_release(&b->kept, (v & ~LARGE_KEPT_STATE) | state);
+}
+
+/* The holder is about to free its kept block, or hand it out to a user
+ * who may free it on any thread. */
+static inline void large_unkeep(lblock *b) { large_kept_set(b, 0); }
+
+/* The holder hands its kept block out again to its own thread's user as
+ * LARGE_KEPT_OUT; returns the word large_rekeep expects. */
+static inline uint64_t large_lend(lblock *b) {
+  uint64_t v = (atomic_load_relaxed(&b->kept) & ~LARGE_KEPT_STATE) | LARGE_KEPT_OUT;
+  atomic_store_release(&b->kept, v);
+  return v;
+}
+
+/* The lender keeps b again at its free, without the lock: 1 if b is still
+ * the block it lent (lent: large_lend's word), not freed since, now
+ * LARGE_KEPT; 0 if anything happened to it (a free elsewhere, a hand-out
+ * anew): the locked path (large_keep_block, large_free) decides. */
+static inline int large_rekeep(lblock *b, uint64_t lent) {
+  uint64_t want = lent;
+  return atomic_cas_strong_acq_rel(&b->kept, &want, (lent & ~LARGE_KEPT_STATE) | LARGE_KEPT);
+}
 
 /* ---- class blocks ----
  * The size classes above SIZECLASS_SLAB_MAX have no slabs: their blocks

@@ -55,7 +55,7 @@ static void large_snapshot_seg(large_cache *c, lseg *sg, FILE *f, large_state_fn
       /* A class block is where its magazine is; a large block kept by a
        * thread is the thread's; any other handed-out block may be parked
        * by record_stream: state_of knows. */
-      uint8_t k = b->klass != 0 ? 0 : atomic_load_acquire(&b->kept);
+      unsigned k = b->klass != 0 ? 0 : large_kept_state(b);
       uint64_t stream = 0;
       const char *st = b->klass == LARGE_KLASS_LENT ? "span"
                        : k == LARGE_KEPT            ? "thread"
