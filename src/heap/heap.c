@@ -566,6 +566,7 @@ static void heap_reap(heap *h) {
   if (chain != NULL || kchain != NULL || rchain != NULL) {
     atomic_add_relaxed(&h->stat_device_syncs, 1);
     int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
+    atomic_fetch_add_explicit(&h->reap_moving, 1, memory_order_seq_cst);
     heap_reap_kept(h, kchain, ok);
     record_sync_done(&h->records, rchain, ok);
     if (ok && rchain != NULL) record_poll(&h->records, h->depots, &h->large);
@@ -579,6 +580,8 @@ static void heap_reap(heap *h) {
         stack_push(&h->limbo, &globals.magazine_registry, &m->link);
       }
     }
+    atomic_fetch_add_explicit(&h->reap_moves, 1, memory_order_release);
+    atomic_fetch_sub_explicit(&h->reap_moving, 1, memory_order_release);
   }
   /* Release pairs with the acquire in heap_reap_wait: what this reap moved
    * to the depot is visible to a thread that saw the count drop. */

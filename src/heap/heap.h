@@ -94,6 +94,14 @@ typedef struct heap {
    * on entry, lowered (release) on exit, read with acquire by
    * heap_reap_wait and with seq_cst by heap_capture_hold. */
   _Atomic int reaping;
+  /* A reap's moves out of limbo (heap_reap): reap_moving counts the
+   * reapers moving now (raised seq_cst before, lowered release after),
+   * reap_moves counts moves finished (release). Statistics read both
+   * around their reads and read again if a move overlapped them
+   * (front/stats.c): a block moved from limbo is out of one layer's
+   * figure before it is in another's. */
+  _Atomic int reap_moving;
+  _Atomic uint64_t reap_moves;
   /* Per class allocations served by magazines / slow paths, folded in from
    * thread slots when they are retired. */
   _Atomic uint64_t stat_class_hits[SIZECLASS_COUNT];
