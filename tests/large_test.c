@@ -821,6 +821,62 @@ static void test_bins_order_and_best_fit(void **state) {
   fake_stream_destroy(s);
 }
 
+/* The keeping word's generation (pool/large.h, lblock.kept), on the large
+ * cache itself, on device 3 once test_bins_order_and_best_fit has given
+ * all of it back (its segment, free and unmapped, is carved in order). A
+ * thread lends block A; another thread frees it; the
+ * same descriptor is handed out again at another address (the 4 MiB left
+ * of A once its first half is carved) and lent by another keeper. The
+ * first lender's record is stale: its compare-and-swap must fail, although
+ * the descriptor is lent again, or its free of the block now at A's
+ * address would keep the other keeper's block. */
+static void test_lent_block_generation(void **state) {
+  (void)state;
+  heap *h = heap_get(3);
+  assert_non_null(h);
+  large_cache *c = &h->large;
+  cudaStream_t s = fake_stream_create(3);
+  uint64_t sid = 0;
+  assert_int_equal(h->ops->stream_id(s, &sid), MAGPIE_OK);
+  uintptr_t x, a, y, first, rest;
+  size_t bs;
+  /* A between two blocks in use, so that its free merges with nothing. */
+  assert_int_equal(large_alloc(c, 8 * MiB, sid, s, LARGE_READY_ONLY, &x, &bs), MAGPIE_OK);
+  assert_int_equal(large_alloc(c, 8 * MiB, sid, s, LARGE_READY_ONLY, &a, &bs), MAGPIE_OK);
+  assert_int_equal(large_alloc(c, 8 * MiB, sid, s, LARGE_READY_ONLY, &y, &bs), MAGPIE_OK);
+  assert_int_equal(a, x + 8 * MiB);
+  assert_int_equal(y, a + 8 * MiB);
+  lblock *lb = NULL;
+  assert_true(large_keep_block(c, a, SIZE_MAX, &lb));
+  uint64_t lent = large_lend(lb); /* the first lender's record: (lb, a, lent) */
+  /* Freed elsewhere: the free takes it from the lender. */
+  assert_int_equal(large_free(c, a, &(epoch_ticket){0}, &bs), MAGPIE_OK);
+  assert_int_equal(large_kept_state(lb), 0);
+  assert_false(large_rekeep(lb, lent));
+  /* Its first half carved off (a new descriptor), then the rest, the same
+   * descriptor at another address, handed out and lent by another keeper. */
+  assert_int_equal(large_alloc(c, 4 * MiB, sid, s, LARGE_READY_ONLY, &first, &bs), MAGPIE_OK);
+  assert_int_equal(first, a);
+  assert_int_equal(large_alloc(c, 4 * MiB, sid, s, LARGE_READY_ONLY, &rest, &bs), MAGPIE_OK);
+  assert_int_equal(rest, a + 4 * MiB);
+  lblock *lb2 = NULL;
+  assert_true(large_keep_block(c, rest, SIZE_MAX, &lb2));
+  assert_ptr_equal(lb2, lb);
+  uint64_t lent2 = large_lend(lb2);
+  assert_int_equal(lent2 & LARGE_KEPT_STATE, lent & LARGE_KEPT_STATE);
+  assert_true(lent2 != lent);
+  /* The stale record fails; the second keeper's takes it back. */
+  assert_false(large_rekeep(lb, lent));
+  assert_int_equal(large_kept_state(lb2), LARGE_KEPT_OUT);
+  assert_true(large_rekeep(lb2, lent2));
+  large_unkeep(lb2);
+  const uintptr_t all[] = {x, first, rest, y};
+  for (int i = 0; i < 4; i++) assert_int_equal(large_free(c, all[i], &(epoch_ticket){0}, &bs), MAGPIE_OK);
+  assert_int_equal(large_free(c, rest, &(epoch_ticket){0}, &bs), MAGPIE_ERR_DOUBLE_FREE);
+  check_layers(3);
+  fake_stream_destroy(s);
+}
+
 int main(void) {
   fake_set_devices(4);
   fake_set_capacity(1, 24 * MiB);
@@ -842,6 +898,7 @@ int main(void) {
       cmocka_unit_test(test_many_streams_snapshot),
       cmocka_unit_test(test_snapshot_bad_input),
       cmocka_unit_test(test_bins_order_and_best_fit),
+      cmocka_unit_test(test_lent_block_generation),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
