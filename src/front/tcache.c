@@ -651,17 +651,23 @@ static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
  * (bench/HISTORY.md, 2026-11-26). */
 #define TCACHE_DECAY_ENTRIES 8
 
+/* The fast path's mark (tclass.low) and prev's count start again from
+ * what the slot holds of class c now; returns that. */
+static uint32_t tcache_held_restart(tslot *ts, unsigned c) {
+  ts->pcount[c] = (uint8_t)ts->prev[c]->count;
+  ts->cl[c].low = ts->cl[c].loaded->count;
+  return ts->cl[c].low + ts->pcount[c];
+}
+
 /* The slot's blocks of class c changed on a slow path: the low-water mark
  * takes in what the fast path saw since (prev's count stood still), then
  * starts again from now. */
 static void tcache_note_held(tslot *ts, unsigned c) {
   uint32_t lows = ts->lows[c], was = ts->cl[c].low + ts->pcount[c];
-  uint32_t pc = ts->prev[c]->count, now = ts->cl[c].loaded->count + pc;
+  uint32_t now = tcache_held_restart(ts, c);
   if (was < lows) lows = was;
   if (now < lows) lows = now;
   ts->lows[c] = (uint8_t)lows;
-  ts->pcount[c] = (uint8_t)pc;
-  ts->cl[c].low = ts->cl[c].loaded->count;
 }
 
 /* n blocks from the bottom of m (untouched the longest) into the outbox;
@@ -712,9 +718,7 @@ static void tcache_slot_decay(tslot *ts, cudaStream_t s) {
       fill = fill / 2 > 0 ? fill / 2 : 1;
     }
     ts->fill[c] = (uint8_t)(fill < ci->mag_cap ? fill : 0);
-    ts->pcount[c] = (uint8_t)ts->prev[c]->count;
-    ts->cl[c].low = ts->cl[c].loaded->count;
-    ts->lows[c] = (uint8_t)(ts->cl[c].low + ts->pcount[c]);
+    ts->lows[c] = (uint8_t)tcache_held_restart(ts, c);
   }
   ts->emptied = 0;
   /* What left goes on now: in the outbox it would wait for the slot's

@@ -71,7 +71,6 @@ static lblock *large_block_new(large_cache *c) {
   lblock *b = c->spare_blocks;
   if (b == NULL) return meta_alloc(sizeof *b);
   c->spare_blocks = b->hnext;
-  c->nspare_blocks--;
   /* As meta_alloc's but the keeping word (the last field), which a
    * lender's stale compare-and-swap may read now (large.h, lblock.kept):
    * its state is 0 (the block was free) and its generation stays. */
@@ -86,7 +85,6 @@ static lblock *large_block_new(large_cache *c) {
 static void large_block_drop(large_cache *c, lblock *b) {
   b->hnext = c->spare_blocks;
   c->spare_blocks = b;
-  c->nspare_blocks++;
 }
 
 /* A ticket for the free t (taken over once the caller links it), one
@@ -1152,10 +1150,11 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
   int rc = MAGPIE_OK;
   /* A block its keeper lent out: freed here unless the keeper took it
    * back first (then this is a second free). */
-  uint64_t lent = b != NULL ? atomic_load_acquire(&b->kept) : 0;
-  if (b != NULL && (lent & LARGE_KEPT_STATE) == LARGE_KEPT_OUT)
-    (void)atomic_cas_strong_acq_rel(&b->kept, &lent, lent & ~LARGE_KEPT_STATE);
-  if (b != NULL && (b->klass != 0 || large_kept_state(b) != 0)) {
+  uint64_t kept = b != NULL ? atomic_load_acquire(&b->kept) : 0;
+  if ((kept & LARGE_KEPT_STATE) == LARGE_KEPT_OUT &&
+      atomic_cas_strong_acq_rel(&b->kept, &kept, kept & ~LARGE_KEPT_STATE))
+    kept &= ~LARGE_KEPT_STATE; /* else kept holds the word the keeper left */
+  if (b != NULL && (b->klass != 0 || (kept & LARGE_KEPT_STATE) != 0)) {
     /* A class block goes back through magazines, and a kept block was
      * freed already: put its entry back (the unlink left room, so the
      * insert cannot grow or fail). */

@@ -177,7 +177,6 @@ typedef struct large_cache {
    * no thread cache, meta.c) each pair cost about 60 ns under the lock. */
   lblock *spare_blocks;
   lticket *spare_tickets;
-  size_t nspare_blocks;
   uint32_t nspare_tickets;
   /* Statistics: written under the lock (relaxed), read without it. */
   _Atomic size_t in_use_bytes;
