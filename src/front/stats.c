@@ -20,7 +20,7 @@ static void stats_collect_once(heap *h, magpie_stats *out) {
   memset(out, 0, sizeof *out);
   int64_t kept_threads = 0;
   int64_t live = tcache_live_bytes(h->device, &kept_threads);
-  size_t reserved = atomic_load_relaxed(&h->region.mapped);
+  size_t reserved = atomic_load_relaxed(&h->region.held);
   /* Graph pools' blocks (pool/gpool.h) are in use: the graphs own them,
    * free in their pool or not; the large cache counts them in use too. */
   out->graph_pool_bytes = atomic_load_relaxed(&h->graphs.bytes);

@@ -126,7 +126,12 @@ static int region_commit(region *r, size_t size) {
 
 static void region_uncommit(region *r, size_t size) { atomic_sub_relaxed(&r->mapped, size); }
 
-static void region_note_peak(region *r) { atomic_max_size_relaxed(&r->peak_mapped, atomic_load_relaxed(&r->mapped)); }
+/* held: after a map succeeded, and before an unmap is asked (again if it
+ * failed), so that it never counts bytes the device does not hold. */
+static void region_held_add(region *r, size_t size) {
+  atomic_max_size_relaxed(&r->peak_mapped, atomic_add_relaxed(&r->held, size) + size);
+}
+static void region_held_sub(region *r, size_t size) { atomic_sub_relaxed(&r->held, size); }
 
 void region_releases_wait(region *r) {
   while (atomic_load_acquire(&r->releasing) > 0) sched_yield();
@@ -157,7 +162,6 @@ int region_map_at(region *r, uintptr_t addr, size_t size) {
     region_uncommit(r, size);
     return rc;
   }
-  region_note_peak(r);
   region_mark(r, addr, size, 1);
   /* A peer enabled while this mapping was made (region.peers). */
   uint64_t now = atomic_load_seq_cst(&r->peers);
@@ -167,14 +171,20 @@ int region_map_at(region *r, uintptr_t addr, size_t size) {
     region_uncommit(r, size);
     return MAGPIE_ERR_BACKEND;
   }
+  region_held_add(r, size);
   return MAGPIE_OK;
 }
 
 int region_unmap_at(region *r, uintptr_t addr, size_t size) {
   region_mark(r, addr, size, 0);
+  region_held_sub(r, size); /* before: a map the unmap makes room for may follow at once */
   int rc = r->ops->unmap(r->device, addr, size);
-  if (rc == MAGPIE_OK) region_uncommit(r, size);
-  else region_mark(r, addr, size, 1); /* still mapped */
+  if (rc == MAGPIE_OK) {
+    region_uncommit(r, size);
+  } else {
+    region_held_add(r, size);
+    region_mark(r, addr, size, 1); /* still mapped */
+  }
   return rc;
 }
 
@@ -241,7 +251,7 @@ int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *
       return rc;
     }
   }
-  region_note_peak(r);
+  region_held_add(r, got);
   *raw = p;
   *raw_size = got;
   *addr = (p + r->gran - 1) & ~(uintptr_t)(r->gran - 1);
@@ -253,7 +263,11 @@ void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t 
     if (region_unmap_at(r, addr, size) != MAGPIE_OK) return; /* still mapped: keep it out of reuse */
     region_release(r, addr, size);
   } else {
-    if (r->ops->mem_free(r->device, raw, raw_size) != MAGPIE_OK) return;
+    region_held_sub(r, raw_size);
+    if (r->ops->mem_free(r->device, raw, raw_size) != MAGPIE_OK) {
+      region_held_add(r, raw_size);
+      return;
+    }
     region_uncommit(r, raw_size);
   }
 }
