@@ -41,8 +41,9 @@ static double now_s(void) {
 
 static size_t pick_size(unsigned *seed) {
   unsigned r = (unsigned)rand_r(seed);
-  if ((r & 63) == 0) return ((size_t)2 << 20) + (r % 6) * ((size_t)1 << 20); /* 2-7 MiB */
-  return 256u << ((r >> 8) % 9);                                             /* 256 B - 64 KiB */
+  /* One in 64: 2, 4 or 6 MiB (r is a multiple of 64 here, so r % 6 is 0, 2 or 4). */
+  if ((r & 63) == 0) return ((size_t)2 << 20) + (r % 6) * ((size_t)1 << 20);
+  return 256u << ((r >> 8) % 9); /* 256 B - 64 KiB */
 }
 
 static void *worker_main(void *arg) {

@@ -86,7 +86,7 @@ typedef struct stack {
  * 32 KiB in segments (bench/HISTORY.md). The slab of a class near here is
  * a run of a few chunks (sizeclass.c): 96 KiB for two blocks of 48 KiB, 64
  * KiB for one of 64 KiB. Those two classes have slabs: as class blocks they
- * sat among the demo's 2-7 MiB blocks and split the free memory those
+ * sat among the demo's 2-6 MiB blocks and split the free memory those
  * needed; with slabs the demo peaked at 38-56 MiB reserved on an H100
  * (mean 44.5, 1.86 times its peak in use) instead of 44-76 (mean 55.2,
  * 2.21), twelve runs each in two visits; workload 2 within its spread

@@ -528,7 +528,7 @@ static int large_hand_out(large_cache *c, lblock *u, lticket **deferred);
  * holds one event), so a request larger than each of them grew the
  * segment beside them: the demo on an H100 held four adjacent free
  * blocks of 14 MiB together, each waiting on its own stream, while it
- * mapped 2-7 MiB blocks anew (bench/HISTORY.md, 2026-11-26). Where a
+ * mapped 2-6 MiB blocks anew (bench/HISTORY.md, 2026-11-26). Where a
  * stream may be made to wait (as for one block: pressure, or the layer
  * holding more than its reserve beyond its use), a run of such blocks
  * serves instead: the allocating stream waits on each foreign ticket's
@@ -813,7 +813,7 @@ static void large_shrink_before_grow(large_cache *c, size_t growing) {
  * that each found nothing free while another mapped used to map side by
  * side (the lock is dropped around the driver calls, about 35 us a
  * granule): the demo's eight threads, starting together, had 30 MiB of
- * 2-7 MiB blocks mapping at once within its first 2 ms on an H100, few of
+ * 2-6 MiB blocks mapping at once within its first 2 ms on an H100, few of
  * them ever live at the same time. Waiting, a thread first finds what was
  * freed and what completed meanwhile. The demo's peak reserved, eight
  * runs each alternating: 38-42 MiB (mean 40.5) against 38-68 (45.5).
