@@ -214,6 +214,13 @@ static void test_trim_waits_for_release_in_flight(void **state) {
   check_layers(0);
 }
 
+/* fn(arg) in a thread of its own, joined. */
+static void run_in_thread(void *(*fn)(void *), void *arg) {
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, fn, arg), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+}
+
 typedef struct other_free {
   void *p;
   cudaStream_t s;
@@ -228,9 +235,7 @@ static void *other_free_main(void *arg) {
 
 static int free_on_other_thread(void *p, cudaStream_t s) {
   other_free f = {.p = p, .s = s, .rc = -1};
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, other_free_main, &f), 0);
-  assert_int_equal(pthread_join(t, NULL), 0);
+  run_in_thread(other_free_main, &f);
   return f.rc;
 }
 
@@ -398,9 +403,7 @@ static void *kept_large_block_main(void *arg) {
  * on one stream. */
 static void test_kept_large_block(void **state) {
   (void)state;
-  pthread_t th;
-  assert_int_equal(pthread_create(&th, NULL, kept_large_block_main, NULL), 0);
-  assert_int_equal(pthread_join(th, NULL), 0);
+  run_in_thread(kept_large_block_main, NULL);
 }
 
 /* A kept block handed out again (lent) is in use like any other: its
@@ -408,20 +411,12 @@ static void test_kept_large_block(void **state) {
  * keeping thread's own free of it, which would have kept it again without
  * the large cache's lock, is a double free; its next block is kept as
  * before. */
-static void *free_lent_block_main(void *arg) {
-  char *p = arg;
-  assert_int_equal(magpie_free_async(p, fake_stream_create(0)), MAGPIE_OK);
-  return NULL;
-}
-
 static void *lent_block_freed_elsewhere_main(void *arg) {
   (void)arg;
   cudaStream_t s = fake_stream_create(0);
   char *p = kept_block_cycles(s);
   assert_int_equal(magpie_usable_size(p), 16 * MiB);
-  pthread_t th;
-  assert_int_equal(pthread_create(&th, NULL, free_lent_block_main, p), 0);
-  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_int_equal(free_on_other_thread(p, fake_stream_create(0)), MAGPIE_OK);
   assert_int_equal(magpie_usable_size(p), 0);
   assert_int_equal(magpie_free_async(p, s), MAGPIE_ERR_DOUBLE_FREE);
   check_layers(0);
@@ -443,9 +438,7 @@ static void *lent_block_freed_elsewhere_main(void *arg) {
 
 static void test_lent_block_freed_elsewhere(void **state) {
   (void)state;
-  pthread_t th;
-  assert_int_equal(pthread_create(&th, NULL, lent_block_freed_elsewhere_main, NULL), 0);
-  assert_int_equal(pthread_join(th, NULL), 0);
+  run_in_thread(lent_block_freed_elsewhere_main, NULL);
   assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
 }
 
@@ -471,9 +464,7 @@ static void *kept_default_stream_main(void *arg) {
 static void test_kept_large_block_default_streams(void **state) {
   (void)state;
   for (uintptr_t h = 0; h <= 2; h += 2) {
-    pthread_t th;
-    assert_int_equal(pthread_create(&th, NULL, kept_default_stream_main, (void *)h), 0);
-    assert_int_equal(pthread_join(th, NULL), 0);
+    run_in_thread(kept_default_stream_main, (void *)h);
     assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
   }
 }

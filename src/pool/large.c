@@ -1152,8 +1152,8 @@ int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize
    * back first (then this is a second free). */
   uint64_t kept = b != NULL ? atomic_load_acquire(&b->kept) : 0;
   if ((kept & LARGE_KEPT_STATE) == LARGE_KEPT_OUT &&
-      atomic_cas_strong_acq_rel(&b->kept, &kept, kept & ~LARGE_KEPT_STATE))
-    kept &= ~LARGE_KEPT_STATE; /* else kept holds the word the keeper left */
+      atomic_cas_strong_acq_rel(&b->kept, &kept, large_kept_word(kept, 0)))
+    kept = large_kept_word(kept, 0); /* else kept holds the word the keeper left */
   if (b != NULL && (b->klass != 0 || (kept & LARGE_KEPT_STATE) != 0)) {
     /* A class block goes back through magazines, and a kept block was
      * freed already: put its entry back (the unlink left room, so the
@@ -1201,7 +1201,7 @@ int large_keep_block(large_cache *c, uintptr_t p, size_t max, lblock **out) {
   /* Handed out, or lent by its keeper (who may take it back meanwhile:
    * the compare-and-swap decides). */
   int ok = b != NULL && b->klass == 0 && b->size <= max && (k == 0 || k == LARGE_KEPT_OUT) &&
-           atomic_cas_strong_acq_rel(&b->kept, &v, (v & ~LARGE_KEPT_STATE) | LARGE_KEPT);
+           atomic_cas_strong_acq_rel(&b->kept, &v, large_kept_word(v, LARGE_KEPT));
   if (ok) *out = b;
   pthread_mutex_unlock(&c->lock);
   return ok;

@@ -265,10 +265,15 @@ static inline unsigned large_kept_state(const lblock *b) {
   return (unsigned)(atomic_load_acquire(&b->kept) & LARGE_KEPT_STATE);
 }
 
-/* The holder of kept block b sets its state, the generation unchanged. */
-static inline void large_kept_set(lblock *b, unsigned state) {
-  uint64_t v = atomic_load_relaxed(&b->kept);
-  atomic_store_release(&b->kept, (v & ~LARGE_KEPT_STATE) | state);
+/* Keeping word v with its state replaced by state, the generation kept. */
+static inline uint64_t large_kept_word(uint64_t v, unsigned state) { return (v & ~LARGE_KEPT_STATE) | state; }
+
+/* The holder of kept block b sets its state, the generation unchanged;
+ * returns the word stored. */
+static inline uint64_t large_kept_set(lblock *b, unsigned state) {
+  uint64_t v = large_kept_word(atomic_load_relaxed(&b->kept), state);
+  atomic_store_release(&b->kept, v);
+  return v;
 }
 
 /* The holder is about to free its kept block, or hand it out to a user
@@ -277,11 +282,7 @@ static inline void large_unkeep(lblock *b) { large_kept_set(b, 0); }
 
 /* The holder hands its kept block out again to its own thread's user as
  * LARGE_KEPT_OUT; returns the word large_rekeep expects. */
-static inline uint64_t large_lend(lblock *b) {
-  uint64_t v = (atomic_load_relaxed(&b->kept) & ~LARGE_KEPT_STATE) | LARGE_KEPT_OUT;
-  atomic_store_release(&b->kept, v);
-  return v;
-}
+static inline uint64_t large_lend(lblock *b) { return large_kept_set(b, LARGE_KEPT_OUT); }
 
 /* The lender keeps b again at its free, without the lock: 1 if b is still
  * the block it lent (lent: large_lend's word), not freed since, now
@@ -289,7 +290,7 @@ static inline uint64_t large_lend(lblock *b) {
  * anew): the locked path (large_keep_block, large_free) decides. */
 static inline int large_rekeep(lblock *b, uint64_t lent) {
   uint64_t want = lent;
-  return atomic_cas_strong_acq_rel(&b->kept, &want, (lent & ~LARGE_KEPT_STATE) | LARGE_KEPT);
+  return atomic_cas_strong_acq_rel(&b->kept, &want, large_kept_word(lent, LARGE_KEPT));
 }
 
 /* ---- class blocks ----
