@@ -2,6 +2,7 @@
 #ifndef MAGPIE_BENCH_UTIL_H
 #define MAGPIE_BENCH_UTIL_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -25,14 +26,35 @@ static inline double bench_median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* Arithmetic that wraps on purpose (hashes, the generator below): the
+ * sanitizer build checks unsigned overflow. */
+#if defined(__clang__)
+#define BENCH_WRAPS __attribute__((no_sanitize("unsigned-integer-overflow")))
+#else
+#define BENCH_WRAPS
+#endif
+
 /* xorshift64*: cheap, thread-local randomness. */
-static inline uint64_t bench_rand(uint64_t *s) {
+BENCH_WRAPS static inline uint64_t bench_rand(uint64_t *s) {
   uint64_t x = *s;
   x ^= x >> 12;
   x ^= x << 25;
   x ^= x >> 27;
   *s = x;
   return x * 0x2545F4914F6CDD1Dull;
+}
+
+/* A power of 2 from min to max (min * 2^k <= max), picked by r. */
+static inline size_t bench_mixed_size(uint64_t r, size_t min, size_t max) {
+  int span = 0;
+  while ((min << (span + 1)) <= max) span++;
+  return min << (r % (uint64_t)(span + 1));
+}
+
+/* 2^e + U[0, 2^e) for 2^e from min to max / 2, picked by r. */
+static inline size_t bench_spread_size(uint64_t r, size_t min, size_t max) {
+  size_t base = bench_mixed_size(r & 0xffffffffu, min, max / 2);
+  return base + (size_t)((r >> 32) % base);
 }
 
 #endif

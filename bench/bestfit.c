@@ -21,6 +21,8 @@
  * block. */
 #include "bench/bestfit.h"
 
+#include "bench/bench_util.h"
+
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,7 +77,9 @@ static void bf_unlink(bf_block *b) {
   if (b->fnext) b->fnext->fprev = b->fprev;
 }
 
-static bf_block **bf_slot(uintptr_t base) { return &bf.hash[(base / BF_ALIGN * 0x9E3779B97F4A7C15ull) >> 48]; }
+BENCH_WRAPS static bf_block **bf_slot(uintptr_t base) {
+  return &bf.hash[(base / BF_ALIGN * 0x9E3779B97F4A7C15ull) >> 48];
+}
 
 /* Granules [first, last] of [a, a + n). */
 static void bf_granules(uintptr_t a, size_t n, size_t *first, size_t *last) {

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 static FILE *csv;
@@ -68,20 +69,9 @@ void suite_magpie_peak_note(void) {
         "cannot be restarted; run one workload per process, as run_gpu.sh does, for figures of its own)\n");
 }
 
-double suite_now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+double suite_now(void) { return bench_now(); }
 
-uint64_t suite_rand(uint64_t *s) {
-  uint64_t x = *s;
-  x ^= x >> 12;
-  x ^= x << 25;
-  x ^= x >> 27;
-  *s = x;
-  return x * 0x2545F4914F6CDD1Dull;
-}
+uint64_t suite_rand(uint64_t *s) { return bench_rand(s); }
 
 void suite_pin(int i) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -99,16 +89,9 @@ const char *suite_size_name(size_t b, char *buf, size_t n) {
   return buf;
 }
 
-size_t suite_mixed_size(uint64_t r, size_t min, size_t max) {
-  int span = 0;
-  while ((min << (span + 1)) <= max) span++;
-  return min << (r % (uint64_t)(span + 1));
-}
+size_t suite_mixed_size(uint64_t r, size_t min, size_t max) { return bench_mixed_size(r, min, max); }
 
-size_t suite_spread_size(uint64_t r, size_t min, size_t max) {
-  size_t base = suite_mixed_size(r & 0xffffffffu, min, max / 2);
-  return base + (size_t)((r >> 32) % base); /* 2^e + U[0, 2^e) */
-}
+size_t suite_spread_size(uint64_t r, size_t min, size_t max) { return bench_spread_size(r, min, max); }
 
 size_t suite_size_pick(const suite_opts *o, uint64_t r) {
   return o->mix_spread ? suite_spread_size(r, o->mix_min, o->mix_max) : suite_mixed_size(r, o->mix_min, o->mix_max);
