@@ -98,11 +98,12 @@ int main(int argc, char **argv) {
          devshim_is_cuda() ? "GPU (CUDA backend)" : "simulated device", seedn, ops, max);
   printf("peak live %.2f MiB; bestfit %.1f MiB (%.3f); magpie %.1f MiB (%.3f) at operation %ld\n", MIB(peak_live),
          MIB(bf), bf / (double)peak_live, MIB(top.reserved_bytes), (double)top.reserved_bytes / (double)peak_live, at);
-  printf("magpie at its peak, MiB: live %.2f, in use %.2f (large %.2f), thread %.2f, depot %.2f, pending %.2f, "
-         "large free %.2f, overhead %.2f; large segments %.1f, slabs %llu\n",
-         MIB(live_at), MIB(top.in_use_bytes), MIB(top.large_in_use_bytes), MIB(top.thread_cached_bytes),
-         MIB(top.depot_bytes), MIB(top.epoch_pending_bytes), MIB(top.large_free_bytes), MIB(top.overhead_bytes),
-         MIB(top.large_mapped_bytes), (unsigned long long)top.slab_count);
+  printf(
+      "magpie at its peak, MiB: live %.2f, in use %.2f (large %.2f), thread %.2f, depot %.2f, pending %.2f, "
+      "large free %.2f, overhead %.2f; large segments %.1f, slabs %llu\n",
+      MIB(live_at), MIB(top.in_use_bytes), MIB(top.large_in_use_bytes), MIB(top.thread_cached_bytes),
+      MIB(top.depot_bytes), MIB(top.epoch_pending_bytes), MIB(top.large_free_bytes), MIB(top.overhead_bytes),
+      MIB(top.large_mapped_bytes), (unsigned long long)top.slab_count);
   if (failed) printf("failed allocations: %ld\n", failed);
   devshim_stream_destroy(s);
   return failed ? 1 : 0;
