@@ -885,7 +885,7 @@ static void test_failed_map_never_raises_the_peak(void **state) {
   assert_int_equal(f.rc, MAGPIE_ERR_OUT_OF_MEMORY);
   assert_int_equal(atomic_load(&r.mapped), g);
   assert_int_equal(atomic_load(&r.held), g);
-  assert_int_equal(atomic_load(&r.peak_mapped), g);
+  assert_int_equal(atomic_load(&r.peak_held), g);
   /* An unmap stops counting before the driver is asked: the room it makes
    * may be mapped by another thread before it returns. */
   unmapping u = {&r, a, g, raw, raw_size};
@@ -898,7 +898,7 @@ static void test_failed_map_never_raises_the_peak(void **state) {
   assert_int_equal(pthread_join(t, NULL), 0);
   assert_int_equal(atomic_load(&r.mapped), 0);
   assert_int_equal(atomic_load(&r.held), 0);
-  assert_int_equal(atomic_load(&r.peak_mapped), g);
+  assert_int_equal(atomic_load(&r.peak_held), g);
 }
 
 int main(void) {

@@ -27,7 +27,7 @@ static void stats_collect_once(heap *h, magpie_stats *out) {
   out->in_use_bytes = stats_nonneg(live) + out->graph_pool_bytes;
   out->reserved_bytes = reserved;
   out->cached_bytes = reserved > out->in_use_bytes ? reserved - out->in_use_bytes : 0;
-  out->peak_reserved_bytes = atomic_load_relaxed(&h->region.peak_mapped);
+  out->peak_reserved_bytes = atomic_load_relaxed(&h->region.peak_held);
   size_t peak = atomic_load_relaxed(&h->stat_peak_in_use);
   out->peak_in_use_bytes = peak > out->in_use_bytes ? peak : out->in_use_bytes;
   if (out->peak_reserved_bytes < reserved) out->peak_reserved_bytes = reserved;

@@ -129,7 +129,7 @@ static void region_uncommit(region *r, size_t size) { atomic_sub_relaxed(&r->map
 /* held: after a map succeeded, and before an unmap is asked (again if it
  * failed), so that it never counts bytes the device does not hold. */
 static void region_held_add(region *r, size_t size) {
-  atomic_max_size_relaxed(&r->peak_mapped, atomic_add_relaxed(&r->held, size) + size);
+  atomic_max_size_relaxed(&r->peak_held, atomic_add_relaxed(&r->held, size) + size);
 }
 static void region_held_sub(region *r, size_t size) { atomic_sub_relaxed(&r->held, size); }
 

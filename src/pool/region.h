@@ -57,7 +57,7 @@ typedef struct region {
    * on a full 4 GiB simulated device reported a peak of 4,420 MiB
    * reserved. */
   _Atomic size_t held;
-  _Atomic size_t peak_mapped;
+  _Atomic size_t peak_held;
   _Atomic int64_t overhead;
   /* backend map flags for every mapping (BACKEND_MAP_EXPORTABLE with
    * MAGPIE_CONF=ipc=1); set at init. */
@@ -102,10 +102,8 @@ void region_unmap(region *r, uintptr_t addr, size_t size, uintptr_t raw, size_t 
  * mapped is touched. */
 static inline size_t region_limit(const region *r) { return atomic_load_relaxed(&r->limit); }
 static inline void region_set_limit(region *r, size_t limit) { atomic_store_relaxed(&r->limit, limit); }
-/* Restart peak_mapped at what is mapped now. */
-static inline void region_reset_peak(region *r) {
-  atomic_store_relaxed(&r->peak_mapped, atomic_load_relaxed(&r->held));
-}
+/* Restart peak_held at what is held now. */
+static inline void region_reset_peak(region *r) { atomic_store_relaxed(&r->peak_held, atomic_load_relaxed(&r->held)); }
 
 /* Makes every mapping of r, present and future, accessible from device
  * peer (the caller checked that the backend can): with VMM through the
