@@ -44,6 +44,12 @@ BENCH_WRAPS static inline uint64_t bench_rand(uint64_t *s) {
   return x * 0x2545F4914F6CDD1Dull;
 }
 
+/* Thread index's generator seed for a run's seed (workload 2 and
+ * peak_probe, which replays its thread 0). */
+BENCH_WRAPS static inline uint64_t bench_thread_seed(uint64_t seed, int index) {
+  return seed * 0x9E3779B97F4A7C15ull + (uint64_t)index + 1;
+}
+
 /* A power of 2 from min to max (min * 2^k <= max), picked by r. */
 static inline size_t bench_mixed_size(uint64_t r, size_t min, size_t max) {
   int span = 0;

@@ -34,9 +34,6 @@ enum { WINDOW = 64 };
 
 #define MIB(x) ((double)(x) / (1 << 20))
 
-/* Thread 0's seed in magpie_bench -w 2 (bench/w_scaling.c). */
-BENCH_WRAPS static uint64_t probe_seed(unsigned long long seed) { return seed * 0x9E3779B97F4A7C15ull + 1; }
-
 int main(int argc, char **argv) {
   unsigned long long seedn = argc > 1 ? strtoull(argv[1], NULL, 10) : 1;
   long ops = argc > 2 ? atol(argv[2]) : 400000;
@@ -53,7 +50,7 @@ int main(int argc, char **argv) {
   devshim_thread_init();
   cudaStream_t s = devshim_stream_create();
   if (s == NULL) return 1;
-  uint64_t seed = probe_seed(seedn);
+  uint64_t seed = bench_thread_seed(seedn, 0); /* magpie_bench -w 2's thread 0 */
   void *live[WINDOW] = {0}, *ref[WINDOW] = {0};
   size_t sz[WINDOW] = {0}, cur = 0, peak_live = 0, live_at = 0;
   long at = -1, failed = 0;

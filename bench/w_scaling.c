@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 typedef struct worker {
@@ -28,7 +29,7 @@ static void *worker_main(void *arg) {
   const suite_opts *o = w->o;
   suite_pin(w->index);
   bench_dev_thread_init();
-  uint64_t seed = o->seed * 0x9E3779B97F4A7C15ull + (uint64_t)w->index + 1;
+  uint64_t seed = bench_thread_seed(o->seed, w->index);
   int window = o->scale_window;
   void **live = calloc((size_t)window, sizeof *live);
   size_t *sz = calloc((size_t)window, sizeof *sz);
