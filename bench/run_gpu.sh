@@ -53,7 +53,7 @@ fi
 rc=0
 : > "$out/bench.log"
 echo "workload,allocator,x,metric,value" > "$out/results.csv"
-for w in 5 1 2 3 4 6; do
+for w in 5 7 1 2 3 4 6; do
   echo "+ magpie_bench -w $w ${shim:+--torch $shim} $*" | tee -a "$out/bench.log"
   timeout 300 "$here/bin/magpie_bench" -w "$w" --csv "$out/w$w.csv" ${shim:+--torch "$shim"} "$@" 2>&1 |
     tee -a "$out/bench.log"

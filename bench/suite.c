@@ -1,6 +1,6 @@
 /* magpie_bench: the comparative benchmark suite (see bench/README.md).
  *
- *   magpie_bench [-w 1,2,3,4,5] [--csv FILE] [--torch SHIM.so] [options]
+ *   magpie_bench [-w 1,2,3,4,5,6,7] [--csv FILE] [--torch SHIM.so] [options]
  *
  * Every workload runs each available allocator in this one process:
  * magpie, cudaMalloc, cudaMallocAsync, PyTorch's caching allocator (with
@@ -115,7 +115,7 @@ static size_t parse_size(const char *s) {
 static void usage(void) {
   fprintf(stderr,
           "usage: magpie_bench [options]\n"
-          "  -w LIST            workloads to run, e.g. 1,2,5 (default 1,2,3,4,5,6)\n"
+          "  -w LIST            workloads to run, e.g. 1,2,5 (default 1,2,3,4,5,6,7)\n"
           "  --csv FILE         write every figure as CSV (workload,allocator,x,metric,value)\n"
           "  --torch SHIM.so    PyTorch's allocator through bench/torch_shim.cpp (built by run_gpu.sh)\n"
           "  --allocs LIST      allocators to run (magpie,cudaMalloc,cudaMallocAsync,pytorch,noop,bestfit)\n"
@@ -130,7 +130,8 @@ static void usage(void) {
           " 4 crossfree: --cross-pairs N (4)  --cross-seconds S (1)\n"
           " 5 trace:     --trace THREADS,STREAMS_PER_THREAD,REQUESTS (4,2,400)\n"
           "              --trace-hidden N (4096)  --trace-layers N (8)\n"
-          " 6 streams:   --rot-streams LIST (1,32,33,256,4096)  --rot-rounds N (100)  --rot-blocks N (8)\n");
+          " 6 streams:   --rot-streams LIST (1,32,33,256,4096)  --rot-rounds N (100)  --rot-blocks N (8)\n"
+          " 7 demo:      --demo THREADS,STREAMS_PER_THREAD,STEPS (8,2,20000)\n");
   exit(2);
 }
 
@@ -173,8 +174,11 @@ int main(int argc, char **argv) {
       .rot_points = 5,
       .rot_rounds = 100,
       .rot_blocks = 8,
+      .demo_threads = 8,
+      .demo_streams = 2,
+      .demo_steps = 20000,
   };
-  int run[7] = {0, 1, 1, 1, 1, 1, 1};
+  int run[8] = {0, 1, 1, 1, 1, 1, 1, 1};
   const char *csv_path = NULL, *torch = NULL, *allocs = NULL;
   size_t arena = 0;
   enum {
@@ -203,7 +207,8 @@ int main(int argc, char **argv) {
     O_TLAYERS,
     O_RSTREAMS,
     O_RROUNDS,
-    O_RBLOCKS
+    O_RBLOCKS,
+    O_DEMO
   };
   static const struct option longs[] = {{"csv", 1, 0, O_CSV},
                                         {"torch", 1, 0, O_TORCH},
@@ -231,6 +236,7 @@ int main(int argc, char **argv) {
                                         {"rot-streams", 1, 0, O_RSTREAMS},
                                         {"rot-rounds", 1, 0, O_RROUNDS},
                                         {"rot-blocks", 1, 0, O_RBLOCKS},
+                                        {"demo", 1, 0, O_DEMO},
                                         {"help", 0, 0, 'h'},
                                         {0, 0, 0, 0}};
   int c;
@@ -239,7 +245,7 @@ int main(int argc, char **argv) {
     case 'w': {
       memset(run, 0, sizeof run);
       for (const char *p = optarg; *p; p++) {
-        if (*p >= '1' && *p <= '6') run[*p - '0'] = 1;
+        if (*p >= '1' && *p <= '7') run[*p - '0'] = 1;
         else if (*p != ',') usage();
       }
       break;
@@ -300,6 +306,9 @@ int main(int argc, char **argv) {
     }
     case O_RROUNDS: o.rot_rounds = atoi(optarg); break;
     case O_RBLOCKS: o.rot_blocks = atoi(optarg); break;
+    case O_DEMO:
+      if (sscanf(optarg, "%d,%d,%ld", &o.demo_threads, &o.demo_streams, &o.demo_steps) != 3) usage();
+      break;
     default: usage();
     }
   }
@@ -307,7 +316,8 @@ int main(int argc, char **argv) {
       o.pipe_streams < o.pipe_threads || o.pipe_temps < 1 || o.pipe_temps > 4 || o.pipe_handoff_every < 1 ||
       o.pipe_rounds < 1 || o.pipe_rounds > 16 || o.pipe_seconds <= 0 || o.cross_pairs < 1 || o.cross_seconds <= 0 ||
       o.trace_threads < 1 || o.trace_streams < 1 || o.trace_requests < 1 || o.trace_hidden < 64 || o.trace_layers < 1 ||
-      o.rot_points < 1 || o.rot_rounds < 1 || o.rot_blocks < 1)
+      o.rot_points < 1 || o.rot_rounds < 1 || o.rot_blocks < 1 || o.demo_threads < 1 || o.demo_threads > 256 ||
+      o.demo_streams < 1 || o.demo_streams > 16 || o.demo_steps < 1)
     usage();
 
   if (bench_dev_init() != 0) return 1;
@@ -348,9 +358,11 @@ int main(int argc, char **argv) {
   if (bench_dev_is_cuda() && !bench_have_kernel())
     printf("  no kernel built in (nvcc was missing at build time): workload 3 is skipped\n");
 
-  /* The trace first: magpie's peak of reserved memory cannot be restarted,
-   * so its fragmentation figure is only its own when nothing ran before. */
+  /* The trace and the demo first: magpie's peak of reserved memory cannot
+   * be restarted, so a memory figure is only its workload's own when nothing
+   * ran before (run_gpu.sh runs each workload in a process of its own). */
   if (run[5]) workload_trace(&o);
+  if (run[7]) workload_demo(&o);
   if (run[1]) workload_latency(&o);
   if (run[2]) workload_scaling(&o);
   if (run[3]) workload_pipeline(&o);

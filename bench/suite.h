@@ -37,6 +37,9 @@ typedef struct suite_opts {
   /* 6: many streams, one thread */
   int rot_streams[16], rot_points;
   int rot_rounds, rot_blocks;
+  /* 7: the demo's workload */
+  int demo_threads, demo_streams;
+  long demo_steps;
 } suite_opts;
 
 /* One CSV row (no-op without --csv). */
@@ -69,5 +72,6 @@ void workload_pipeline(const suite_opts *o);
 void workload_crossfree(const suite_opts *o);
 void workload_streams(const suite_opts *o);
 void workload_trace(const suite_opts *o);
+void workload_demo(const suite_opts *o);
 
 #endif

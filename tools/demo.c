@@ -20,11 +20,12 @@
 #include <time.h>
 
 #include "magpie.h"
+#include "tools/demo_workload.h"
 #include "tools/devshim.h"
 
-/* ---- the workload ---- */
+/* ---- the workload (tools/demo_workload.h) ---- */
 
-enum { MAX_STREAMS = 16, TEMPS = 8 };
+enum { MAX_STREAMS = 16, TEMPS = DEMO_TEMPS };
 
 typedef struct worker {
   int id, nstreams;
@@ -39,17 +40,10 @@ static double now_s(void) {
   return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static size_t pick_size(unsigned *seed) {
-  unsigned r = (unsigned)rand_r(seed);
-  /* One in 64: 2, 4 or 6 MiB (r is a multiple of 64 here, so r % 6 is 0, 2 or 4). */
-  if ((r & 63) == 0) return ((size_t)2 << 20) + (r % 6) * ((size_t)1 << 20);
-  return 256u << ((r >> 8) % 9); /* 256 B - 64 KiB */
-}
-
 static void *worker_main(void *arg) {
   worker *w = arg;
   devshim_thread_init();
-  unsigned seed = 12345u + (unsigned)w->id * 7919u;
+  unsigned seed = demo_seed(w->id);
   double end = now_s() + w->seconds;
   uint64_t step = 0;
   while ((step & 63) != 0 || now_s() < end) {
@@ -57,7 +51,7 @@ static void *worker_main(void *arg) {
     void *tmp[TEMPS];
     size_t sz[TEMPS];
     for (int i = 0; i < TEMPS; i++) {
-      sz[i] = pick_size(&seed);
+      sz[i] = demo_pick_size(&seed);
       tmp[i] = magpie_malloc_async(sz[i], s);
       if (tmp[i] == NULL) {
         w->failures++;
@@ -71,12 +65,12 @@ static void *worker_main(void *arg) {
     for (int i = 0; i < TEMPS; i++)
       if (tmp[i] && magpie_free_async(tmp[i], s) != MAGPIE_OK) w->failures++;
     w->ops += 2 * TEMPS;
-    if (w->nstreams > 1 && step % 8 == 7) {
+    if (w->nstreams > 1 && step % DEMO_HANDOFF_EVERY == DEMO_HANDOFF_EVERY - 1) {
       /* Hand a block from producer stream s to consumer stream c. */
       cudaStream_t c = w->streams[(step + 1) % (uint64_t)w->nstreams];
-      void *p = magpie_malloc_async(4096, s);
-      if (p && devshim_fill(p, 4096, 7, s) == 0 && devshim_order(c, s) == 0 && devshim_fill(p, 4096, 9, c) == 0 &&
-          magpie_free_async(p, c) == MAGPIE_OK) {
+      void *p = magpie_malloc_async(DEMO_HANDOFF_BYTES, s);
+      if (p && devshim_fill(p, DEMO_HANDOFF_BYTES, 7, s) == 0 && devshim_order(c, s) == 0 &&
+          devshim_fill(p, DEMO_HANDOFF_BYTES, 9, c) == 0 && magpie_free_async(p, c) == MAGPIE_OK) {
         w->handoffs++;
         w->ops += 2;
       } else {
