@@ -2,6 +2,7 @@
 #ifndef MAGPIE_BENCH_UTIL_H
 #define MAGPIE_BENCH_UTIL_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,6 +62,29 @@ static inline size_t bench_mixed_size(uint64_t r, size_t min, size_t max) {
 static inline size_t bench_spread_size(uint64_t r, size_t min, size_t max) {
   size_t base = bench_mixed_size(r & 0xffffffffu, min, max / 2);
   return base + (size_t)((r >> 32) % base);
+}
+
+/* Bytes live across a workload's threads and their peak (workloads 5 and
+ * 7). Relaxed: the peak is read after the threads are joined. */
+typedef struct bench_live {
+  atomic_ullong now, peak;
+} bench_live;
+
+static inline void bench_live_add(bench_live *l, uint64_t bytes) {
+  unsigned long long now = atomic_fetch_add_explicit(&l->now, bytes, memory_order_relaxed) + bytes;
+  unsigned long long peak = atomic_load_explicit(&l->peak, memory_order_relaxed);
+  while (now > peak &&
+         !atomic_compare_exchange_weak_explicit(&l->peak, &peak, now, memory_order_relaxed, memory_order_relaxed)) {
+  }
+}
+
+static inline void bench_live_sub(bench_live *l, uint64_t bytes) {
+  atomic_fetch_sub_explicit(&l->now, bytes, memory_order_relaxed);
+}
+
+static inline void bench_live_reset(bench_live *l) {
+  atomic_store(&l->now, 0);
+  atomic_store(&l->peak, 0);
 }
 
 #endif

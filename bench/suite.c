@@ -30,6 +30,28 @@ void suite_target(const char *workload, const char *what, int met, const char *d
   suite_row(workload, "magpie", what, "target_met", met);
 }
 
+void suite_memory_header(void) {
+  printf("%-16s %14s %14s %16s %10s %9s\n", "allocator", "peak live MiB", "peak resv MiB", "reserved/live", "M ops/s",
+         "failures");
+}
+
+double suite_memory_row(const char *workload, const char *alloc, uint64_t peak_live, uint64_t reserved,
+                        double ops_per_s, uint64_t failures) {
+  double ratio = reserved && peak_live ? (double)reserved / (double)peak_live : 0;
+  printf("%-16s %14.1f", alloc, peak_live / 1048576.0);
+  if (reserved) printf(" %14.1f %16.3f", reserved / 1048576.0, ratio);
+  else printf(" %14s %16s", "n/a", "n/a");
+  printf(" %10.2f %9llu\n", ops_per_s / 1e6, (unsigned long long)failures);
+  suite_row(workload, alloc, "", "peak_live_bytes", (double)peak_live);
+  if (reserved) {
+    suite_row(workload, alloc, "", "peak_reserved_bytes", (double)reserved);
+    suite_row(workload, alloc, "", "reserved_over_live", ratio);
+  }
+  suite_row(workload, alloc, "", "ops_per_s", ops_per_s);
+  suite_row(workload, alloc, "", "failures", (double)failures);
+  return ratio;
+}
+
 void suite_magpie_stats(const char *workload, const char *when) {
   magpie_stats st;
   if (magpie_stats_get(0, &st) != 0) return;

@@ -47,6 +47,13 @@ void suite_row(const char *workload, const char *alloc, const char *x, const cha
 /* A target line: "target ...: met|MISSED (detail)", also a CSV row. */
 void suite_target(const char *workload, const char *what, int met, const char *detail);
 
+/* Memory workloads (5, 7): the table's header, then one allocator's row
+ * and its CSV rows (reserved 0: the allocator gave no figure). Returns
+ * reserved / peak live, or 0. */
+void suite_memory_header(void);
+double suite_memory_row(const char *workload, const char *alloc, uint64_t peak_live, uint64_t reserved,
+                        double ops_per_s, uint64_t failures);
+
 double suite_now(void);
 uint64_t suite_rand(uint64_t *s); /* xorshift64* */
 /* Pins the calling thread to CPU i modulo the CPUs present. */

@@ -21,11 +21,11 @@
  * best-fit reference's addresses name no memory: it runs the same
  * sequence without the kernels and the stream waits. */
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 #include "tools/demo_workload.h"
 
@@ -38,17 +38,7 @@ typedef struct dworker {
   uint64_t ops, failures;
 } dworker;
 
-static atomic_ullong live_bytes, peak_live;
-
-static void live_add(uint64_t bytes) {
-  unsigned long long now = atomic_fetch_add_explicit(&live_bytes, bytes, memory_order_relaxed) + bytes;
-  unsigned long long peak = atomic_load_explicit(&peak_live, memory_order_relaxed);
-  while (now > peak &&
-         !atomic_compare_exchange_weak_explicit(&peak_live, &peak, now, memory_order_relaxed, memory_order_relaxed)) {
-  }
-}
-
-static void live_sub(uint64_t bytes) { atomic_fetch_sub_explicit(&live_bytes, bytes, memory_order_relaxed); }
+static bench_live live;
 
 /* The every-eighth-step handoff from stream s to stream c. */
 static void handoff(dworker *w, bench_event ev, cudaStream_t s, cudaStream_t c, uint32_t tag) {
@@ -57,7 +47,7 @@ static void handoff(dworker *w, bench_event ev, cudaStream_t s, cudaStream_t c, 
     w->failures++;
     return;
   }
-  live_add(DEMO_HANDOFF_BYTES);
+  bench_live_add(&live, DEMO_HANDOFF_BYTES);
   if (w->touch) {
     size_t n = DEMO_HANDOFF_BYTES;
     if (bench_touch(s, &p, &n, 1, tag) != 0 || bench_event_record(ev, s) != 0 || bench_stream_wait_event(c, ev) != 0 ||
@@ -65,7 +55,7 @@ static void handoff(dworker *w, bench_event ev, cudaStream_t s, cudaStream_t c, 
       w->failures++;
   }
   w->a->free_cross(p, DEMO_HANDOFF_BYTES, s, c);
-  live_sub(DEMO_HANDOFF_BYTES);
+  bench_live_sub(&live, DEMO_HANDOFF_BYTES);
   w->ops += 2;
 }
 
@@ -92,7 +82,7 @@ static void *dworker_main(void *arg) {
       if (tmp[i] == NULL) w->failures++;
       else bytes += sz[i];
     }
-    live_add(bytes);
+    bench_live_add(&live, bytes);
     if (w->touch) {
       void *p[4];
       size_t n[4];
@@ -106,7 +96,7 @@ static void *dworker_main(void *arg) {
     }
     for (int i = 0; i < DEMO_TEMPS; i++)
       if (tmp[i]) w->a->free(tmp[i], sz[i], s);
-    live_sub(bytes);
+    bench_live_sub(&live, bytes);
     w->ops += 2 * DEMO_TEMPS;
     if (o->demo_streams > 1 && step % DEMO_HANDOFF_EVERY == DEMO_HANDOFF_EVERY - 1)
       handoff(w, ev, s, w->streams[(step + 1) % o->demo_streams], (uint32_t)step);
@@ -131,8 +121,7 @@ void workload_demo(const suite_opts *o) {
       "temporaries (1 in 64 of 2-6 MiB, else 256 B-64 KiB), one kernel, a 4 KiB handoff every %d steps\n",
       T, S, o->demo_steps, DEMO_TEMPS, DEMO_HANDOFF_EVERY);
   suite_magpie_peak_note();
-  printf("%-16s %14s %14s %14s %10s %9s\n", "allocator", "peak live MiB", "peak resv MiB", "reserved/live", "M ops/s",
-         "failures");
+  suite_memory_header();
   double mp_ratio = 0;
   for (int a = 0; a < BA_COUNT; a++) {
     if (!o->use[a]) continue;
@@ -142,8 +131,7 @@ void workload_demo(const suite_opts *o) {
       continue;
     }
     al->reset();
-    atomic_store(&live_bytes, 0);
-    atomic_store(&peak_live, 0);
+    bench_live_reset(&live);
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, (unsigned)T + 1);
     for (int i = 0; i < T; i++) {
@@ -162,16 +150,7 @@ void workload_demo(const suite_opts *o) {
     double el = suite_now() - t0;
     pthread_barrier_destroy(&start);
     bench_device_sync();
-    uint64_t reserved = al->peak_reserved();
-    uint64_t peak = atomic_load(&peak_live);
-    double ratio = reserved && peak ? (double)reserved / (double)peak : 0;
-    printf("%-16s %14.1f %14.1f %14.3f %10.2f %9llu\n", al->name, peak / 1048576.0, reserved / 1048576.0, ratio,
-           ops / el / 1e6, (unsigned long long)failures);
-    suite_row("demo", al->name, "", "peak_live_bytes", (double)peak);
-    suite_row("demo", al->name, "", "peak_reserved_bytes", (double)reserved);
-    suite_row("demo", al->name, "", "reserved_over_live", ratio);
-    suite_row("demo", al->name, "", "ops_per_s", ops / el);
-    suite_row("demo", al->name, "", "failures", (double)failures);
+    suite_memory_row("demo", al->name, atomic_load(&live.peak), al->peak_reserved(), ops / el, failures);
     if (a == BA_MAGPIE) {
       magpie_stats st;
       if (magpie_stats_get(0, &st) == 0 && st.peak_in_use_bytes > 0) {

@@ -26,12 +26,12 @@
  * reports no reserved figure and would take minutes (tens of microseconds
  * per call), so it does not replay the trace. */
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 typedef struct op {
@@ -188,7 +188,7 @@ typedef struct replay {
   uint64_t failures;
 } replay;
 
-static atomic_ullong live_bytes, peak_live;
+static bench_live live;
 
 static void *replay_main(void *arg) {
   replay *r = arg;
@@ -207,7 +207,7 @@ static void *replay_main(void *arg) {
     if (o->is_free) {
       if (ptr[o->id] == NULL) continue;
       r->a->free(ptr[o->id], size[o->id], s);
-      atomic_fetch_sub_explicit(&live_bytes, size[o->id], memory_order_relaxed);
+      bench_live_sub(&live, size[o->id]);
       ptr[o->id] = NULL;
       continue;
     }
@@ -217,11 +217,7 @@ static void *replay_main(void *arg) {
       continue;
     }
     size[o->id] = o->size;
-    unsigned long long now = atomic_fetch_add_explicit(&live_bytes, o->size, memory_order_relaxed) + o->size;
-    unsigned long long peak = atomic_load_explicit(&peak_live, memory_order_relaxed);
-    while (now > peak &&
-           !atomic_compare_exchange_weak_explicit(&peak_live, &peak, now, memory_order_relaxed, memory_order_relaxed)) {
-    }
+    bench_live_add(&live, o->size);
   }
 out:
   free(ptr);
@@ -262,8 +258,7 @@ void workload_trace(const suite_opts *o) {
       T, S, o->trace_requests, o->trace_hidden, o->trace_layers, nops, nallocs, total / 1073741824.0,
       largest / 1048576.0);
   suite_magpie_peak_note();
-  printf("%-16s %14s %14s %16s %10s %9s\n", "allocator", "peak live MiB", "peak resv MiB", "reserved/live", "M ops/s",
-         "failures");
+  suite_memory_header();
   double mp_ratio = 0;
   for (int w = 0; w < BA_COUNT; w++) {
     if (!o->use[w]) continue;
@@ -273,8 +268,7 @@ void workload_trace(const suite_opts *o) {
       continue;
     }
     a->reset();
-    atomic_store(&live_bytes, 0);
-    atomic_store(&peak_live, 0);
+    bench_live_reset(&live);
     pthread_barrier_t start;
     pthread_barrier_init(&start, NULL, (unsigned)T + 1);
     replay *r = calloc((size_t)T, sizeof *r);
@@ -292,21 +286,8 @@ void workload_trace(const suite_opts *o) {
     }
     double el = suite_now() - t0;
     bench_device_sync();
-    uint64_t reserved = a->peak_reserved();
-    uint64_t peak = atomic_load(&peak_live);
-    double ratio = reserved && peak ? (double)reserved / (double)peak : 0;
+    double ratio = suite_memory_row("trace", a->name, atomic_load(&live.peak), a->peak_reserved(), nops / el, failures);
     if (w == BA_MAGPIE) mp_ratio = ratio;
-    printf("%-16s %14.1f", a->name, peak / 1048576.0);
-    if (reserved) printf(" %14.1f %16.3f", reserved / 1048576.0, ratio);
-    else printf(" %14s %16s", "n/a", "n/a");
-    printf(" %10.2f %9llu\n", nops / el / 1e6, (unsigned long long)failures);
-    suite_row("trace", a->name, "", "peak_live_bytes", (double)peak);
-    if (reserved) {
-      suite_row("trace", a->name, "", "peak_reserved_bytes", (double)reserved);
-      suite_row("trace", a->name, "", "reserved_over_live", ratio);
-    }
-    suite_row("trace", a->name, "", "ops_per_s", nops / el);
-    suite_row("trace", a->name, "", "failures", (double)failures);
     if (w == BA_MAGPIE) suite_magpie_stats("trace", "after the trace");
     free(r);
     free(th);
