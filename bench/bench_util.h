@@ -45,10 +45,16 @@ BENCH_WRAPS static inline uint64_t bench_rand(uint64_t *s) {
   return x * 0x2545F4914F6CDD1Dull;
 }
 
+/* seed * mult + add, wrapping: a workload's generator seed from the run's
+ * seed, a per-thread or per-point multiplier and an index. */
+BENCH_WRAPS static inline uint64_t bench_seed_mix(uint64_t seed, uint64_t mult, uint64_t add) {
+  return seed * mult + add;
+}
+
 /* Thread index's generator seed for a run's seed (workload 2 and
  * peak_probe, which replays its thread 0). */
-BENCH_WRAPS static inline uint64_t bench_thread_seed(uint64_t seed, int index) {
-  return seed * 0x9E3779B97F4A7C15ull + (uint64_t)index + 1;
+static inline uint64_t bench_thread_seed(uint64_t seed, int index) {
+  return bench_seed_mix(seed, 0x9E3779B97F4A7C15ull, (uint64_t)index + 1);
 }
 
 /* A power of 2 from min to max (min * 2^k <= max), picked by r. */

@@ -77,7 +77,7 @@ static int phase(int mask, int threads, double seconds, double mops[2]) {
   atomic_store(&stop, 0);
   for (int d = 0; d < 2; d++)
     for (int i = 0; (mask >> d & 1) && i < threads; i++) {
-      r[n] = (runner){.device = d, .seed = 0x9E3779B97F4A7C15ull * (uint64_t)(n + 1) + (uint64_t)mask};
+      r[n] = (runner){.device = d, .seed = bench_seed_mix((uint64_t)(n + 1), 0x9E3779B97F4A7C15ull, (uint64_t)mask)};
       if (pthread_create(&t[n], NULL, run, &r[n]) != 0) return -1;
       n++;
     }

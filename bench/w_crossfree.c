@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 enum { RING = 4096, BATCH = 32 };
@@ -43,7 +44,7 @@ static void *producer(void *arg) {
   pair *p = arg;
   suite_pin(2 * p->index);
   bench_dev_thread_init();
-  uint64_t seed = p->o->seed * 0xA0761D6478BD642Full + (uint64_t)p->index + 1;
+  uint64_t seed = bench_seed_mix(p->o->seed, 0xA0761D6478BD642Full, (uint64_t)p->index + 1);
   size_t tail = 0, head = 0;
   pthread_barrier_wait(p->start);
   double end = suite_now() + p->o->cross_seconds;

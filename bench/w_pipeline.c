@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 enum { MAILBOX = 1024, EVENTS = 256, RING = 8 };
@@ -162,7 +163,7 @@ static void *lane_main(void *arg) {
   const suite_opts *o = l->o;
   suite_pin(l->index);
   bench_dev_thread_init();
-  uint64_t seed = o->seed * 0xD1B54A32D192ED03ull + (uint64_t)l->index + 1;
+  uint64_t seed = bench_seed_mix(o->seed, 0xD1B54A32D192ED03ull, (uint64_t)l->index + 1);
   lane *next = &l->lanes[(l->index + 1) % o->pipe_threads];
   pthread_barrier_wait(l->barrier);
   double end = suite_now() + o->pipe_seconds;

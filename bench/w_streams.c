@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 /* Longest a point runs before it stops at the end of a round. */
@@ -38,7 +39,7 @@ static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaSt
   void **p = calloc((size_t)B, sizeof *p);
   size_t *sz = calloc((size_t)B, sizeof *sz);
   if (p == NULL || sz == NULL) return r;
-  uint64_t seed = o->seed * 0xD6E8FEB86659FD93ull + (uint64_t)n;
+  uint64_t seed = bench_seed_mix(o->seed, 0xD6E8FEB86659FD93ull, (uint64_t)n);
   magpie_stats s0 = {0}, s1 = {0};
   if (is_magpie) {
     magpie_stats_get(0, &s0);

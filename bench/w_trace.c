@@ -151,7 +151,7 @@ static int step(gen *g, request *r, const suite_opts *o) {
 
 static int generate(const suite_opts *o, tthread *t, int thread, int requests) {
   static const int batches[] = {1, 1, 1, 2, 2, 4, 4, 8, 16};
-  uint64_t seed = o->seed * 0x9FB21C651E98DF25ull + (uint64_t)thread + 1;
+  uint64_t seed = bench_seed_mix(o->seed, 0x9FB21C651E98DF25ull, (uint64_t)thread + 1);
   gen g = {t, {0}, 0};
   request rq[MAX_INFLIGHT] = {{0}};
   int started = 0, live = 0, turn = 0;
