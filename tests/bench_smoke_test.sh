@@ -51,3 +51,4 @@ run scaling_bench "$scaling" 2 0.05 16
 check scaling_bench 'magpie'
 if ((failed)); then exit 1; fi
 echo "PASS: magpie_bench (workloads 1-7), peak_probe, pair_bench and scaling_bench ran"
+echo "[  PASSED  ] 1 test(s)." # counted by tools/test.sh with the cmocka tests
