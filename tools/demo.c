@@ -25,7 +25,7 @@
 
 /* ---- the workload (tools/demo_workload.h) ---- */
 
-enum { MAX_STREAMS = 16, TEMPS = DEMO_TEMPS };
+enum { MAX_STREAMS = 16 };
 
 typedef struct worker {
   int id, nstreams;
@@ -48,9 +48,9 @@ static void *worker_main(void *arg) {
   uint64_t step = 0;
   while ((step & 63) != 0 || now_s() < end) {
     cudaStream_t s = w->streams[step % (uint64_t)w->nstreams];
-    void *tmp[TEMPS];
-    size_t sz[TEMPS];
-    for (int i = 0; i < TEMPS; i++) {
+    void *tmp[DEMO_TEMPS];
+    size_t sz[DEMO_TEMPS];
+    for (int i = 0; i < DEMO_TEMPS; i++) {
       sz[i] = demo_pick_size(&seed);
       tmp[i] = magpie_malloc_async(sz[i], s);
       if (tmp[i] == NULL) {
@@ -62,9 +62,9 @@ static void *worker_main(void *arg) {
       if ((!devshim_is_cuda() || i == 0) && devshim_fill(tmp[i], sz[i] < 65536 ? sz[i] : 65536, (uint32_t)step, s) != 0)
         w->failures++;
     }
-    for (int i = 0; i < TEMPS; i++)
+    for (int i = 0; i < DEMO_TEMPS; i++)
       if (tmp[i] && magpie_free_async(tmp[i], s) != MAGPIE_OK) w->failures++;
-    w->ops += 2 * TEMPS;
+    w->ops += 2 * DEMO_TEMPS;
     if (w->nstreams > 1 && step % DEMO_HANDOFF_EVERY == DEMO_HANDOFF_EVERY - 1) {
       /* Hand a block from producer stream s to consumer stream c. */
       cudaStream_t c = w->streams[(step + 1) % (uint64_t)w->nstreams];
