@@ -302,8 +302,10 @@ MAGPIE_API int magpie_graph_pool_create(int device, uint64_t *pool);
  * magpie's maintenance thread in between would invalidate the capture. stream NULL
  * announces a capture whose allocations the caller routes itself with
  * magpie_graph_pool_malloc_async (as PyTorch's allocator hooks do: they
- * name no stream). MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released
- * pool or a stream of another device. */
+ * name no stream). The per-thread default stream (cudaStreamPerThread)
+ * names the calling thread's stream: its announcement holds for captures
+ * of that thread only, and that thread ends it. MAGPIE_ERR_INVALID_ARGUMENT
+ * for an unknown or released pool or a stream of another device. */
 MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream);
 /* The capture announced with (pool, stream) is over (call it after
  * cudaStreamEndCapture). Blocks freed during it become

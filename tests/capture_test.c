@@ -334,6 +334,85 @@ static void test_shared_pool(void **state) {
   assert_int_equal(magpie_sim_capture_violations(), v0);
 }
 
+/* ---- captures on the per-thread default stream ---- */
+
+/* The per-thread handle names another stream in each thread: two threads
+ * capturing on it at once, each into its own pool, must each get their
+ * own pool's blocks. The steps run in turn (turn.c counts them): A
+ * announces and begins, then B, then A allocates, then B; a registration
+ * resolved by the wrong thread would hand A's block to B's pool. */
+struct pt_turn {
+  pthread_mutex_t m;
+  pthread_cond_t c;
+  int step;
+};
+
+static void pt_wait_turn(struct pt_turn *t, int step) {
+  pthread_mutex_lock(&t->m);
+  while (t->step != step) pthread_cond_wait(&t->c, &t->m);
+  pthread_mutex_unlock(&t->m);
+}
+
+static void pt_next_turn(struct pt_turn *t) {
+  pthread_mutex_lock(&t->m);
+  t->step++;
+  pthread_cond_broadcast(&t->c);
+  pthread_mutex_unlock(&t->m);
+}
+
+struct pt_arg {
+  uint64_t pool;
+  size_t size;
+  int first; /* 0: A's turns are 0 and 2; 1: B's are 1 and 3 */
+  struct pt_turn *turn;
+  void *p;
+  int end_rc;
+};
+
+static void *pt_capture_main(void *argp) {
+  struct pt_arg *a = argp;
+  cudaStream_t pt = MAGPIE_SIM_STREAM_PER_THREAD;
+  pt_wait_turn(a->turn, a->first);
+  assert_int_equal(magpie_capture_begin(a->pool, pt), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_begin_capture(pt, MAGPIE_SIM_CAPTURE_THREAD_LOCAL), MAGPIE_OK);
+  pt_next_turn(a->turn);
+  pt_wait_turn(a->turn, 2 + a->first);
+  a->p = magpie_malloc_async(a->size, pt);
+  assert_non_null(a->p);
+  assert_int_equal(magpie_free_async(a->p, pt), MAGPIE_OK);
+  pt_next_turn(a->turn);
+  pt_wait_turn(a->turn, 4);
+  magpie_sim_graph g = NULL;
+  a->end_rc = magpie_sim_stream_end_capture(pt, &g);
+  if (g != NULL) assert_int_equal(magpie_sim_graph_destroy(g), MAGPIE_OK);
+  assert_int_equal(magpie_capture_end(a->pool, pt), MAGPIE_OK);
+  return NULL;
+}
+
+static void test_per_thread_stream_pools(void **state) {
+  (void)state;
+  uint64_t v0 = magpie_sim_capture_violations();
+  struct pt_turn turn = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+  struct pt_arg a = {.pool = pool_new(), .size = 3 * MiB, .first = 0, .turn = &turn};
+  struct pt_arg b = {.pool = pool_new(), .size = 5 * MiB, .first = 1, .turn = &turn};
+  pthread_t ta, tb;
+  assert_int_equal(pthread_create(&ta, NULL, pt_capture_main, &a), 0);
+  assert_int_equal(pthread_create(&tb, NULL, pt_capture_main, &b), 0);
+  pthread_join(ta, NULL);
+  pthread_join(tb, NULL);
+  assert_int_equal(a.end_rc, MAGPIE_OK);
+  assert_int_equal(b.end_rc, MAGPIE_OK);
+  /* Each pool holds its own thread's block, and only that. */
+  assert_true(magpie_graph_pool_bytes(a.pool) >= 3 * MiB && magpie_graph_pool_bytes(a.pool) < 5 * MiB);
+  assert_true(magpie_graph_pool_bytes(b.pool) >= 5 * MiB);
+  assert_int_equal(magpie_sim_capture_violations(), v0);
+  /* Releasing one pool leaves the other's block where it was. */
+  size_t b_bytes = magpie_graph_pool_bytes(b.pool);
+  assert_int_equal(magpie_graph_pool_release(a.pool), MAGPIE_OK);
+  assert_int_equal(magpie_graph_pool_bytes(b.pool), b_bytes);
+  assert_int_equal(magpie_graph_pool_release(b.pool), MAGPIE_OK);
+}
+
 /* ---- what is refused, and why ---- */
 
 static void test_refusals(void **state) {
@@ -387,11 +466,9 @@ static void test_refusals(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_capture_and_replay),
-      cmocka_unit_test(test_maintenance_waits_for_capture),
-      cmocka_unit_test(test_threads_during_capture),
-      cmocka_unit_test(test_shared_pool),
-      cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_capture_and_replay),      cmocka_unit_test(test_maintenance_waits_for_capture),
+      cmocka_unit_test(test_threads_during_capture),  cmocka_unit_test(test_shared_pool),
+      cmocka_unit_test(test_per_thread_stream_pools), cmocka_unit_test(test_refusals),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -79,6 +79,10 @@ static void *large_user(void *arg) {
 /* The child: every call fails with a message that says why; then exit. */
 static int child_main(cudaStream_t parent_stream, void *parent_block) {
   int bad = 0;
+  /* A refusal met first in a simulator call: magpie's last error already
+   * says why (the child's state is that refusal from the fork on). */
+  bad |= magpie_sim_stream_create() != NULL;
+  bad |= magpie_last_error() != MAGPIE_ERR_NO_DEVICE || strstr(magpie_last_error_message(), "fork") == NULL;
   void *p = magpie_malloc_async(100, parent_stream);
   bad |=
       p != NULL || magpie_last_error() != MAGPIE_ERR_NO_DEVICE || strstr(magpie_last_error_message(), "fork") == NULL;

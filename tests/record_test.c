@@ -181,6 +181,110 @@ static void test_recorded_waits_for_freeing_stream(void **state) {
   magpie_sim_stream_destroy(c);
 }
 
+/* A recorded stream that captures a graph when the block is freed (on a
+ * stream that does not): asking its id or recording an event on it would
+ * invalidate the capture. The block waits instead for a device
+ * synchronisation made once no announced capture runs, and never comes
+ * back before the recorded stream's earlier work completed. */
+static void run_recorded_capturing_case(size_t size, int rounds) {
+  uint64_t v0 = magpie_sim_capture_violations();
+  cudaStream_t a = magpie_sim_stream_create(), o = magpie_sim_stream_create(), c = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(size, a);
+  assert_non_null(p);
+  /* Announced before the gated work is launched: an announcement waits
+   * for a device synchronisation of the maintenance thread under way,
+   * which would wait for that work. */
+  uint64_t pool = 0;
+  assert_int_equal(magpie_graph_pool_create(0, &pool), MAGPIE_OK);
+  assert_int_equal(magpie_capture_begin(pool, o), MAGPIE_OK);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(o, gated_run, &g), MAGPIE_OK); /* O "reads" p */
+  assert_int_equal(magpie_record_stream(p, o), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_begin_capture(o, MAGPIE_SIM_CAPTURE_GLOBAL), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  void **va = calloc((size_t)rounds, sizeof *va), **vc = calloc((size_t)rounds, sizeof *vc);
+  alloc_none_is(va, rounds, size, a, p);
+  alloc_none_is(vc, rounds, size, c, p);
+  free_all(va, rounds, a);
+  free_all(vc, rounds, c);
+  magpie_sim_graph graph = NULL;
+  int rc = magpie_sim_stream_end_capture(o, &graph);
+  if (rc != MAGPIE_OK) fail_msg("the capture was invalidated: %s", magpie_sim_last_error_message());
+  assert_int_equal(magpie_sim_capture_violations(), v0);
+  assert_int_equal(magpie_capture_end(pool, o), MAGPIE_OK);
+  /* Still not back: O's work from before the capture is pending. */
+  alloc_none_is(va, rounds, size, a, p);
+  free_all(va, rounds, a);
+  assert_false(g.done);
+  gate_open_and_sync(&g, o, a);
+  /* The maintenance thread synchronises the device, then hands it back. */
+  for (int i = 0; i < WAIT_MS && record_pending_bytes(&heap0()->records) > 0; i++) sleep_ms(1);
+  assert_true(comes_back(p, size, c));
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
+  free(va);
+  free(vc);
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_graph_destroy(graph), MAGPIE_OK);
+  assert_int_equal(magpie_graph_pool_release(pool), MAGPIE_OK);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(o), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(c), MAGPIE_OK);
+}
+
+static void test_recorded_small_stream_capturing_at_free(void **state) {
+  (void)state;
+  run_recorded_capturing_case(SMALL, ROUNDS);
+}
+
+static void test_recorded_large_stream_capturing_at_free(void **state) {
+  (void)state;
+  run_recorded_capturing_case(LARGE, 4);
+}
+
+/* The sibling: a recorded block freed on a stream that captures (an
+ * announced capture). The capturing stream can be neither asked its id nor
+ * sealed; the block waits for a device synchronisation made after the
+ * capture, and the recorded stream's work still holds it back. */
+static void test_recorded_block_freed_in_capture(void **state) {
+  (void)state;
+  uint64_t v0 = magpie_sim_capture_violations();
+  cudaStream_t a = magpie_sim_stream_create(), o = magpie_sim_stream_create(), c = magpie_sim_stream_create();
+  void *p = magpie_malloc_async(SMALL, a);
+  assert_non_null(p);
+  uint64_t pool = 0; /* announced first, as above */
+  assert_int_equal(magpie_graph_pool_create(0, &pool), MAGPIE_OK);
+  assert_int_equal(magpie_capture_begin(pool, a), MAGPIE_OK);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(o, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, o), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_begin_capture(a, MAGPIE_SIM_CAPTURE_GLOBAL), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  magpie_sim_graph graph = NULL;
+  int rc = magpie_sim_stream_end_capture(a, &graph);
+  if (rc != MAGPIE_OK) fail_msg("the capture was invalidated: %s", magpie_sim_last_error_message());
+  assert_int_equal(magpie_capture_end(pool, a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_capture_violations(), v0);
+  static void *v[ROUNDS];
+  alloc_none_is(v, ROUNDS, SMALL, c, p);
+  free_all(v, ROUNDS, c);
+  assert_false(g.done);
+  gate_open_and_sync(&g, o, a);
+  /* The maintenance thread synchronises the device, then hands it back. */
+  for (int i = 0; i < WAIT_MS && record_pending_bytes(&heap0()->records) > 0; i++) sleep_ms(1);
+  assert_true(comes_back(p, SMALL, c));
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_graph_destroy(graph), MAGPIE_OK);
+  assert_int_equal(magpie_graph_pool_release(pool), MAGPIE_OK);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(o), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(c), MAGPIE_OK);
+}
+
 /* Two recorded streams: completing one is not enough. */
 static void test_every_recorded_stream_counts(void **state) {
   (void)state;
@@ -606,6 +710,9 @@ int main(void) {
       cmocka_unit_test(test_recorded_large_waits_for_recorded_stream),
       cmocka_unit_test(test_recorded_waits_for_freeing_stream),
       cmocka_unit_test(test_every_recorded_stream_counts),
+      cmocka_unit_test(test_recorded_small_stream_capturing_at_free),
+      cmocka_unit_test(test_recorded_large_stream_capturing_at_free),
+      cmocka_unit_test(test_recorded_block_freed_in_capture),
       cmocka_unit_test(test_record_then_free_on_other_thread),
       cmocka_unit_test(test_errors),
       cmocka_unit_test(test_threads_record_and_free),

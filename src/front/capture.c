@@ -24,13 +24,26 @@
 
 /* INVARIANT: on globals.capture_regs iff announced and not ended;
  * capture_count is the list's length; SLOW_CAPTURE is set iff it is
- * nonzero. All under capture_lock. */
+ * nonzero. All under capture_lock.
+ * INVARIANT: a registration on the per-thread handle is resolved (its
+ * capture id learnt) and ended only by the thread that announced it: the
+ * handle names another stream in every thread, so another thread's query
+ * would answer for its own capture. */
 typedef struct capture_reg {
   uint64_t pool;
   cudaStream_t stream; /* NULL: the caller routes the capture's allocations */
   uint64_t capture_id; /* 0 until seen capturing */
+  pthread_t owner;     /* the announcing thread (read for the per-thread handle) */
   struct capture_reg *next;
 } capture_reg;
+
+#define CAPTURE_PER_THREAD ((cudaStream_t)0x2)
+
+/* Does registration r name the calling thread's view of its handle? Every
+ * handle but the per-thread one names the same stream in every thread. */
+static int capture_reg_mine(const capture_reg *r) {
+  return r->stream != CAPTURE_PER_THREAD || pthread_equal(r->owner, pthread_self());
+}
 
 /* Pool ids carry their device: (device + 1) << 48 | a serial number. */
 #define CAPTURE_POOL_SHIFT 48
@@ -58,7 +71,7 @@ static uint64_t capture_pool_of(const backend_ops *ops, uint64_t id) {
   uint64_t pool = 0;
   pthread_mutex_lock(&globals.capture_lock);
   for (capture_reg *r = globals.capture_regs; r != NULL && pool == 0; r = r->next) {
-    if (r->capture_id == 0 && r->stream != NULL) {
+    if (r->capture_id == 0 && r->stream != NULL && capture_reg_mine(r)) {
       uint64_t cid;
       if (backend_capture_state(ops, r->stream, &cid) == BACKEND_CAPTURE_ACTIVE) r->capture_id = cid;
     }
@@ -197,9 +210,9 @@ int capture_free(void *p, cudaStream_t stream, int *rc) {
   }
   uint64_t id;
   if (backend_capture_state(global_ops(), stream, &id) == BACKEND_CAPTURE_NONE) return 0;
-  /* Recorded blocks keep their record entries' way (their seal is
-   * refused on a capturing stream: limbo). */
-  if (atomic_load_relaxed(&sl->recorded) != 0) return 0;
+  /* A block freed on a capturing stream, recorded or not, waits for a
+   * device synchronisation: the stream can be neither asked its id nor
+   * sealed while it captures. */
   *rc = tcache_free_to_limbo(p, sl, stream);
   return 1;
 }
@@ -254,6 +267,7 @@ MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream) {
   r->pool = pool;
   r->stream = stream;
   r->capture_id = id;
+  r->owner = pthread_self();
   heap_capture_hold(1);
   pthread_mutex_lock(&globals.capture_lock);
   r->next = globals.capture_regs;
@@ -271,7 +285,7 @@ MAGPIE_API int magpie_capture_end(uint64_t pool, cudaStream_t stream) {
   capture_reg *found = NULL;
   pthread_mutex_lock(&globals.capture_lock);
   for (capture_reg **r = &globals.capture_regs; *r != NULL; r = &(*r)->next) {
-    if ((*r)->pool != pool || (*r)->stream != stream) continue;
+    if ((*r)->pool != pool || (*r)->stream != stream || !capture_reg_mine(*r)) continue;
     found = *r;
     *r = found->next;
     if (--globals.capture_count == 0)

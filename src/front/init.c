@@ -148,8 +148,11 @@ static void init_verbose_atexit(void) {
  * streams and events it would use are the parent's (the simulated
  * device's streams are the parent's threads). The handler runs in the
  * child's only thread: every later call fails with MAGPIE_ERR_NO_DEVICE
- * and this message, and the child exits without waiting for threads it
- * does not have. The parent is not touched. */
+ * and this message, which is also that thread's last error from the start
+ * (a child that first meets the refusal elsewhere, in a simulated-device
+ * or CUDA call, and asks magpie why reads it there), and the child exits
+ * without waiting for threads it does not have. The parent is not
+ * touched. */
 #define INIT_FORK_MESSAGE                                                                                     \
   "magpie started in the parent process before fork(); a forked child cannot use it (as CUDA cannot be used " \
   "in a child forked after it started): exec a new program (or use spawn) to allocate in another process"
@@ -159,6 +162,7 @@ static void init_atfork_child(void) {
   pthread_mutex_init(&globals.init_lock, NULL);
   /* Not READY: every call takes the slow path, whose forked check answers. */
   atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
+  error_set(MAGPIE_ERR_NO_DEVICE, "%s", INIT_FORK_MESSAGE);
   tcache_after_fork_child();
   heap_after_fork_child();
   ipc_after_fork_child();

@@ -163,7 +163,7 @@ static void tcache_outbox_give(tslot *ts, epoch_ticket *t) {
     depot *d = &ts->heap->depots[m->cls];
     depot_note_thread_out(d, m);
     if (t == NULL) {
-      heap_limbo_put(ts->heap, m);
+      heap_limbo_put(ts->heap, m, ts->sdev);
       continue;
     }
     if (i + 1 < ts->nout) epoch_ticket_copy(t, &m->ticket);
@@ -254,7 +254,7 @@ static size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on
     }
     large_kept_set(b, LARGE_KEPT); /* ours still: to limbo */
   }
-  if (heap_limbo_put_large(ts->heap, b) != MAGPIE_OK) {
+  if (heap_limbo_put_large(ts->heap, b, ts->sdev) != MAGPIE_OK) {
     tcache_kept_attach(tc, ts, b);
     return 0;
   }
@@ -444,6 +444,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   ts->id = id;
   ts->handle = s;
   ts->heap = h;
+  ts->sdev = dev;
   atomic_store_relaxed(&ts->stats_heap, h);
   ts->rec = rec;
   ts->live = &tc->live[h->device];
@@ -925,15 +926,25 @@ int tcache_free_to_limbo(void *p, slab *sl, cudaStream_t s) {
                      p);
   heap *h = sl->heap;
   unsigned c = large_block_class(sl, (uintptr_t)p);
-  size_t bsize;
+  size_t bsize = 0;
   int rc = MAGPIE_OK;
   tcache_enter_slow(tc);
+  /* A recorded block is parked by its entry (record.c), without a seal of
+   * the capturing stream: a synchronisation covers it. */
+  if (atomic_load_relaxed(&sl->recorded) != 0) {
+    rc = record_free(&h->records, c != SLAB_LARGE ? &h->depots[c] : NULL, sl, (uintptr_t)p, NULL, s, &bsize);
+    if (rc == MAGPIE_OK && bsize != 0) {
+      if (tc->check && c != SLAB_LARGE) tcache_mark_free(sl, (uintptr_t)p, bi);
+      goto out;
+    }
+    if (rc != MAGPIE_OK) goto done;
+  }
   if (c == SLAB_LARGE) {
     lblock *b = NULL;
     if (!large_keep_block(&h->large, (uintptr_t)p, SIZE_MAX, &b)) {
       rc = error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not an allocated large block (double free?)",
                      p);
-    } else if (heap_limbo_put_large(h, b) != MAGPIE_OK) {
+    } else if (heap_limbo_put_large(h, b, HEAP_SYNC_EVERY_DEVICE) != MAGPIE_OK) {
       large_unkeep(b);
       rc = error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory; the block stays allocated",
                      p);
@@ -943,16 +954,17 @@ int tcache_free_to_limbo(void *p, slab *sl, cudaStream_t s) {
     bsize = globals.sizeclass_table[c].size;
     if (tc->check && !tcache_mark_free(sl, (uintptr_t)p, bi))
       rc = error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
-    else if (heap_limbo_block(h, c, p) != MAGPIE_OK)
+    else if (heap_limbo_block(h, c, p, HEAP_SYNC_EVERY_DEVICE) != MAGPIE_OK)
       rc = error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory; the block stays allocated",
                      p);
   }
+out:
   if (rc == MAGPIE_OK) {
     atomic_owner_add_i64(&tc->live[h->device], -(int64_t)bsize);
     tcache_publish(tc, h);
   }
+done:
   tcache_leave(tc);
-  (void)s;
   return rc;
 }
 

@@ -59,6 +59,7 @@ typedef struct tslot {
   uint64_t id;           /* stream id; meaningful while heap != NULL */
   cudaStream_t handle;   /* handle the slot was created with */
   heap *heap;            /* heap of the cached blocks; NULL = unused slot */
+  int sdev;              /* the stream's device (heap's, or another for a cross-device free) */
   stream_rec *rec;       /* the stream's record (one reference held) */
   _Atomic int64_t *live; /* this thread's in-use counter for heap's device */
   /* Bytes this thread took through this slot less those it gave back

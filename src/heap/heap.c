@@ -503,8 +503,27 @@ int heap_trim(heap *h, size_t keep) {
  * was put there (and its stream's work enqueued) before the wait began. */
 typedef struct heap_kept {
   lblock *b;
+  uint64_t sync_devs; /* as magazine.sync_devs */
   struct heap_kept *next;
 } heap_kept;
+
+/* The devices an entry of h's limbo freed on a stream of device sdev
+ * waits for (heap.h, "Limbo"). */
+static uint64_t heap_sync_devs(const heap *h, int sdev) {
+  uint64_t own = (uint64_t)1 << h->device;
+  if (sdev == HEAP_SYNC_EVERY_DEVICE) return ~(uint64_t)0;
+  return sdev >= 0 && sdev < HEAP_MAX_DEVICES ? own | (uint64_t)1 << sdev : own;
+}
+
+/* Synchronise every device of devs that exists; 1 if all succeeded. */
+static int heap_sync_devices(heap *h, uint64_t devs) {
+  int n = 0;
+  if (h->ops->device_count(&n) != MAGPIE_OK || n <= h->device) n = h->device + 1;
+  int ok = 1;
+  for (int d = 0; d < n && d < HEAP_MAX_DEVICES; d++)
+    if ((devs >> d) & 1) ok &= h->ops->device_synchronize(d) == MAGPIE_OK;
+  return ok;
+}
 
 static void heap_klimbo_push(heap *h, heap_kept *n) {
   pthread_mutex_lock(&h->klimbo_lock);
@@ -564,8 +583,12 @@ static void heap_reap(heap *h) {
   registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
   struct record_entry *rchain = record_sync_take(&h->records);
   if (chain != NULL || kchain != NULL || rchain != NULL) {
+    /* The devices every entry taken waits for (heap.h, "Limbo"). */
+    uint64_t devs = ((uint64_t)1 << h->device) | record_sync_devs(rchain);
+    for (registry_link *n = chain; n; n = stack_next(&globals.magazine_registry, n)) devs |= ((magazine *)n)->sync_devs;
+    for (heap_kept *n = kchain; n; n = n->next) devs |= n->sync_devs;
     atomic_add_relaxed(&h->stat_device_syncs, 1);
-    int ok = h->ops->device_synchronize(h->device) == MAGPIE_OK;
+    int ok = heap_sync_devices(h, devs);
     atomic_fetch_add_explicit(&h->reap_moving, 1, memory_order_seq_cst);
     heap_reap_kept(h, kchain, ok);
     record_sync_done(&h->records, rchain, ok);
@@ -724,10 +747,11 @@ static void heap_limbo_wake(heap *h) {
  * synchronisation as limbo's covers it. */
 static void heap_records_sync(void *arg) { heap_limbo_wake(arg); }
 
-int heap_limbo_put_large(heap *h, lblock *b) {
+int heap_limbo_put_large(heap *h, lblock *b, int sdev) {
   heap_kept *n = meta_alloc(sizeof *n);
   if (n == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   n->b = b;
+  n->sync_devs = heap_sync_devs(h, sdev);
   large_kept_set(b, LARGE_KEPT_LIMBO);
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)b->size);
   atomic_add_relaxed(&h->stat_kept_limbo_bytes, (int64_t)b->size);
@@ -737,7 +761,7 @@ int heap_limbo_put_large(heap *h, lblock *b) {
   return MAGPIE_OK;
 }
 
-int heap_limbo_block(heap *h, unsigned cls, void *p) {
+int heap_limbo_block(heap *h, unsigned cls, void *p, int sdev) {
   pthread_mutex_lock(&h->klimbo_lock);
   magazine *m = h->lpart[cls];
   if (m == NULL) {
@@ -747,8 +771,10 @@ int heap_limbo_block(heap *h, unsigned cls, void *p) {
     }
     m->cap = MAGAZINE_MAX;
     m->ticket = (epoch_ticket){0};
+    m->sync_devs = 0;
     h->lpart[cls] = m;
   }
+  m->sync_devs |= heap_sync_devs(h, sdev);
   m->slots[m->count++] = p;
   int full = m->count == m->cap;
   if (full) heap_lpart_flush_locked(h);
@@ -794,16 +820,17 @@ void heap_graph_retire(heap *h, uintptr_t p, size_t size) {
   lblock *b = NULL;
   large_graph_mark(&h->large, p, 0);
   heap_publish_in_use(h, -(int64_t)size);
-  if (large_keep_block(&h->large, p, SIZE_MAX, &b) && heap_limbo_put_large(h, b) == MAGPIE_OK) return;
+  if (large_keep_block(&h->large, p, SIZE_MAX, &b) && heap_limbo_put_large(h, b, h->device) == MAGPIE_OK) return;
   /* Host metadata ran out: the block stays handed out (lost to reuse, never
    * to another user while a replay may touch it). */
   if (b != NULL) large_unkeep(b);
 }
 
-void heap_limbo_put(heap *h, magazine *m) {
+void heap_limbo_put(heap *h, magazine *m, int sdev) {
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->count > 0);
   m->ticket = (epoch_ticket){0};
+  m->sync_devs = heap_sync_devs(h, sdev);
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
   stack_push(&h->limbo, &globals.magazine_registry, &m->link);
   atomic_add_relaxed(&h->stat_limbo, 1);

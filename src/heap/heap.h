@@ -158,20 +158,32 @@ size_t heap_cached_bytes(heap *h);
  * above the release threshold. */
 void heap_note_cached(heap *h);
 
-/* A non-empty magazine whose stream can no longer be sealed (destroyed):
- * reusable only after a device synchronisation, done off the allocation
- * path by the reaper thread. */
-void heap_limbo_put(heap *h, magazine *m);
+/* ---- Limbo ----
+ * Blocks whose freeing stream cannot be sealed (its handle may be gone, or
+ * it captures a graph) wait in limbo for a device synchronisation, made by
+ * the maintenance thread off the allocation path (heap_reap).
+ * RULE: a block in limbo is ordered after the work of the stream that
+ * freed it by synchronising that stream's own device, never another's:
+ * a device-0 block freed on a device-1 stream waits for device 1. Each
+ * entry carries its devices (sdev below: the freeing stream's device, or
+ * HEAP_SYNC_EVERY_DEVICE where it cannot be asked, as on a capturing
+ * stream); a reap synchronises the heap's own device and every device its
+ * entries name. */
+#define HEAP_SYNC_EVERY_DEVICE (-1)
+
+/* A non-empty magazine whose stream (on device sdev) can no longer be
+ * sealed: reusable after that device's synchronisation. */
+void heap_limbo_put(heap *h, magazine *m, int sdev);
 /* The same for a kept large block (LARGE_KEPT, its bytes out of
- * its thread's kept_bytes already): freed after the next device synchronisation.
+ * its thread's kept_bytes already): freed after the synchronisation.
  * MAGPIE_ERR_OUT_OF_MEMORY (host metadata): nothing done. */
-int heap_limbo_put_large(heap *h, lblock *b);
+int heap_limbo_put_large(heap *h, lblock *b, int sdev);
 
 /* A block of class cls (a slab's or a class block) freed on a capturing
  * stream: no event can be recorded there and the graph's position of the
  * free is no point of the stream's real order, so it waits in limbo for a
  * device synchronisation. MAGPIE_ERR_OUT_OF_MEMORY (host): nothing done. */
-int heap_limbo_block(heap *h, unsigned cls, void *p);
+int heap_limbo_block(heap *h, unsigned cls, void *p, int sdev);
 
 /* ---- CUDA graphs ----
  * Captures under way that magpie was told of (front/capture.c): while

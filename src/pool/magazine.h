@@ -44,6 +44,9 @@ typedef struct magazine {
   uint32_t cap;
   uint32_t cls;
   epoch_ticket ticket;
+  /* In a heap's limbo only: the devices whose synchronisation covers the
+   * last uses of its blocks (bit d for device d; heap/heap.h, "Limbo"). */
+  uint64_t sync_devs;
   void *slots[MAGAZINE_MAX];
 } magazine;
 

@@ -36,9 +36,13 @@ typedef struct record_ref {
  * INVARIANT: parked == 0: refs[0..nrefs) are the recorded streams (distinct
  *            ids), no tickets. parked == 1: the block was freed; refs are
  *            gone and tickets[0..ntickets) are the seals of the freeing and
- *            recorded streams it could seal, and the entry is on exactly
- *            one of: the parked list, the sync list (a recorded stream was
- *            gone), one poller's or syncer's private chain. */
+ *            recorded streams it could seal (none of the freeing stream's
+ *            if it was capturing), and the entry is on exactly one of: the
+ *            parked list, the sync list (a recorded stream was gone or
+ *            capturing, or the freeing stream was capturing), one poller's
+ *            or syncer's private chain.
+ * INVARIANT: ntickets >= 1 unless sync_devs != 0 (the freeing stream was
+ *            capturing: a synchronisation of every device covered it). */
 typedef struct record_entry {
   uintptr_t ptr;
   size_t bytes; /* the block's size */
@@ -49,6 +53,10 @@ typedef struct record_entry {
   record_ref *refs;
   unsigned ntickets;
   epoch_ticket *tickets;
+  /* Devices besides the block's own whose synchronisation it waits for on
+   * the sync list (heap/heap.h, "Limbo"): every device when the freeing
+   * stream was capturing, else none. */
+  uint64_t sync_devs;
   /* Sharing with other processes (record.h, exports). export_id: nonzero
    * once exported, with its secret; revoked: imports refused from then on;
    * pending: MAGPIE_IPC_HOLD holds no import has taken over. All under
@@ -151,13 +159,20 @@ out:
   return rc;
 }
 
-/* Does the recorded handle still name the recorded stream? No if it was
- * destroyed (the backend refuses the handle) or its value now names a
- * newer stream (the ids differ: ids are never reused). One stream id query,
- * on the free slow path of a recorded block only. */
-static int record_ref_live(const record_ref *r) {
+/* Does the recorded handle still name the recorded stream, and may it be
+ * sealed now? No if it was destroyed (the backend refuses the handle) or
+ * its value now names a newer stream (the ids differ: ids are never
+ * reused), and no while it captures a graph: its id may not be asked then
+ * (CUDA invalidates the capture) and an event recorded there would belong
+ * to the capture. RULE: a stored stream handle is asked its capture state
+ * before anything else; the capture query is the one CUDA allows on a
+ * capturing stream. At most two queries, on the free slow path of a
+ * recorded block only. */
+static int record_ref_sealable(const record_ref *r) {
   uint64_t id = 0;
-  return r->rec->table->ops->stream_id(r->handle, &id) == MAGPIE_OK && id == r->rec->id;
+  const backend_ops *ops = r->rec->table->ops;
+  if (backend_capture_state(ops, r->handle, &id) != BACKEND_CAPTURE_NONE) return 0;
+  return ops->stream_id(r->handle, &id) == MAGPIE_OK && id == r->rec->id;
 }
 
 static void record_tickets_release(epoch_ticket *tk, unsigned n) {
@@ -179,7 +194,7 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
    * lock. */
   epoch_ticket *tk = meta_alloc((e->nrefs + 1) * sizeof *tk);
   unsigned n = 0;
-  int rc = tk == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : epoch_seal(frec, handle, &tk[n]);
+  int rc = tk == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : frec == NULL ? MAGPIE_OK : epoch_seal(frec, handle, &tk[n]);
   if (rc != MAGPIE_OK) {
     meta_free(tk);
     pthread_mutex_lock(&t->lock);
@@ -189,24 +204,30 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
         rc, "magpie_free_async(%p): cannot record an event on the freeing stream: %s; the block stays allocated",
         (void *)p, rc == MAGPIE_ERR_OUT_OF_MEMORY ? "out of host memory" : backend_error_detail());
   }
-  n++;
-  /* A recorded stream that is gone, or cannot be sealed, is covered by a
-   * device synchronisation instead (record.h): never an error, never a
-   * seal on a handle that may name another stream now. */
-  int need_sync = 0;
+  /* A freeing stream that captures (frec NULL) is covered by a
+   * synchronisation of every device (it cannot be asked its own). */
+  uint64_t sync_devs = 0;
+  if (frec != NULL) n++;
+  else sync_devs = ~(uint64_t)0;
+  /* A recorded stream that is gone, or cannot be sealed now, is covered by
+   * a synchronisation of the block's device (recorded streams are of the
+   * block's device, front/record_api.c) instead (record.h): never an
+   * error, never a seal on a handle that may name another stream now. */
+  int need_sync = sync_devs != 0;
   for (unsigned i = 0; i < e->nrefs; i++) {
     record_ref *r = &e->refs[i];
     if (r->closed) { /* retired: its seal is the ticket */
       tk[n++] = r->ticket;
       r->closed = 0;
-    } else if (r->rec->id == frec->id) {
+    } else if (frec != NULL && r->rec->id == frec->id) {
       continue; /* the freeing stream's seal covers it */
-    } else if (record_ref_live(r) && epoch_seal(r->rec, r->handle, &tk[n]) == MAGPIE_OK) {
+    } else if (!need_sync && record_ref_sealable(r) && epoch_seal(r->rec, r->handle, &tk[n]) == MAGPIE_OK) {
       n++;
     } else {
       need_sync = 1;
     }
   }
+  e->sync_devs = sync_devs;
   /* The tickets hold their own references to the stream records. */
   for (unsigned i = 0; i < e->nrefs; i++) epoch_stream_release(e->refs[i].rec);
   meta_free(e->refs);
@@ -273,6 +294,12 @@ int record_retire(record_table *t, stream_rec *rec, cudaStream_t handle) {
 
 size_t record_sync_wanted(const record_table *t) { return atomic_load_relaxed(&t->sync_count); }
 
+uint64_t record_sync_devs(const record_entry *chain) {
+  uint64_t devs = 0;
+  for (const record_entry *e = chain; e != NULL; e = e->pnext) devs |= e->sync_devs;
+  return devs;
+}
+
 record_entry *record_sync_take(record_table *t) {
   if (atomic_load_relaxed(&t->sync_count) == 0) return NULL;
   pthread_mutex_lock(&t->lock);
@@ -300,7 +327,7 @@ void record_sync_done(record_table *t, record_entry *chain, int ok) {
 
 static int record_entry_ready(const record_entry *e) {
   /* INVARIANT (above): a parked entry has its tickets, no refs. */
-  MAGPIE_ASSERT(e->parked == 1 && e->ntickets >= 1 && e->nrefs == 0);
+  MAGPIE_ASSERT(e->parked == 1 && (e->ntickets >= 1 || e->sync_devs != 0) && e->nrefs == 0);
   if (atomic_load_relaxed(&e->holds) != 0) return 0; /* imported elsewhere */
   for (unsigned i = 0; i < e->ntickets; i++)
     if (epoch_ready(&e->tickets[i], EPOCH_NO_STREAM) == EPOCH_PENDING) return 0;
@@ -391,9 +418,10 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
      * large cache takes it over and treats the block as ready for every
      * stream. */
     size_t bsize = 0;
-    if (large_free(lc, e->ptr, &e->tickets[0], &bsize) == MAGPIE_OK) {
+    epoch_ticket none = {0};
+    if (large_free(lc, e->ptr, e->ntickets > 0 ? &e->tickets[0] : &none, &bsize) == MAGPIE_OK) {
       back += e->bytes;
-      record_tickets_release(e->tickets + 1, e->ntickets - 1);
+      if (e->ntickets > 0) record_tickets_release(e->tickets + 1, e->ntickets - 1);
       meta_free(e->tickets);
       meta_free(e);
       continue;

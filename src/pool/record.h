@@ -85,7 +85,10 @@ int record_add(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t byte
 
 /* Free of a block of sl whose slab has recorded blocks (slab.recorded != 0).
  * If p has recorded streams, seals the freeing stream (frec, handle, id
- * matched by the caller) and every recorded stream, parks the block and
+ * matched by the caller; frec NULL: handle is capturing a graph, and a
+ * synchronisation of every device covers it instead) and every recorded
+ * stream that is not capturing (one that is, or is gone, is covered by a
+ * synchronisation of the block's device), parks the block and
  * sets *parked to its size; the caller then only adjusts its live bytes.
  * *parked = 0: not recorded, free normally. A parked small block leaves
  * the freeing thread's cached bytes through d (its class's depot; NULL for
@@ -119,6 +122,9 @@ int record_retire(record_table *t, stream_rec *rec, cudaStream_t handle);
  * (their live streams' tickets still count); without, they go back to the
  * sync list for the next one. */
 size_t record_sync_wanted(const record_table *t);
+/* The devices besides the table's own that the entries of chain (from
+ * record_sync_take) wait for. */
+uint64_t record_sync_devs(const struct record_entry *chain);
 struct record_entry *record_sync_take(record_table *t);
 void record_sync_done(record_table *t, struct record_entry *chain, int ok);
 
