@@ -261,7 +261,9 @@ MAGPIE_API int magpie_sim_launch_access(cudaStream_t s, void (*fn)(void *), void
 
 /* Stream-order checker. While on, every block magpie hands out is checked
  * against the uses recorded when its bytes were last freed: each such use
- * (everything enqueued on the freeing stream before the free) must be
+ * (everything enqueued on the freeing stream before the free, and for a
+ * block recorded with magpie_record_stream everything enqueued on each
+ * recorded stream before the free, up to four streams) must be
  * ordered before the receiving stream's future work, through stream order,
  * stream waits and waits on events, or have been observed complete by the
  * host (an event query that reported completion, an event, stream or device
@@ -269,7 +271,9 @@ MAGPIE_API int magpie_sim_launch_access(cudaStream_t s, void (*fn)(void *), void
  * a premature reuse is reported even when the two uses never overlap in
  * time. Each violation is counted and the first few are printed to stderr.
  * On with MAGPIE_CONF=check_streams=1 (magpie_config.check_streams) when
- * magpie uses the simulated device, or switched here; blocks handed out
+ * magpie uses the simulated device, or switched here; under
+ * AddressSanitizer freed blocks are poisoned in stream order, except
+ * recorded ones (their recorded streams may still use them); blocks handed out
  * while it was off are not tracked. It serialises magpie's allocation calls
  * on one lock: for tests, not for speed. */
 MAGPIE_API int magpie_sim_check_enable(int on);

@@ -72,6 +72,7 @@ void AnnotateIgnoreWritesEnd(const char *file, int line);
 backend_observer sim_check_observer = {
     .on_handout = sim_check_handout,
     .on_free = sim_check_free,
+    .on_record = sim_check_record_stream,
 };
 
 /* ---------------------------------------------------------------- clocks */
@@ -168,11 +169,23 @@ struct sim_check_stream {
   struct sim_check_stream *next, *prev; /* the device's list */
 };
 
-/* A freed byte range and the last use recorded by its free. */
-struct sim_check_rec {
-  uintptr_t lo, hi; /* [lo, hi), inside one chunk */
+/* A use of freed bytes: work n of a stream (its uid). */
+struct sim_check_use {
   uint64_t stream;
   uint64_t n;
+};
+
+/* The freeing stream and the streams the block was recorded on
+ * (magpie_record_stream): a recorded block's free covers their work
+ * enqueued before it too. */
+#define SIM_CHECK_RECORDED 4
+#define SIM_CHECK_USES (1 + SIM_CHECK_RECORDED)
+
+/* A freed byte range and the last uses recorded by its free. */
+struct sim_check_rec {
+  uintptr_t lo, hi; /* [lo, hi), inside one chunk */
+  uint32_t nuse;
+  struct sim_check_use use[SIM_CHECK_USES];
 };
 
 #define SIM_CHECK_CHUNK_SHIFT 21 /* 2 MiB */
@@ -188,6 +201,9 @@ struct sim_check_chunk {
 struct sim_check_live {
   uintptr_t p; /* 0 empty, 1 deleted */
   size_t size;
+  /* Streams (uids) the block was recorded on since its hand-out. */
+  uint32_t nrec;
+  uint64_t rec[SIM_CHECK_RECORDED];
 };
 
 static pthread_mutex_t sim_check_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -367,9 +383,10 @@ static uint32_t sim_check_first_overlap(const struct sim_check_chunk *ch, uintpt
   return a;
 }
 
-/* Record the use (stream, n) over [lo, hi) of one chunk, replacing what
+/* Record the uses u[0..nu) over [lo, hi) of one chunk, replacing what
  * older records say about those bytes. */
-static int sim_check_record(struct sim_check_chunk *ch, uintptr_t lo, uintptr_t hi, uint64_t stream, uint64_t n) {
+static int sim_check_record(struct sim_check_chunk *ch, uintptr_t lo, uintptr_t hi, const struct sim_check_use *u,
+                            uint32_t nu) {
   if (ch->n + 2 > ch->cap) {
     uint32_t ncap = ch->cap ? 2 * ch->cap : 8;
     struct sim_check_rec *r = realloc(ch->recs, (size_t)ncap * sizeof *r);
@@ -383,13 +400,20 @@ static int sim_check_record(struct sim_check_chunk *ch, uintptr_t lo, uintptr_t 
   /* Overlapped records: keep the parts outside [lo, hi). */
   while (j < ch->n && ch->recs[j].lo < hi) {
     struct sim_check_rec r = ch->recs[j++];
-    if (r.lo < lo) keep[nkeep++] = (struct sim_check_rec){r.lo, lo, r.stream, r.n};
-    if (r.hi > hi) keep[nkeep++] = (struct sim_check_rec){hi, r.hi, r.stream, r.n};
+    if (r.lo < lo) {
+      keep[nkeep] = r;
+      keep[nkeep++].hi = lo;
+    }
+    if (r.hi > hi) {
+      keep[nkeep] = r;
+      keep[nkeep++].lo = hi;
+    }
   }
   struct sim_check_rec repl[3];
   int nr = 0;
   if (nkeep > 0 && keep[0].lo < lo) repl[nr++] = keep[0];
-  repl[nr++] = (struct sim_check_rec){lo, hi, stream, n};
+  repl[nr] = (struct sim_check_rec){.lo = lo, .hi = hi, .nuse = nu};
+  memcpy(repl[nr++].use, u, nu * sizeof *u);
   for (int k = 0; k < nkeep; k++)
     if (keep[k].lo >= hi) repl[nr++] = keep[k];
   uint32_t removed = j - i;
@@ -488,15 +512,28 @@ static void sim_check_poison(cudaStream_t h, uintptr_t p, size_t n, int poison) 
 
 /* ---------------------------------------------------------------- allocator hooks */
 
-static void sim_check_violation(uintptr_t p, size_t size, const struct sim_check_rec *r,
+/* Lock held. The newest work of the stream with uid id: its own clock
+ * while it lives, its final one once destroyed. */
+static uint64_t sim_check_clock_of(uint64_t id) {
+  uint64_t n = 0;
+  for (int d = 0; d < SIM_MAX_DEVICES; d++) {
+    for (struct sim_check_stream *c = sim_check_streams[d]; c != NULL; c = c->next)
+      if (c->id == id) return sim_vc_get(c->vc, id);
+    uint64_t r = sim_vc_get(sim_check_retired[d], id);
+    if (r > n) n = r;
+  }
+  return n;
+}
+
+static void sim_check_violation(uintptr_t p, size_t size, const struct sim_check_rec *r, const struct sim_check_use *u,
                                 const struct sim_check_stream *c, uint64_t known, uint64_t seen) {
   char msg[512];
   snprintf(msg, sizeof msg,
            "magpie_sim: stream-order violation: block %p (%zu bytes) handed out for stream %llu while "
            "bytes [%p, %p) were last used by work %llu of stream %llu, which is neither ordered before "
            "stream %llu (it waited for work %llu of that stream) nor observed complete (up to %llu)",
-           (void *)p, size, (unsigned long long)c->id, (void *)r->lo, (void *)r->hi, (unsigned long long)r->n,
-           (unsigned long long)r->stream, (unsigned long long)c->id, (unsigned long long)known,
+           (void *)p, size, (unsigned long long)c->id, (void *)r->lo, (void *)r->hi, (unsigned long long)u->n,
+           (unsigned long long)u->stream, (unsigned long long)c->id, (unsigned long long)known,
            (unsigned long long)seen);
   uint64_t k = atomic_fetch_add_explicit(&sim_check_violation_count, 1, memory_order_relaxed);
   if (k == 0) snprintf(sim_check_first_msg, sizeof sim_check_first_msg, "%s", msg);
@@ -518,19 +555,24 @@ void sim_check_handout(void *ptr, size_t size, cudaStream_t h) {
   } else {
     l->p = p;
     l->size = size;
+    l->nrec = 0;
     int reported = 0;
     for (uintptr_t a = p; a < p + size && !reported;) {
       uintptr_t key = (a >> SIM_CHECK_CHUNK_SHIFT) + 1;
       uintptr_t end = ((a >> SIM_CHECK_CHUNK_SHIFT) + 1) << SIM_CHECK_CHUNK_SHIFT;
       if (end > p + size) end = p + size;
       struct sim_check_chunk *ch = sim_check_chunk_find(key, 0);
-      for (uint32_t i = ch ? sim_check_first_overlap(ch, a) : 0; ch && i < ch->n && ch->recs[i].lo < end; i++) {
+      for (uint32_t i = ch ? sim_check_first_overlap(ch, a) : 0; ch && i < ch->n && ch->recs[i].lo < end && !reported;
+           i++) {
         const struct sim_check_rec *r = &ch->recs[i];
-        uint64_t known = sim_vc_get(c->vc, r->stream), seen = sim_vc_get(sim_check_g, r->stream);
-        if (known < r->n && seen < r->n) {
-          sim_check_violation(p, size, r, c, known, seen);
-          reported = 1; /* one report per hand-out */
-          break;
+        for (uint32_t k = 0; k < r->nuse; k++) {
+          const struct sim_check_use *u = &r->use[k];
+          uint64_t known = sim_vc_get(c->vc, u->stream), seen = sim_vc_get(sim_check_g, u->stream);
+          if (known < u->n && seen < u->n) {
+            sim_check_violation(p, size, r, u, c, known, seen);
+            reported = 1; /* one report per hand-out */
+            break;
+          }
         }
       }
       a = end;
@@ -552,14 +594,20 @@ void sim_check_free(void *ptr, cudaStream_t h) {
     /* The entry stays: if this free fails (the block stays allocated), a
      * later free records again. The next hand-out of p replaces it. */
     size_t size = l->size;
-    uint64_t n = sim_vc_get(c->vc, c->id);
-    poison = size;
+    struct sim_check_use u[SIM_CHECK_USES];
+    uint32_t nu = 0;
+    u[nu++] = (struct sim_check_use){c->id, sim_vc_get(c->vc, c->id)};
+    for (uint32_t k = 0; k < l->nrec; k++)
+      if (l->rec[k] != c->id) u[nu++] = (struct sim_check_use){l->rec[k], sim_check_clock_of(l->rec[k])};
+    /* A recorded block may still be used by its recorded streams after
+     * the freeing stream's poisoning would run: not poisoned. */
+    poison = l->nrec == 0 ? size : 0;
     for (uintptr_t a = p; a < p + size;) {
       uintptr_t key = (a >> SIM_CHECK_CHUNK_SHIFT) + 1;
       uintptr_t end = ((a >> SIM_CHECK_CHUNK_SHIFT) + 1) << SIM_CHECK_CHUNK_SHIFT;
       if (end > p + size) end = p + size;
       struct sim_check_chunk *ch = sim_check_chunk_find(key, 1);
-      if (ch == NULL || sim_check_record(ch, a, end, c->id, n) != 0) sim_check_oom();
+      if (ch == NULL || sim_check_record(ch, a, end, u, nu) != 0) sim_check_oom();
       a = end;
     }
   } else if (c == NULL) {
@@ -567,6 +615,23 @@ void sim_check_free(void *ptr, cudaStream_t h) {
   }
   sim_check_lock_drop();
   if (poison) sim_check_poison(h, p, poison, 1);
+}
+
+void sim_check_record_stream(void *ptr, cudaStream_t h) {
+  struct sim_stream *s;
+  if (ptr == NULL || sim_stream_resolve(h, &s) != MAGPIE_OK) return; /* the record was refused */
+  sim_check_lock_take();
+  struct sim_check_live *l = sim_check_live_slot((uintptr_t)ptr, 0);
+  struct sim_check_stream *c = sim_check_stream_of(s);
+  if (l == NULL || c == NULL) {
+    sim_check_oom();
+  } else {
+    uint32_t k = 0;
+    while (k < l->nrec && l->rec[k] != c->id) k++;
+    if (k == l->nrec && k < SIM_CHECK_RECORDED) l->rec[l->nrec++] = c->id;
+    else if (k == l->nrec) sim_check_oom(); /* more streams than tracked: verdicts may miss some */
+  }
+  sim_check_lock_drop();
 }
 
 /* ---------------------------------------------------------------- public API */

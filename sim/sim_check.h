@@ -24,5 +24,8 @@ void sim_check_handout(void *p, size_t size, cudaStream_t s);
 /* Block p is about to be freed on stream s: its last use is everything
  * enqueued on s so far. Called before the allocator may hand it out again. */
 void sim_check_free(void *p, cudaStream_t s);
+/* magpie_record_stream(p, s) succeeded: the block's free covers s's work
+ * enqueued before it too (up to SIM_CHECK_RECORDED streams). */
+void sim_check_record_stream(void *p, cudaStream_t s);
 
 #endif /* MAGPIE_SIM_CHECK_H */

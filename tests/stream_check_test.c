@@ -190,9 +190,61 @@ static void test_overlapping_blocks(void **state) {
   magpie_sim_stream_destroy(b);
 }
 
+/* A block recorded on another stream (magpie_record_stream): its free
+ * covers that stream's work enqueued before the free too. Handing it to
+ * the freeing stream is reported until the recorded stream's work is
+ * ordered before it; work recorded streams enqueue after the free does
+ * not count; a destroyed recorded stream's last work still does. */
+static void test_recorded_streams(void **state) {
+  (void)state;
+  cudaStream_t a = mk(), b = mk(), c = mk();
+  void *p = block(300);
+  sim_check_handout(p, 4096, a);
+  assert_int_equal(magpie_sim_launch(b, mark_ran, NULL), MAGPIE_OK); /* b uses p */
+  sim_check_record_stream(p, b);
+  sim_check_record_stream(p, b); /* twice: one entry */
+  sim_check_free(p, a);
+  assert_int_equal(magpie_sim_launch(b, mark_ran, NULL), MAGPIE_OK); /* after the free: not a use */
+  uint64_t v0 = magpie_sim_check_violations();
+  sim_check_handout(p, 4096, a); /* a is ordered after its own use, not b's */
+  assert_int_equal(magpie_sim_check_violations() - v0, 1);
+  sim_check_free(p, a);
+  /* Freed again with no record: only a's work counts now. */
+  assert_int_equal(handout_violations(p, 4096, a), 0);
+
+  /* Ordered through a wait on b: no report. */
+  void *q = block(302);
+  sim_check_handout(q, 4096, a);
+  assert_int_equal(magpie_sim_launch(b, mark_ran, NULL), MAGPIE_OK);
+  sim_check_record_stream(q, b);
+  sim_check_free(q, a);
+  assert_int_equal(magpie_sim_stream_wait(c, b), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_wait(c, a), MAGPIE_OK);
+  assert_int_equal(handout_violations(q, 4096, c), 0);
+
+  /* The recorded stream destroyed before the free: its work still counts
+   * until the device is synchronised. */
+  cudaStream_t d = mk();
+  void *r = block(304);
+  sim_check_handout(r, 4096, a);
+  assert_int_equal(magpie_sim_launch(d, mark_ran, NULL), MAGPIE_OK);
+  sim_check_record_stream(r, d);
+  assert_int_equal(magpie_sim_stream_destroy(d), MAGPIE_OK);
+  sim_check_free(r, a);
+  assert_int_equal(magpie_sim_stream_synchronize(a), MAGPIE_OK);
+  assert_int_equal(handout_violations(r, 4096, c), 1);
+  sim_check_free(r, a);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(handout_violations(r, 4096, c), 0);
+  magpie_sim_stream_destroy(a);
+  magpie_sim_stream_destroy(b);
+  magpie_sim_stream_destroy(c);
+}
+
 int main(void) {
   if (magpie_sim_check_enable(1) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_recorded_streams),
       cmocka_unit_test(test_unordered_reuse_is_reported_even_after_the_work_ran),
       cmocka_unit_test(test_same_stream_needs_nothing),
       cmocka_unit_test(test_stream_wait_orders),

@@ -44,6 +44,10 @@ typedef struct backend_observer {
   /* Block p is about to be freed on stream (the stream of its last use),
    * before the allocator may hand it out again. */
   void (*on_free)(void *p, cudaStream_t stream);
+  /* Optional (NULL: none): live block p was recorded on stream
+   * (magpie_record_stream), so its free also covers the work enqueued on
+   * stream before that free. */
+  void (*on_record)(void *p, cudaStream_t stream);
   /* On or off: changed only through backend_observer_set (by the device's
    * own switch, and by magpie's set-up for check_streams=1). */
   _Atomic int enabled;
@@ -212,7 +216,7 @@ static inline void backend_copy_sharing(backend_ops *to, const backend_ops *from
 /* The layout a table handed across shared objects must have
  * (magpie_sim_device_table): a version raised by hand when the table's
  * meaning changes, and its size. */
-#define BACKEND_ABI_VERSION 3u
+#define BACKEND_ABI_VERSION 4u
 #define BACKEND_ABI ((BACKEND_ABI_VERSION << 16) | (unsigned)sizeof(backend_ops))
 
 /* The CUDA driver's table; the simulated device's is found at set-up

@@ -177,11 +177,16 @@ static int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
   heap *h = sl->heap;
   uint64_t id = 0;
   int st = backend_capture_state(ops, stream, &id);
-  uint64_t sid = capture_stream_key(stream, st != BACKEND_CAPTURE_NONE, NULL, "magpie_free_async");
+  int sdev = h->device;
+  uint64_t sid = capture_stream_key(stream, st != BACKEND_CAPTURE_NONE, &sdev, "magpie_free_async");
   if (sid == 0) return magpie_last_error();
   epoch_ticket t = {0};
   if (st == BACKEND_CAPTURE_NONE) {
-    stream_rec *rec = epoch_stream_acquire(&h->epochs, sid);
+    /* The seal is the stream's, so its record and event are of the
+     * stream's device (which may not be the block's). */
+    heap *sh = sdev == h->device ? h : heap_get(sdev);
+    if (sh == NULL) return magpie_last_error();
+    stream_rec *rec = epoch_stream_acquire(&sh->epochs, sid);
     if (rec == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_free_async(%p): out of host memory", p);
     int rc = epoch_seal(rec, stream, &t);
     epoch_stream_release(rec);

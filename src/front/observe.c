@@ -24,3 +24,8 @@ void observe_free(void *p, cudaStream_t stream) {
   backend_observer *o = atomic_load_explicit(&globals.observe_hooks, memory_order_acquire);
   if (o != NULL) o->on_free(p, stream);
 }
+
+void observe_record(void *p, cudaStream_t stream) {
+  backend_observer *o = atomic_load_explicit(&globals.observe_hooks, memory_order_acquire);
+  if (o != NULL && o->on_record != NULL) o->on_record(p, stream);
+}

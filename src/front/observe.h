@@ -29,5 +29,6 @@ void observe_install(const backend_ops *ops, int on);
 /* The hooks (no-ops while no observer is attached). */
 void observe_handout(void *p, size_t size, cudaStream_t stream);
 void observe_free(void *p, cudaStream_t stream);
+void observe_record(void *p, cudaStream_t stream);
 
 #endif /* MAGPIE_OBSERVE_H */
