@@ -152,7 +152,8 @@ static void usage(void) {
           " 4 crossfree: --cross-pairs N (4)  --cross-seconds S (1)\n"
           " 5 trace:     --trace THREADS,STREAMS_PER_THREAD,REQUESTS (4,2,400)\n"
           "              --trace-hidden N (4096)  --trace-layers N (8)\n"
-          " 6 streams:   --rot-streams LIST (1,32,33,256,4096)  --rot-rounds N (100)  --rot-blocks N (8)\n"
+          " 6 streams:   --rot-streams LIST (1,32,33,256,4096)  --rot-rounds N (100)  --rot-blocks N (8)  --rot-touch "
+          "(a kernel per visit uses its blocks)\n"
           " 7 demo:      --demo THREADS,STREAMS_PER_THREAD,STEPS (8,2,20000)\n");
   exit(2);
 }
@@ -230,6 +231,7 @@ int main(int argc, char **argv) {
     O_RSTREAMS,
     O_RROUNDS,
     O_RBLOCKS,
+    O_RTOUCH,
     O_DEMO
   };
   static const struct option longs[] = {{"csv", 1, 0, O_CSV},
@@ -258,6 +260,7 @@ int main(int argc, char **argv) {
                                         {"rot-streams", 1, 0, O_RSTREAMS},
                                         {"rot-rounds", 1, 0, O_RROUNDS},
                                         {"rot-blocks", 1, 0, O_RBLOCKS},
+                                        {"rot-touch", 0, 0, O_RTOUCH},
                                         {"demo", 1, 0, O_DEMO},
                                         {"help", 0, 0, 'h'},
                                         {0, 0, 0, 0}};
@@ -328,6 +331,7 @@ int main(int argc, char **argv) {
     }
     case O_RROUNDS: o.rot_rounds = atoi(optarg); break;
     case O_RBLOCKS: o.rot_blocks = atoi(optarg); break;
+    case O_RTOUCH: o.rot_touch = 1; break;
     case O_DEMO:
       if (sscanf(optarg, "%d,%d,%ld", &o.demo_threads, &o.demo_streams, &o.demo_steps) != 3) usage();
       break;

@@ -37,6 +37,7 @@ typedef struct suite_opts {
   /* 6: many streams, one thread */
   int rot_streams[16], rot_points;
   int rot_rounds, rot_blocks;
+  int rot_touch; /* workload 6: a kernel per visit touches its blocks before they are freed */
   /* 7: the demo's workload */
   int demo_threads, demo_streams;
   long demo_steps;

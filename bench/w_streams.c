@@ -14,7 +14,11 @@
  * size. A point stops after the round that passes ROT_MAX_SECONDS (its
  * figure is then over the rounds that ran, marked "capped"):
  * cudaMallocAsync ran 0.08 M ops/s at 256 streams on an H100 and would take
- * tens of minutes at 4,096. */
+ * tens of minutes at 4,096. With --rot-touch, each visit enqueues one
+ * kernel per 4 blocks that writes them before they are freed, so a visit's
+ * blocks are freed behind work in flight: what a thread holds then
+ * depends on how far its streams' work lags behind its visits (README,
+ * "Many streams per thread"). */
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -58,6 +62,11 @@ static rot_result run(const suite_opts *o, bench_alloc *a, int is_magpie, cudaSt
         sz[k] = suite_spread_size(suite_rand(&seed), 4096, 65536);
         if ((p[k] = a->alloc(sz[k], s)) == NULL) r.failures++;
       }
+      for (int k = 0; o->rot_touch && k < B; k += 4) {
+        int m = B - k < 4 ? B - k : 4, ok = 1;
+        for (int j = 0; j < m; j++) ok &= p[k + j] != NULL;
+        if (ok && bench_touch(s, &p[k], &sz[k], m, (uint32_t)round) != 0) r.failures++;
+      }
       for (int k = 0; k < B; k++)
         if (p[k]) a->free(p[k], sz[k], s);
       if (round >= 0) ops += 2 * (uint64_t)B; /* the untimed round is not counted */
@@ -93,8 +102,8 @@ void workload_streams(const suite_opts *o) {
     if ((streams[i] = bench_stream_create()) == NULL) return;
   printf(
       "\n== 6 streams: one thread visits N streams in turn, >= %d rounds; per visit %d blocks of 4KiB-64KiB "
-      "(2^e+U[0,2^e)) allocated, then freed on that stream\n",
-      o->rot_rounds, o->rot_blocks);
+      "(2^e+U[0,2^e)) allocated, %sthen freed on that stream\n",
+      o->rot_rounds, o->rot_blocks, o->rot_touch ? "used by a kernel, " : "");
   suite_magpie_peak_note();
   printf("%7s %-16s %10s %9s %14s %9s %12s\n", "streams", "allocator", "Mops/s", "x 1 str", "reserved MiB", "limbo",
          "device syncs");

@@ -11,7 +11,15 @@
  * would be overwritten by a replay and counted. Then the blocks are freed,
  * the graph destroyed and the pool released: magpie's statistics show the
  * pool's memory going back. Capture and replay costs are printed. A
- * capture magpie was not told of is refused. */
+ * capture magpie was not told of is refused.
+ *
+ * The adversarial findings' cases: two threads capturing at once on the
+ * per-thread default stream (CU_STREAM_PER_THREAD), each into its own
+ * pool, get their own pool's blocks, and each graph replays its own
+ * values; a block recorded on a stream that then captures, freed on
+ * another stream (and another recorded block freed on the capturing
+ * stream), leaves the capture valid and is handed out by nobody while the
+ * recorded stream's kernel still writes it. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -232,11 +240,193 @@ static void test_unannounced(void **state) {
   }
 }
 
+/* ---- two threads capturing on their per-thread streams at once ---- */
+
+struct pt_side {
+  uint64_t pool;
+  size_t size;
+  int first; /* 0: A (turns 0, 2, 4); 1: B (turns 1, 3, 5) */
+  unsigned seed;
+  void *p;
+  size_t pool_bytes;
+  CUresult end;
+  CUgraph graph;
+  int failed;
+};
+
+static pthread_mutex_t pt_m = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pt_c = PTHREAD_COND_INITIALIZER;
+static int pt_step;
+
+static void pt_wait(int step) {
+  pthread_mutex_lock(&pt_m);
+  while (pt_step != step) pthread_cond_wait(&pt_c, &pt_m);
+  pthread_mutex_unlock(&pt_m);
+}
+
+static void pt_next(void) {
+  pthread_mutex_lock(&pt_m);
+  pt_step++;
+  pthread_cond_broadcast(&pt_c);
+  pthread_mutex_unlock(&pt_m);
+}
+
+/* In turn: A announces and begins, B does, A allocates and fills, B does,
+ * A ends, B ends (a registration resolved by the wrong thread would give
+ * A's block to B's pool). */
+static void *pt_side_main(void *arg) {
+  struct pt_side *x = arg;
+  CUstream pt = CU_STREAM_PER_THREAD;
+  x->failed = gpu_env_bind(&env) != CUDA_SUCCESS;
+  pt_wait(x->first);
+  x->failed |= magpie_capture_begin(x->pool, (cudaStream_t)pt) != MAGPIE_OK;
+  x->failed |= cudrv.stream_begin_capture(pt, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) != CUDA_SUCCESS;
+  pt_next();
+  pt_wait(2 + x->first);
+  x->p = magpie_malloc_async(x->size, (cudaStream_t)pt);
+  x->failed |= x->p == NULL;
+  if (x->p != NULL) x->failed |= gpu_fill_u32(&env, pt, (CUdeviceptr)x->p, x->size / 4, x->seed) != CUDA_SUCCESS;
+  pt_next();
+  pt_wait(4 + x->first);
+  x->end = cudrv.stream_end_capture(pt, &x->graph);
+  x->failed |= magpie_capture_end(x->pool, (cudaStream_t)pt) != MAGPIE_OK;
+  x->pool_bytes = magpie_graph_pool_bytes(x->pool);
+  pt_next();
+  return NULL;
+}
+
+static void test_per_thread_stream_captures(void **state) {
+  (void)state;
+  struct pt_side x[2] = {{.size = 3 * MiB, .first = 0, .seed = 0xA0000000u},
+                         {.size = 5 * MiB, .first = 1, .seed = 0xB0000000u}};
+  pt_step = 0;
+  pthread_t th[2];
+  for (int t = 0; t < 2; t++) {
+    assert_int_equal(magpie_graph_pool_create(0, &x[t].pool), MAGPIE_OK);
+    assert_int_equal(pthread_create(&th[t], NULL, pt_side_main, &x[t]), 0);
+  }
+  for (int t = 0; t < 2; t++) pthread_join(th[t], NULL);
+  for (int t = 0; t < 2; t++) {
+    printf("gpu_graph_test: per-thread capture %c: %zu bytes asked, its pool holds %zu, capture end: %s\n", 'A' + t,
+           x[t].size, x[t].pool_bytes, gpu_err(x[t].end));
+    assert_int_equal(x[t].failed, 0);
+    assert_int_equal(x[t].end, CUDA_SUCCESS);
+    assert_true(x[t].pool_bytes >= x[t].size && x[t].pool_bytes < x[t].size + 2 * MiB);
+  }
+  /* Each graph replays on its own pool's block: launched one after the
+   * other, each block keeps its own values. */
+  CUstream s;
+  GPU_CHECK(cudrv.stream_create(&s, CU_STREAM_NON_BLOCKING));
+  *(volatile uint64_t *)(uintptr_t)hw.dev_bad = 0;
+  for (int t = 0; t < 2; t++) {
+    CUgraphExec exec;
+    GPU_CHECK(cudrv.graph_instantiate(&exec, x[t].graph, 0));
+    GPU_CHECK(cudrv.graph_launch(exec, s));
+    GPU_CHECK(cudrv.stream_synchronize(s));
+    GPU_CHECK(cudrv.graph_exec_destroy(exec));
+    GPU_CHECK(cudrv.graph_destroy(x[t].graph));
+  }
+  for (int t = 0; t < 2; t++)
+    GPU_CHECK(gpu_check_u32(&env, s, (CUdeviceptr)x[t].p, x[t].size / 4, x[t].seed, hw.dev_bad));
+  GPU_CHECK(cudrv.stream_synchronize(s));
+  uint64_t bad = *(volatile uint64_t *)(uintptr_t)hw.dev_bad;
+  printf("gpu_graph_test: per-thread captures replayed: bad words %llu\n", (unsigned long long)bad);
+  assert_int_equal(bad, 0);
+  for (int t = 0; t < 2; t++) {
+    assert_int_equal(magpie_free_async(x[t].p, (cudaStream_t)s), MAGPIE_OK);
+    assert_int_equal(magpie_graph_pool_release(x[t].pool), MAGPIE_OK);
+  }
+  GPU_CHECK(cudrv.stream_synchronize(s));
+  GPU_CHECK(cudrv.stream_destroy(s));
+}
+
+/* ---- record_stream against a capture ---- */
+
+static int overlaps(const void *q, const void *p, size_t size) {
+  return (const char *)q < (const char *)p + size && (const char *)p < (const char *)q + size;
+}
+
+/* Allocations of size on s: how many lay over p while the hold kernel
+ * still ran after they returned (status 3). */
+static long early_hits(CUstream s, size_t size, int n, void *p) {
+  void **v = calloc((size_t)n, sizeof *v);
+  long hits = 0;
+  assert_non_null(v);
+  for (int i = 0; i < n; i++) {
+    v[i] = magpie_malloc_async(size, (cudaStream_t)s);
+    if (v[i] == NULL) fail_msg("magpie_malloc_async: %s", magpie_last_error_message());
+    hits += overlaps(v[i], p, size) && atomic_load(hw.status) == 3;
+  }
+  for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(v[i], (cudaStream_t)s), MAGPIE_OK);
+  free(v);
+  return hits;
+}
+
+/* p allocated on A, written by a hold kernel on O and recorded on O; O
+ * then captures (announced, global mode) while p is freed: on_capturing 0
+ * frees it on A (O is only recorded), 1 on O itself. The capture stays
+ * valid, and while the kernel runs neither A nor C gets p's bytes. */
+static void run_recorded_capture_case(size_t size, int on_capturing) {
+  CUstream a, o, c;
+  GPU_CHECK(cudrv.stream_create(&a, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&o, CU_STREAM_NON_BLOCKING));
+  GPU_CHECK(cudrv.stream_create(&c, CU_STREAM_NON_BLOCKING));
+  void *p = magpie_malloc_async(size, (cudaStream_t)a);
+  assert_non_null(p);
+  GPU_CHECK(cudrv.stream_synchronize(a));
+  uint64_t pool = 0;
+  assert_int_equal(magpie_graph_pool_create(0, &pool), MAGPIE_OK);
+  /* Announced before the kernel: an announcement waits for a device
+   * synchronisation of the maintenance thread under way. */
+  assert_int_equal(magpie_capture_begin(pool, (cudaStream_t)o), MAGPIE_OK);
+  atomic_store(hw.flag, 0);
+  atomic_store(hw.status, 0);
+  GPU_CHECK(gpu_hold(&env, o, hw.dev_flag, (CUdeviceptr)(uintptr_t)p, size / 8, 0x5eedull, 20ull * 1000000000ull,
+                     hw.dev_status));
+  uint64_t deadline = gpu_now_ns() + 10ull * 1000000000ull;
+  while (atomic_load(hw.status) != 3)
+    if (gpu_now_ns() > deadline) fail_msg("the hold kernel did not start within 10 s");
+  assert_int_equal(magpie_record_stream(p, (cudaStream_t)o), MAGPIE_OK);
+  GPU_CHECK(cudrv.stream_begin_capture(o, CU_STREAM_CAPTURE_MODE_GLOBAL));
+  int rc = magpie_free_async(p, (cudaStream_t)(on_capturing ? o : a));
+  CUgraph g = NULL;
+  CUresult er = cudrv.stream_end_capture(o, &g);
+  assert_int_equal(magpie_capture_end(pool, (cudaStream_t)o), MAGPIE_OK);
+  long hits = early_hits(a, size, size > MiB ? 8 : 4000, p) + early_hits(c, size, size > MiB ? 8 : 4000, p);
+  int still = atomic_load(hw.status) == 3;
+  atomic_store(hw.flag, 1);
+  GPU_CHECK(cudrv.stream_synchronize(o));
+  printf(
+      "gpu_graph_test: %zu-byte block recorded on a stream that then captured, freed on %s: free %s, capture end "
+      "%s, handed out %ld times while the kernel ran (still running at the end of the checks: %s)\n",
+      size, on_capturing ? "the capturing stream" : "another stream", magpie_error_string(rc), gpu_err(er), hits,
+      still ? "yes" : "no");
+  assert_int_equal(rc, MAGPIE_OK);
+  assert_int_equal(er, CUDA_SUCCESS);
+  assert_int_equal(hits, 0);
+  assert_true(still);
+  if (g != NULL) GPU_CHECK(cudrv.graph_destroy(g));
+  assert_int_equal(magpie_graph_pool_release(pool), MAGPIE_OK);
+  GPU_CHECK(cudrv.ctx_synchronize());
+  GPU_CHECK(cudrv.stream_destroy(a));
+  GPU_CHECK(cudrv.stream_destroy(o));
+  GPU_CHECK(cudrv.stream_destroy(c));
+}
+
+static void test_recorded_stream_captures(void **state) {
+  (void)state;
+  run_recorded_capture_case(4 * KiB, 0);
+  run_recorded_capture_case(4 * MiB, 0);
+  run_recorded_capture_case(4 * KiB, 1);
+}
+
 int main(void) {
   if (gpu_magpie_setup(&env, &hw) != 0) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_graph_pool),
       cmocka_unit_test(test_unannounced),
+      cmocka_unit_test(test_per_thread_stream_captures),
+      cmocka_unit_test(test_recorded_stream_captures),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

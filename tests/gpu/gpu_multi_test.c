@@ -359,6 +359,100 @@ static void test_free_on_other_device_stream(void **state) {
   GPU_CHECK(gpu_env_bind(&env[0]));
 }
 
+/* The same free, then the block's way back through limbo: magpie_trim(0, 0)
+ * right after it (give_back 0), or the freeing thread's exit (1). Either
+ * sends the thread's magazine with the block to device 0's limbo, which
+ * must wait for device 1's work, not device 0's. The kernel is released
+ * from another thread after 500 ms (the trim's wait step waits for it);
+ * no device-0 allocation may return a block over p while the kernel still
+ * runs after it returned. 4 KiB and 96 KiB (a class block) blocks. */
+struct xfree1 {
+  void *p;
+  CUstream s;
+  int rc;
+};
+
+static void *xfree1_main(void *arg) {
+  struct xfree1 *x = arg;
+  x->rc = gpu_env_bind(&env[1]) == CUDA_SUCCESS ? magpie_free_async(x->p, x->s) : -1;
+  return NULL;
+}
+
+static void *release_later(void *arg) {
+  (void)arg;
+  struct timespec t = {0, 500 * 1000 * 1000};
+  nanosleep(&t, NULL);
+  atomic_store(words.flag, 1);
+  return NULL;
+}
+
+static void run_cross_device_give_back(size_t size, int give_back) {
+  CUstream s0 = stream_on(0), s1 = stream_on(1);
+  GPU_CHECK(gpu_env_bind(&env[0]));
+  void *p = magpie_malloc_async(size, s0);
+  assert_non_null(p);
+  GPU_CHECK(cudrv.stream_synchronize(s0));
+  atomic_store(words.flag, 0);
+  atomic_store(words.status, 0);
+  GPU_CHECK(gpu_env_bind(&env[1]));
+  GPU_CHECK(gpu_hold(&env[1], s1, words.dev_flag, (CUdeviceptr)(uintptr_t)p, size / 8, 0x5eedull,
+                     20ull * 1000 * 1000 * 1000, words.dev_status));
+  uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
+  while (atomic_load(words.status) != 3)
+    if (gpu_now_ns() > deadline) fail_msg("the hold kernel on device 1 did not start within 10 s");
+  pthread_t rel;
+  assert_int_equal(pthread_create(&rel, NULL, release_later, NULL), 0);
+  uint64_t t0 = gpu_now_ns();
+  if (give_back == 0) {
+    assert_int_equal(magpie_free_async(p, s1), MAGPIE_OK);
+    GPU_CHECK(gpu_env_bind(&env[0]));
+    assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  } else {
+    struct xfree1 x = {p, s1, -1};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, xfree1_main, &x), 0);
+    pthread_join(t, NULL);
+    assert_int_equal(x.rc, MAGPIE_OK);
+  }
+  double give_ms = (gpu_now_ns() - t0) / 1e6;
+  GPU_CHECK(gpu_env_bind(&env[0]));
+  int n = 4096, early = 0, got = 0;
+  void **v = calloc((size_t)n, sizeof *v);
+  assert_non_null(v);
+  for (int i = 0; i < n; i++) {
+    v[i] = magpie_malloc_async(size, s0);
+    assert_non_null(v[i]);
+    int over = (char *)v[i] < (char *)p + size && (char *)p < (char *)v[i] + size;
+    got += over;
+    early += over && atomic_load(words.status) == 3;
+  }
+  pthread_join(rel, NULL);
+  GPU_CHECK(gpu_env_bind(&env[1]));
+  GPU_CHECK(cudrv.stream_synchronize(s1));
+  printf(
+      "%zu-byte device-0 block freed on a device-1 stream behind a running kernel, then %s (%.1f ms): %d of %d "
+      "device-0 allocations got its bytes while the kernel still ran (0 expected), %d in all\n",
+      size, give_back == 0 ? "magpie_trim(0, 0)" : "the freeing thread's exit", give_ms, early, n, got);
+  assert_int_equal(early, 0);
+  GPU_CHECK(gpu_env_bind(&env[0]));
+  for (int i = 0; i < n; i++) assert_int_equal(magpie_free_async(v[i], s0), MAGPIE_OK);
+  free(v);
+  GPU_CHECK(cudrv.stream_synchronize(s0));
+  GPU_CHECK(cudrv.stream_destroy(s0));
+  GPU_CHECK(gpu_env_bind(&env[1]));
+  GPU_CHECK(cudrv.stream_destroy(s1));
+  GPU_CHECK(gpu_env_bind(&env[0]));
+}
+
+static void test_cross_device_free_then_give_back(void **state) {
+  (void)state;
+  SKIP_ONE_GPU();
+  run_cross_device_give_back(SMALL, 0);
+  run_cross_device_give_back(96 << 10, 0);
+  run_cross_device_give_back(SMALL, 1);
+  run_cross_device_give_back(96 << 10, 1);
+}
+
 /* ---- hand-offs between the devices ---- */
 
 typedef struct mover {
@@ -494,6 +588,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_no_peer_access_faults),
       cmocka_unit_test(test_peer_access),
       cmocka_unit_test(test_free_on_other_device_stream),
+      cmocka_unit_test(test_cross_device_free_then_give_back),
       cmocka_unit_test(test_handoffs_between_devices),
   };
   return cmocka_run_group_tests(tests, group_setup, NULL);
