@@ -17,7 +17,7 @@
  * tens of minutes at 4,096. With --rot-touch, each visit enqueues one
  * kernel per 4 blocks that writes them before they are freed, so a visit's
  * blocks are freed behind work in flight: what a thread holds then
- * depends on how far its streams' work lags behind its visits (README,
+ * depends on how far its streams' work lags behind its visits (docs/design.md,
  * "Many streams per thread"). */
 #include <stdio.h>
 #include <stdlib.h>

@@ -151,7 +151,7 @@ MAGPIE_API int magpie_block_info(const void *ptr, size_t *size, int *device);
 typedef struct magpie_stats {
   size_t in_use_bytes;      /* handed out and not yet freed (block sizes) */
   size_t reserved_bytes;    /* device memory mapped by magpie */
-  size_t peak_in_use_bytes; /* see README: sampled on slow paths */
+  size_t peak_in_use_bytes; /* see docs/configuration.md: sampled on slow paths */
   size_t peak_reserved_bytes;
   size_t cached_bytes;              /* reserved but not in use */
   size_t large_in_use_bytes;        /* part of in_use served by the large path */
@@ -220,7 +220,7 @@ MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
 MAGPIE_API int magpie_set_limit(int device, size_t bytes);
 
 /* Every segment, slab and block of the device with its state, as JSON
- * (format: docs in src/front/snapshot.c and the README). */
+ * (format: src/front/snapshot.c and docs/configuration.md). */
 MAGPIE_API int magpie_snapshot_json(int device, FILE *out);
 
 /* Like PyTorch's Tensor.record_stream: the block at ptr will not be reused

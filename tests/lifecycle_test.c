@@ -97,7 +97,7 @@ static void test_stats_exact_after_threads_joined(void **state) {
   assert_identity();
 }
 
-/* A free on a destroyed stream (README, "Decisions where CUDA leaves
+/* A free on a destroyed stream (docs/configuration.md, "Decisions where CUDA leaves
  * room"): reported where magpie asks the driver (a thread with no slot for
  * the handle, a large block), not where a thread's slot matches the handle
  * without a driver call; either way the block is neither lost nor reused

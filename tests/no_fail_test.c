@@ -1,4 +1,4 @@
-/* No allocation fails while cached memory could serve it (README, "When an
+/* No allocation fails while cached memory could serve it (docs/design.md, "When an
  * allocation fails"). tests/BUILD runs this file three times on the
  * simulated device, under MAGPIE_CONF=limit=16m, 32m and 64m, and once on
  * a device of 64 MiB with no limit (MAGPIE_SIM_MEMORY=64m):

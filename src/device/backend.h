@@ -192,7 +192,13 @@ typedef struct backend_ops {
  * another thread's capture), for a table without stream_capture and when
  * the query fails (the caller's next use of s reports an invalid handle).
  * The one form every caller uses: the query CUDA allows on a capturing
- * stream, where it refuses the stream's id. */
+ * stream, where it refuses the stream's id.
+ * RULE: a stream handle magpie stored earlier (a record entry's, a capture
+ * registration's, an import's) is asked this first, before its id or
+ * device or an event record on it: CUDA invalidates a capture whose stream
+ * is asked its id, and an event recorded there belongs to the capture.
+ * The per-thread handle (0x2) names another stream in each thread: a
+ * stored one is asked only from the thread that stored it. */
 static inline int backend_capture_state(const backend_ops *ops, cudaStream_t s, uint64_t *id) {
   int st = BACKEND_CAPTURE_NONE;
   *id = 0;

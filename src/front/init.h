@@ -9,7 +9,7 @@ int options_from_env(magpie_config *cfg);
 /* Parse one "key=value,key=value" string over cfg (options.c). */
 int options_parse(magpie_config *cfg, const char *conf);
 
-/* Accepted ranges (options.c, README). */
+/* Accepted ranges (options.c, docs/configuration.md). */
 #define OPTIONS_MAGAZINE_MIN ((size_t)256)
 #define OPTIONS_MAGAZINE_MAX ((size_t)64 << 20)
 #define OPTIONS_SLOW_CALL_MS_MAX 3600000u

@@ -2,7 +2,7 @@
  * in-use counters.
  *
  * Invariants (exact when no thread is between a fast-path update and its
- * next slow path; see README):
+ * next slow path; see docs/configuration.md):
  *   in_use_bytes + cached_bytes == reserved_bytes
  *   in_use_bytes <= peak_in_use_bytes, reserved_bytes <= peak_reserved_bytes
  * peak_in_use_bytes is sampled on slow paths: it may miss a peak by at most

@@ -1217,7 +1217,7 @@ static size_t tcache_reclaim_pass(heap *h, int ask, int *waiting) {
  * threads to give theirs back at their next operation, and wait (bounded)
  * until they have, taking those that went idle meanwhile. An allocation
  * that fails after this step then fails with every thread's magazines
- * given back, as README.md promises: before the wait, one allocation of
+ * given back, as docs/design.md promises: before the wait, one allocation of
  * stream_rotation_test's four threads under a 24 MiB limit failed in about
  * one run in twenty, with 16 MiB in busy threads' magazines and 0.4 MiB in
  * use. */

@@ -164,10 +164,8 @@ out:
  * its value now names a newer stream (the ids differ: ids are never
  * reused), and no while it captures a graph: its id may not be asked then
  * (CUDA invalidates the capture) and an event recorded there would belong
- * to the capture. RULE: a stored stream handle is asked its capture state
- * before anything else; the capture query is the one CUDA allows on a
- * capturing stream. At most two queries, on the free slow path of a
- * recorded block only. */
+ * to the capture (the rule at backend_capture_state, device/backend.h).
+ * At most two queries, on the free slow path of a recorded block only. */
 static int record_ref_sealable(const record_ref *r) {
   uint64_t id = 0;
   const backend_ops *ops = r->rec->table->ops;
