@@ -64,6 +64,11 @@ typedef struct blk {
   int stream;
   int dev;
   int pooled; /* a block of a graph pool (counted in its bytes) */
+  /* The stream it was last recorded on (magpie_record_stream), -1 if none:
+   * its use there may still run when the block is freed on `stream`, as
+   * record_stream allows; every later use waits for it, so that the
+   * input's own uses never race each other. */
+  int rec;
 } blk;
 
 static cudaStream_t streams[NSTREAMS];
@@ -121,7 +126,10 @@ static void use_block(void *a) {
 }
 
 /* A use of b on stream k (checked for access: peer access is granted). */
+static void order(int j, int i);
+
 static void enqueue_use_on(blk *b, int k, uint64_t tag) {
+  if (b->rec >= 0 && b->rec != k) order(k, b->rec);
   use_arg *u = malloc(sizeof *u);
   if (u == NULL) return;
   *u = (use_arg){b->p, b->size / 8, tag};
@@ -223,7 +231,7 @@ static void captured_step(int k, int j, const uint8_t *ops, int nops, uint64_t *
       size_t size = pick_size(a >> 1, b);
       uint64_t *p = magpie_malloc_async(size, s);
       if (p == NULL) fuzz_fail("allocation inside a capture");
-      tmp[ntmp] = (blk){p, magpie_usable_size(p), k, d, 1};
+      tmp[ntmp] = (blk){p, magpie_usable_size(p), k, d, 1, -1};
       if (tmp[ntmp].size < size || tmp[ntmp].size < 8) fuzz_fail("a graph block smaller than requested");
       use_arg *u = &capture_uses[ncapture_uses++];
       *u = (use_arg){p, tmp[ntmp].size / 8, (*tag)++};
@@ -358,7 +366,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
       if (p == NULL) fuzz_fail("allocation failed on a 4 GiB device");
       int dev = -1;
       if (magpie_block_info(p, NULL, &dev) != MAGPIE_OK || dev != stream_dev(k)) fuzz_fail("block of another device");
-      live[nlive] = (blk){p, magpie_usable_size(p), k, dev, 0};
+      live[nlive] = (blk){p, magpie_usable_size(p), k, dev, 0, -1};
       if (live[nlive].size < size || live[nlive].size < 256) fuzz_fail("usable size smaller than requested");
       enqueue_use(&live[nlive++], tag++);
       break;
@@ -392,11 +400,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
     }
     case 6: { /* destroy and re-create a stream */
       int k = NEXT() % NCREATED, to = (k + 1) % NCREATED;
-      for (int i = 0; i < nlive; i++)
+      for (int i = 0; i < nlive; i++) {
         if (live[i].stream == k) {
           order(to, k);
           live[i].stream = to;
         }
+        if (live[i].rec == k) { /* its use there is ordered before the block's stream now */
+          order(live[i].stream, k);
+          live[i].rec = -1;
+        }
+      }
       if (magpie_sim_stream_destroy(streams[k]) != MAGPIE_OK) fuzz_fail("stream destroy");
       streams[k] = stream_new(k);
       break;
@@ -430,6 +443,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t n) {
         if (rc != MAGPIE_OK) fuzz_fail("magpie_record_stream");
         order(j, b->stream);
         enqueue_use_on(b, j, tag++);
+        b->rec = j;
       }
       break;
     }
