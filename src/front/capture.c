@@ -141,7 +141,7 @@ static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream,
   }
   rc = gpool_add(&h->graphs, pool, p, bsize);
   if (rc != MAGPIE_OK) {
-    heap_graph_retire(h, p, bsize);
+    heap_graph_retire(h, p, bsize, h->device);
     error_set(rc, "%s: graph pool %#llx was released meanwhile, or host memory ran out", fn, (unsigned long long)pool);
     return NULL;
   }
@@ -196,12 +196,15 @@ static int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
   }
   size_t bsize = 0;
   gpool_retired *retired = NULL;
-  int rc = gpool_free(&h->graphs, (uintptr_t)p, st == BACKEND_CAPTURE_NONE ? 0 : id, sid, &t, &bsize, &retired);
+  /* During a capture the stream's device cannot be asked: every device's
+   * synchronisation covers the block if it leaves for limbo. */
+  int fdev = st == BACKEND_CAPTURE_NONE ? sdev : HEAP_SYNC_EVERY_DEVICE;
+  int rc = gpool_free(&h->graphs, (uintptr_t)p, st == BACKEND_CAPTURE_NONE ? 0 : id, sid, fdev, &t, &bsize, &retired);
   if (t.rec != NULL) epoch_ticket_release(&t); /* not taken over */
   if (rc == MAGPIE_ERR_DOUBLE_FREE)
     return error_set(rc, "magpie_free_async(%p): graph pool block already free (double free)", p);
   if (rc != MAGPIE_OK) return error_set(rc, "magpie_free_async(%p): not the start of a graph pool's block", p);
-  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size);
+  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
   gpool_retired_free(retired);
   return MAGPIE_OK;
 }
@@ -325,7 +328,7 @@ MAGPIE_API int magpie_graph_pool_release(uint64_t pool) {
   if (rc != MAGPIE_OK)
     return error_set(rc, "magpie_graph_pool_release: graph pool %#llx was released already (or never made)",
                      (unsigned long long)pool);
-  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size);
+  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
   gpool_retired_free(retired);
   return MAGPIE_OK;
 }

@@ -816,11 +816,11 @@ int heap_graph_alloc(heap *h, size_t size, uintptr_t *out, size_t *bsize) {
   return MAGPIE_OK;
 }
 
-void heap_graph_retire(heap *h, uintptr_t p, size_t size) {
+void heap_graph_retire(heap *h, uintptr_t p, size_t size, int sdev) {
   lblock *b = NULL;
   large_graph_mark(&h->large, p, 0);
   heap_publish_in_use(h, -(int64_t)size);
-  if (large_keep_block(&h->large, p, SIZE_MAX, &b) && heap_limbo_put_large(h, b, h->device) == MAGPIE_OK) return;
+  if (large_keep_block(&h->large, p, SIZE_MAX, &b) && heap_limbo_put_large(h, b, sdev) == MAGPIE_OK) return;
   /* Host metadata ran out: the block stays handed out (lost to reuse, never
    * to another user while a replay may touch it). */
   if (b != NULL) large_unkeep(b);

@@ -197,9 +197,10 @@ void heap_capture_hold(int delta);
  * marked as a graph pool's (large_graph_mark); counted in use. */
 int heap_graph_alloc(heap *h, size_t size, uintptr_t *out, size_t *bsize);
 /* A graph pool's block [p, p+size) leaves the pool: unmarked, no longer in
- * use, and freed to the large cache after the next device
- * synchronisation (limbo). */
-void heap_graph_retire(heap *h, uintptr_t p, size_t size);
+ * use, and freed to the large cache after the next synchronisation of the
+ * heap's device (its graphs' replays) and of sdev, the device of the
+ * stream that freed it last (limbo). */
+void heap_graph_retire(heap *h, uintptr_t p, size_t size, int sdev);
 
 /* In a child of fork() (its only thread): forget the parent's maintenance
  * thread, so that exit does not wait for it. */

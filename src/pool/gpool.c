@@ -99,7 +99,8 @@ int gpool_create(gpool_set *s, uint64_t id) {
 }
 
 /* A block leaves the set: off its pool's list and the hash; its ticket is
- * let go (the device synchronisation in limbo covers its free). Lock held. */
+ * let go (limbo's synchronisation of the freeing stream's device, named in
+ * its gpool_retired, covers its free). Lock held. */
 static void gpool_unlink(gpool_set *s, gblock *b) {
   gpool *g = b->pool;
   if (b->pprev != NULL) b->pprev->pnext = b->pnext;
@@ -135,6 +136,7 @@ static int gpool_retire(gpool_set *s, gblock *b, gpool_retired **retired) {
   if (r == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   r->base = b->base;
   r->size = b->size;
+  r->dev = b->free_dev;
   r->next = *retired;
   *retired = r;
   gpool_unlink(s, b);
@@ -227,7 +229,7 @@ int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size) {
   return rc;
 }
 
-int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, epoch_ticket *t, size_t *bsize,
+int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, int dev, epoch_ticket *t, size_t *bsize,
                gpool_retired **retired) {
   *retired = NULL;
   pthread_mutex_lock(&s->lock);
@@ -246,6 +248,7 @@ int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, epo
     atomic_sub_relaxed(&s->used_bytes, b->size);
     b->free_capture = capture;
     b->free_stream = stream;
+    b->free_dev = dev;
     b->free_quiet = g->quiet;
     b->ticket = t != NULL ? *t : (epoch_ticket){0};
     if (t != NULL) *t = (epoch_ticket){0}; /* taken over */

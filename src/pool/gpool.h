@@ -57,6 +57,7 @@ typedef struct gblock {
    * the free (gpool.quiet); outside, the free's ticket (rec NULL: ready). */
   uint64_t free_capture;
   uint64_t free_stream;
+  int free_dev; /* the device of the stream of its last free, -1 if unknown */
   uint64_t free_quiet;
   epoch_ticket ticket;
   struct gblock *pnext, *pprev; /* the pool's blocks */
@@ -91,6 +92,7 @@ typedef struct gpool_set {
 typedef struct gpool_retired {
   uintptr_t base;
   size_t size;
+  int dev; /* the device of the stream that freed it last, -1 if unknown */
   struct gpool_retired *next;
 } gpool_retired;
 
@@ -111,11 +113,13 @@ int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_
  * when the pool is gone or released (the caller retires the block). */
 int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size);
 /* Free block p: during capture `capture` (0: outside any) on stream id
- * `stream`, with the free's ticket t (taken over on success; NULL or
- * t->rec NULL: ready). *retired: the block when its pool was released
+ * `stream` of device dev (-1: unknown, as on a capturing stream), with the
+ * free's ticket t (taken over on success; NULL or t->rec NULL: ready). A
+ * block that leaves for limbo later drops its ticket: the synchronisation
+ * of dev there covers it. *retired: the block when its pool was released
  * (it leaves for limbo), else NULL. *bsize: its size.
  * MAGPIE_ERR_INVALID_POINTER / MAGPIE_ERR_DOUBLE_FREE. */
-int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, epoch_ticket *t, size_t *bsize,
+int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, int dev, epoch_ticket *t, size_t *bsize,
                gpool_retired **retired);
 /* Drop the creator's reference to pool id: its free blocks leave (*retired);
  * MAGPIE_ERR_INVALID_ARGUMENT if unknown or released already. */
