@@ -17,12 +17,10 @@ MAGPIE_COPTS = [
 # compiler has them (gcc; clang 14, used for the sanitizer builds, does
 # not): libmagpie.so can then be dlopened after start-up with glibc's
 # defaults, which the initial-exec model's static TLS forbade, and the fast
-# path's access to its thread cache costs about what initial-exec did.
-# Measured on the 2-core VM, simulated device, 4 KiB pair through a
-# program linked against libmagpie.so, three runs each: initial-exec
-# 16.4-18.2 ns (dlopen fails), TLS descriptors 18.6-18.9 ns, the default
-# global-dynamic model 23.0-27.8 ns. (Linked into an executable, the linker
-# turns every model into local-exec.)
+# path's access to its thread cache costs about what initial-exec did, less
+# than the default global-dynamic model (bench/DECISIONS.md, "Thread-local
+# variables through TLS descriptors"). (Linked into an executable, the
+# linker turns every model into local-exec.)
 MAGPIE_LIB_COPTS = MAGPIE_COPTS + ["-fvisibility=hidden"] + select({
     "//:compiler_gcc": ["-mtls-dialect=gnu2"],
     "//conditions:default": [],

@@ -9,10 +9,9 @@
  * else the fewest chunks whose tail (what no block fits in) is at most an
  * eighth of the run, else the run of the least tail. Few chunks mean few
  * blocks per slab: a class with one block live pins its slab, and slabs
- * of whole granules (2-8 MiB for classes of 40 KiB-1 MiB) made one thread
- * of the mixed 256 B-2 MiB workload hold 4.5 times its peak live bytes on
- * the simulated device; with runs (at most four blocks above 256 KiB),
- * see bench/HISTORY.md. */
+ * of whole granules (2-8 MiB for classes of 40 KiB-1 MiB) held several
+ * times a thread's live bytes (bench/DECISIONS.md, "Slabs are runs of
+ * chunks of shared granules"). */
 /* The k in kmin..kmax for which k units hold blocks of `size` with the
  * least tail fraction (ties to the smaller k); with eighth, the first k
  * whose tail is at most an eighth of its run. */
@@ -55,11 +54,11 @@ static uint32_t sizeclass_icbrt(size_t v) {
  * class and holds about cap * size bytes of it; over classes used alike,
  * the bytes held for a given number of exchanges are least when cap falls
  * with the cube root of the size. Starting capacity: 5 blocks at 64 KiB
- * (cbrt(2^23 / size)), 20 at 1 KiB, 32 at 256 B, at most mag_max. On the
- * H200 (workload 2, sixteen threads), 2^23 held 12 % less memory than
- * 2^25 at the same speed within noise; 2^21 held 25 % less but cost about
- * 40 % of the throughput (more event records and depot exchanges). Where
- * a thread's blocks only flow out (frees, no allocations: one exchange per
+ * (cbrt(2^23 / size)), 20 at 1 KiB, 32 at 256 B, at most mag_max. 2^23
+ * held less memory than 2^25 at the same speed; smaller still cost much of
+ * the throughput in event records and depot exchanges (bench/DECISIONS.md,
+ * "Magazine capacity falls with the cube root of the size"). Where a
+ * thread's blocks only flow out (frees, no allocations: one exchange per
  * magazine, however large) its capacity grows up to mag_max (tcache.c). */
 void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {

@@ -10,13 +10,9 @@
  *   bytes:  256  512  768  1K   1.25K 1.5K 1.75K 2K  ...  32K  48K  64K  96K ...  1M
  *
  * Fewer classes above 32 KiB: a thread's class blocks come and go class by
- * class, and each class held its own high-water mark of them. In one H100
- * visit, with a thread's surplus of them going back to the segments
- * (heap_put, trying the lock every time), one thread of the mixed
- * 256 B-2 MiB workload (2^e + U[0, 2^e) bytes) held 1.58 times its peak
- * live bytes with two classes per power of two, 1.64 with four; two
- * threads 1.33-1.36 against 1.47-1.48, eight 1.00-1.02 against 1.09-1.13
- * (bench/HISTORY.md, 2026-11-26).
+ * class, and each class held its own high-water mark of them, so fewer
+ * classes held less memory (bench/DECISIONS.md, "Two classes per power of
+ * two above 32 KiB").
  *
  * Requests above SIZECLASS_MAX_SIZE go to the large-block path. */
 #ifndef MAGPIE_SIZECLASS_H

@@ -64,15 +64,11 @@ typedef struct stack {
 /* Chunks: slabs are runs of chunks of this many bytes cut from shared
  * granules (pool/span.h): one chunk for classes of which it holds at least
  * SIZECLASS_CHUNK_MIN_BLOCKS blocks (up to 4 KiB), the fewest chunks that
- * waste at most an eighth for larger ones (sizeclass.c). On the
- * H200, workload 2 at sixteen threads held 1.34-1.41 times its threads'
- * peaks with 16 here (blocks up to 16 KiB, 465-478 M ops/s), 1.27 with 8
- * (387-409 M ops/s; the run to run spread of that figure is about as
- * wide). Chunks of 256 KiB held 1.46 times one thread's peak of the mixed
- * 256 B-2 MiB workload on an H100, 32 KiB 1.40, at the same speed (three
- * rounds each, bench/HISTORY.md); on the simulated device 1.48 and 1.35
- * (five seeds), 64 KiB 1.41. A granule of 2 MiB holds 64 chunks, the most
- * a span's mask takes. */
+ * waste at most an eighth for larger ones (sizeclass.c). Smaller chunks,
+ * and chunk slabs for classes of 8 blocks a chunk rather than 16, held
+ * less memory at the same speed within the spread (bench/DECISIONS.md,
+ * "Chunks of 32 KiB, one chunk for eight blocks"). A granule of 2 MiB
+ * holds 64 chunks, the most a span's mask takes. */
 #define SIZECLASS_CHUNK_SHIFT 15
 #define SIZECLASS_CHUNK ((size_t)1 << SIZECLASS_CHUNK_SHIFT)
 #define SIZECLASS_CHUNK_MIN_BLOCKS 8
@@ -80,17 +76,12 @@ typedef struct stack {
 /* Classes above this have no slabs: their blocks are carved one by one from
  * the large segments and go back there, coalescing, when the depot gives
  * them back (pool/large.h, class blocks). Slabs of segregated classes keep
- * a class's memory until every block of a slab is free: one thread of the
- * mixed 256 B-2 MiB workload held 3 times its peak live bytes with slabs
- * up to 1 MiB on the simulated device, against 1.46 with every block above
- * 32 KiB in segments (bench/HISTORY.md). The slab of a class near here is
- * a run of a few chunks (sizeclass.c): 96 KiB for two blocks of 48 KiB, 64
- * KiB for one of 64 KiB. Those two classes have slabs: as class blocks they
- * sat among the demo's 2-6 MiB blocks and split the free memory those
- * needed; with slabs the demo peaked at 38-56 MiB reserved on an H100
- * (mean 44.5, 1.86 times its peak in use) instead of 44-76 (mean 55.2,
- * 2.21), twelve runs each in two visits; workload 2 within its spread
- * (bench/HISTORY.md). */
+ * a class's memory until every block of a slab is free, which for large
+ * classes held far more memory than class blocks do. The slab of a class
+ * near here is a run of a few chunks (sizeclass.c): 96 KiB for two blocks
+ * of 48 KiB, 64 KiB for one of 64 KiB. Those two classes have slabs: as
+ * class blocks they sat among large blocks and split the free memory those
+ * needed (bench/DECISIONS.md, "Slabs up to 64 KiB, class blocks above"). */
 #define SIZECLASS_SLAB_MAX ((size_t)64 << 10)
 /* Most bytes of one magazine of those classes (at least one block). */
 #define SIZECLASS_SEG_MAG_BYTES ((size_t)256 << 10)

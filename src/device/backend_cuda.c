@@ -181,16 +181,17 @@ int cuda_device_ctx(int device, cudrv_context *out) {
 }
 
 /* Makes device's primary context current until cuda_pop. */
-/* The relaxed capture mode (backend.h). Measured on an H100 (CUDA 13.0,
- * driver 580): while another thread captures in the global mode, a thread
- * in the default global mode that queries or synchronises an event
- * recorded outside the capture, queries or synchronises its own stream, or
- * allocates device memory gets CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and
- * the other thread's capture is invalidated; in the relaxed mode all of
- * these succeed and the capture survives (a context synchronisation fails
- * in every mode). So every such call here runs relaxed: cuda_relax swaps
- * the thread's mode to relaxed and returns the one it had (-1 if the swap
- * failed), cuda_unrelax puts it back. Each is one cheap driver call. */
+/* The relaxed capture mode (backend.h). With CUDA 13.0 (driver 580), while
+ * another thread captures in the global mode, a thread in the default
+ * global mode that queries or synchronises an event recorded outside the
+ * capture, queries or synchronises its own stream, or allocates device
+ * memory gets CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and the other thread's
+ * capture is invalidated; in the relaxed mode all of these succeed and the
+ * capture survives (a context synchronisation fails in every mode;
+ * bench/DECISIONS.md, "Device calls run in the relaxed capture mode"). So
+ * every such call here runs relaxed: cuda_relax swaps the thread's mode to
+ * relaxed and returns the one it had (-1 if the swap failed), cuda_unrelax
+ * puts it back. Each is one cheap driver call. */
 static int cuda_relax(void) {
   cudrv_capture_mode mode = CUDRV_STREAM_CAPTURE_MODE_RELAXED;
   return cudrv.thread_exchange_capture_mode(&mode) == CUDRV_SUCCESS ? mode : -1;
@@ -470,10 +471,12 @@ static int cuda_stream_id_slow(cudaStream_t stream, uint64_t *id, cudrv_result r
 /* Special handles (0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD) name the
  * legacy or per-thread stream of the calling thread's current context; both
  * live as long as the context. So their ids are cached per thread by
- * context: cuCtxGetCurrent (~8 ns) replaces cuStreamGetId (~24 ns, ~41 ns
- * through the special-handle path). A context destroyed and re-created at
- * the same address (cuDevicePrimaryCtxReset) would need the cache dropped;
- * magpie retains primary contexts, so they are not reset under it. */
+ * context: cuCtxGetCurrent replaces cuStreamGetId, which costs several
+ * times as much, more through the special-handle path (bench/DECISIONS.md,
+ * "Special handles' ids are cached per context"). A context destroyed and
+ * re-created at the same address (cuDevicePrimaryCtxReset) would need the
+ * cache dropped; magpie retains primary contexts, so they are not reset
+ * under it. */
 #define CUDA_SPECIAL_CACHE 4
 typedef struct cuda_special_ids {
   cudrv_context ctx;
@@ -596,8 +599,10 @@ static int cuda_device_synchronize(int device) {
 
 static const backend_ops cuda_ops = {
     .name = "cuda",
-    /* cuEventCreate took up to 660 ms on an H200 busy with kernels: make
-     * them while the device is idle, and in the background after. */
+    /* cuEventCreate can stall for long on a device busy with kernels: make
+     * them while the device is idle, and in the background after
+     * (bench/DECISIONS.md, "Events come from a pool refilled in the
+     * background"). */
     .event_prefill = 1024,
     .init = cuda_init,
     .device_count = cuda_device_count,

@@ -5,9 +5,10 @@
  * What it costs: nothing on the fast paths while no capture is announced
  * (they read globals.slow_paths, which they read anyway). While one is,
  * every allocation and free of every thread takes its slow path and asks
- * the device once for its stream's capture state (on the H100,
- * cuStreamIsCapturing costs about as much as cuStreamGetId); captures are
- * short and replays allocate nothing.
+ * the device once for its stream's capture state (cuStreamIsCapturing
+ * costs about as much as cuStreamGetId; bench/DECISIONS.md, "Announced
+ * captures send every call to the slow path"); captures are short and
+ * replays allocate nothing.
  *
  * Lock order: capture_lock (globals.h) is taken alone; it is held across
  * stream capture queries (never a wait) while finding a capture's pool. */

@@ -91,9 +91,9 @@ static void tcache_slot_index(tcache *tc, const tslot *ts) {
  * memory per block in flight and saves exchanges. A slot whose blocks come
  * and go (a random walk) frees no more in a row than it holds; doubling on
  * any magazine's worth of frees in a row grew small magazines there too,
- * and every thread then held a slab's worth of a class (workload 2 on the
- * H200). Many allocations since the last exchange bring it back toward
- * the start. */
+ * and every thread then held a slab's worth of a class (bench/DECISIONS.md,
+ * "Magazines grow only after a run of frees"). Many allocations since the
+ * last exchange bring it back toward the start. */
 static uint32_t tcache_next_cap(tslot *ts, unsigned c) {
   const sizeclass_info *ci = &globals.sizeclass_table[c];
   uint64_t now = tslot_allocs(ts, c);
@@ -302,15 +302,12 @@ static size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on
  * with it (heap_put, as the slot's own: their classes are marked round
  * trips in ts->round_trip, which the caller restores after its seal). Cached
  * in the thread they sit between the segments' free holes and keep them
- * apart, so the segments grew beside them: the mixed 256 B-2 MiB
- * workload on an H100 held 1.58 / 1.18-1.24 / 1.02-1.04 / 0.91-0.92 times
- * its peak live bytes at 1 / 4 / 8 / 16 threads, 1.46 / 1.10-1.20 /
- * 0.94-0.95 / 0.83-0.84 with them sent back (2 threads: 1.45-1.55 with,
- * 1.41-1.53 without). The price: its class blocks come from the segments' lock
- * more often, and one thread ran 3.2-3.9 M operations a second instead
- * of 4.8-6.7 (bench/HISTORY.md, 2026-11-26). Doing it only where the
- * segments were about to grow held 1.52 at one thread. The outbox is
- * sealed before every large allocation anyway, so this adds no event. */
+ * apart, so the segments grew beside them. Sent back, they hold less
+ * memory; the price is that class blocks come from the segments' lock more
+ * often, which slows a single thread, and doing it only where the segments
+ * were about to grow held more (bench/DECISIONS.md, "Class blocks go back
+ * before a large allocation"). The outbox is sealed before every large
+ * allocation anyway, so this adds no event. */
 static void tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
   for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++) {
     if (!globals.sizeclass_table[c].seg) continue;
@@ -394,9 +391,10 @@ static void tcache_slot_retire(tcache *tc, tslot *ts) {
  * heap lets go of its stream only: its empty magazines stay for the new
  * stream's frees, and its class counters, which count for the heap, go on
  * (retiring it instead, for every visit of a thread taking turns on more
- * streams than it has slots, cost 1.2-1.3 us of the 5.6 of a visit on an
- * H100: a lock and 88 atomic additions to fold the counters, and every
- * empty magazine back to the shared stacks and out again). */
+ * streams than it has slots, cost a lock and 88 atomic additions to fold
+ * the counters, and every empty magazine back to the shared stacks and
+ * out again: a large share of a visit; bench/DECISIONS.md, "A drained
+ * slot is recycled, not retired"). */
 static void tcache_slot_recycle(tcache *tc, tslot *ts) {
   MAGPIE_ASSERT(tdrain_clean(ts));
   tcache_publish(tc, ts->heap);
@@ -610,12 +608,13 @@ void tcache_capture_error(cudaStream_t s, size_t size) {
  * handle was asked its id by this allocation (tcache_alloc_fast, or
  * tcache_alloc_slow_in when that could not), and CUDA refuses the id of a
  * capturing stream in every capture mode (global, thread-local, relaxed,
- * and a relaxed thread in a global capture; H100, CUDA 13.0, driver 580;
- * the simulated device alike; bench/results/h100-2026-11-26-0168709): s
- * was not capturing then, and the driver is not asked again. That query
- * cost about as much as cuStreamGetId on every large allocation. Special
- * handles' ids come from a per-context cache without the driver: one
- * query. 1 with the error set: refused. */
+ * and a relaxed thread in a global capture; CUDA 13.0, driver 580, and the
+ * simulated device alike; bench/DECISIONS.md, "No capture-state query
+ * where the stream's id answered"): s was not capturing then, and the
+ * driver is not asked again. That query cost about as much as
+ * cuStreamGetId on every large allocation. Special handles' ids come from
+ * a per-context cache without the driver: one query. 1 with the error
+ * set: refused. */
 static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
   uint64_t cid;
   if ((atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 || !tcache_special_handle(s) ||
@@ -627,29 +626,21 @@ static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
 
 /* Decay. A thread taking turns on streams keeps each stream's magazines
  * while it works on the others, and what a refill brought (a whole
- * magazine) stays however few blocks the thread then uses: the demo's
- * eight threads on two streams each held 12-13 MiB in their magazines for
- * under 1 MiB of small blocks in use. Every TCACHE_DECAY_ENTRIES entries
- * into a slot from another, three quarters of the blocks of each small
- * class that the slot held all along since the last decay (its low-water
- * mark over loaded and prev) leave through the outbox, sealed on the
+ * magazine) stays however few blocks the thread then uses: threads taking
+ * turns on a few streams held many times their small blocks in use in
+ * their magazines. Every TCACHE_DECAY_ENTRIES entries into a slot from
+ * another, three quarters of the blocks of each small class that the slot
+ * held all along since the last decay (its low-water mark over loaded and
+ * prev) leave through the outbox, sealed on the
  * slot's stream, for the depot, where other threads and streams take them
  * instead of carving slabs; the class's refills then bring half as many
  * blocks as before (tcache_refill_trim), twice as many again after a decay
  * interval in which the slot ran out (jemalloc's thread caches decay
  * alike). A thread on one stream never enters another slot: nothing
- * decays there. On an H100 (eight runs each, alternating), the demo's
- * threads held 6.6-7.6 MiB in their magazines instead of 10.0-12.9 and
- * it peaked at 32-40 MiB reserved (mean 35.5) instead of 38-58 (43.3);
- * the pipeline (workload 3) at 96-98 MiB instead of 118-122, as fast;
- * small pairs, workloads 2, 4, 5 and the soak the same within their
- * spreads (every 16 entries then). Every 8 instead of 16, ten rounds
- * each: the demo peaked at 36.6 MiB on average instead of 37.8 (1.55
- * times its peak in use instead of 1.68), its threads' magazines 5.3-6.5
- * MiB instead of 6.9-7.4, the pipeline 92-94 MiB instead of 96. Decaying
- * the slots of threads on 24 streams or more too (whose slots drain
- * anyway) made workload 6 up to half as fast in some rounds
- * (bench/HISTORY.md, 2026-11-26). */
+ * decays there. Decay lowers peaks at the same speed, every 8 entries
+ * more than every 16; the slots of threads on 24 streams or more, which
+ * drain anyway, do not decay, as that slowed them (bench/DECISIONS.md,
+ * "Thread caches decay every 8 entries"). */
 #define TCACHE_DECAY_ENTRIES 8
 
 /* The fast path's mark (tclass.low) and prev's count start again from
@@ -842,13 +833,12 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * tcache_free_special does): the slot keeps it for its stream if the
  * thread keeps none and allocates on no other stream (one lock to mark it
  * in the large layer, none if the slot kept it before and handed it out
- * again; no event). PyTorch allocates on the legacy default
- * stream unless told otherwise: before the default handles were let in, a
- * 4 MiB torch.empty cost about 1.2 us more than a 4 KiB one (H100). A
- * thread taking turns on streams would strand it while on the others:
- * the demo (8 threads on 2 streams each, blocks of 2, 4 and 6 MiB among small
- * ones) held 161-164 MB for 38 MB in use with it, 82-94 without. 0: the
- * slow path. */
+ * again; no event). PyTorch allocates on the legacy default stream
+ * unless told otherwise, so the default handles are let in: without them
+ * each large free there recorded an event and took the large layer's
+ * lock. A thread taking turns on streams would strand the block while on
+ * the others, holding far more memory (bench/DECISIONS.md, "A kept large
+ * block: default handles, one stream only"). 0: the slow path. */
 static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   tslot *ts = tc->last;
   if (tc->check || tc->kept != NULL || tc->nalloc != 1 || sl->cls != SLAB_LARGE || ts->handle != s ||

@@ -25,16 +25,11 @@
 #define TCACHE_SLOTS 32
 
 /* The outbox (tslot.outbox): at most this many magazines or bytes wait
- * for one seal. With a seal per magazine, one thread of the mixed
- * 256 B-2 MiB workload recorded an event every 5.6 operations on the H200
- * (about 1 us each). The outbox is sealed early when its slot takes memory
- * from what threads share (a refill or a large block) and when a large
- * free seals anyway: kept until full, it held the mixed workload at 2.07
- * times its peaks instead of 2.01. Measured on the H200 against a seal
- * per magazine: cross-thread frees 26-30 -> 32-33 M pairs/s at half the
- * peak reserved memory, the pipeline's time in the allocator 2.6-2.7 ->
- * 2.0-2.2 us a step, events of the mixed workload a fifth to a third
- * fewer (bench/HISTORY.md). */
+ * for one seal, as a seal per magazine made event records a large share
+ * of a thread's time. The outbox is sealed early when its slot takes
+ * memory from what threads share (a refill or a large block) and when a
+ * large free seals anyway, as keeping it until full held more memory
+ * (bench/DECISIONS.md, "One seal for an outbox of magazines"). */
 /* A thread that allocates on one stream keeps one large block freed on it
  * (of at most this size) for that stream's next large allocation that it
  * fits within an eighth: the same stream reuses it at once, with no event

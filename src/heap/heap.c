@@ -339,9 +339,9 @@ static int heap_carve_from(heap *h, unsigned cls, uint64_t stream_id, cudaStream
 }
 
 /* Carve a slab of class cls, one thread per class at a time. Threads that
- * found the class empty together would otherwise each map a slab: sixteen
- * threads starting at once on the H200 mapped nine slabs of one class
- * while the first slab's magazines sat unused in the depot. Whoever waited
+ * found the class empty together would otherwise each map a slab while
+ * the first slab's magazines sat unused in the depot (bench/DECISIONS.md,
+ * "Slabs of a class are carved one thread at a time"). Whoever waited
  * looks at the depot again first. A carve that would map recycles first
  * (heap_recycle). */
 static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int pressure, magazine **out) {
@@ -398,29 +398,20 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
 }
 
 /* Class blocks cached class by class held a thread's high-water mark of
- * each class: one thread of the mixed 256 B-2 MiB workload on an H100
- * held 2.03-2.08 times its peak live bytes with every such magazine kept
- * in the depot, 1.58 with a thread's surplus back in the segments (and two
- * classes per power of two, sizeclass.h). Only a thread's own surplus goes
- * back: blocks flowing from a freeing thread to an allocating one
- * (workload 4) would otherwise cross the large cache's lock twice, and
- * cross-thread frees fell from 27-33 to 4.0-4.5 M pairs/s.
+ * each class, so a thread's surplus goes back to the segments, where it
+ * coalesces (bench/DECISIONS.md, "A thread's surplus class blocks go back
+ * to the segments"). Only a thread's own surplus goes back: blocks flowing
+ * from a freeing thread to an allocating one (workload 4) would otherwise
+ * cross the large cache's lock twice, which made cross-thread frees
+ * several times slower.
  *
  * The lock is only tried, and after a try finds it held the next
  * HEAP_PUT_BACKOFF such magazines go to the depot without trying: under
  * contention magazines circulate through the depot. Magazines in the depot
- * keep their blocks apart from the free memory around them: two threads
- * of the mixed workload grew their segments with 10-19 MiB free in 40-54
- * holes, none as long as the 1.4-2 MiB asked. Backing off for 64 (when the
- * lock was an ordinary mutex and each give-back called the host
- * allocator, trying every time made the soak 5.5 times slower) held 2 / 4
- * threads at 1.38-1.47 / 1.11-1.27 times their peaks; for 4, 1.19-1.29 /
- * 1.08-1.14 (1.19-1.35 / 1.06-1.20 over six visits), at the same speed
- * within the spread at 1-16 threads in two A/B visits (two threads 15-20 %
- * slower in a third); trying every time, 1.20-1.26 /
- * 1.05-1.08 but 15-25 % slower at 16 threads; 1 or 2 as 4; a back-off
- * doubled on each busy try and halved on each taken held more (H100;
- * bench/HISTORY.md, 2026-11-26). */
+ * keep their blocks apart from the free memory around them, so a short
+ * back-off holds less memory; trying every time was slower at sixteen
+ * threads, and longer or adaptive back-offs held more (bench/DECISIONS.md,
+ * "The give-back tries the lock and backs off for 4"). */
 #define HEAP_PUT_BACKOFF 4
 
 void heap_put(heap *h, magazine *m, int round_trip) {

@@ -101,9 +101,9 @@ int epoch_pool_fill(epoch_table *t, int64_t n) {
 }
 
 /* An event from the pool. Creating one can take tens of milliseconds while
- * the device is busy (measured on an H200 under a kernel-heavy load), so
- * the pool is refilled in the background before it runs dry; creating one
- * here is the fallback. */
+ * the device is busy, so the pool is refilled in the background before it
+ * runs dry; creating one here is the fallback (bench/DECISIONS.md, "Events
+ * come from a pool refilled in the background"). */
 static event_node *epoch_event_get(epoch_table *t) {
   event_node *e = (event_node *)stack_pop(&t->free_events, &globals.event_registry);
   if (t->ops->event_prefill > 0 && stack_count(&t->free_events) < t->ops->event_prefill / 4 &&
@@ -180,8 +180,9 @@ enum epoch_state epoch_ready(const epoch_ticket *t, uint64_t stream_id) {
   if (atomic_load_acquire(&r->done) >= t->seq) return EPOCH_READY_DONE;
   /* The stream's newest seal first: blocks are wanted long after most
    * seals, so it has usually completed too, and then every ticket of the
-   * stream is decided by comparison until the next seal. On the H200's
-   * pipeline workload one event query costs about 4 us. */
+   * stream is decided by comparison until the next seal, and an event
+   * query costs far more than a comparison (bench/DECISIONS.md, "A
+   * completion check queries the newest seal first"). */
   pthread_mutex_lock(&r->seal_lock);
   event_node *n = r->newest;
   uint64_t nseq = atomic_load_relaxed(&r->sealed);

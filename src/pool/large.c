@@ -23,15 +23,10 @@ void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_
   c->reuse_wait = reuse_wait;
   c->owner = owner;
   /* Adaptive: a thread finding the lock held spins a little before it
-   * sleeps. On an H100 host, the mixed 256 B-2 MiB workload (a thread per
-   * stream) held it 0.1-0.2 us a time on one thread and 1-3 us on
-   * sixteen, whose threads spent over half their time waiting for it
-   * while it was free a third of the time: each hand-over waited for a
-   * sleeping thread to wake. Adaptive, that workload ran 20-30 % more
-   * operations a second at 2-16 threads and the soak at 2 x 10^8
-   * operations took 4.4 s instead of 5.4, the rest unchanged
-   * (bench/HISTORY.md, 2026-11-26). An ordinary mutex where the type is
-   * refused. */
+   * sleeps. The lock is held briefly, and with a sleeping mutex each
+   * hand-over waited for a sleeping thread to wake while the lock sat free
+   * (bench/DECISIONS.md, "The large cache's lock is an adaptive mutex").
+   * An ordinary mutex where the type is refused. */
   pthread_mutexattr_t attr;
   int adaptive = pthread_mutexattr_init(&attr) == 0;
   if (adaptive) {
@@ -239,10 +234,10 @@ static int large_wholly_mapped(const lseg *sg, size_t g, uintptr_t a, size_t n) 
  * both), so its own stream may use the whole of it at once and others
  * after the stream's seal completes, which usually takes microseconds.
  * Kept apart, blocks freed on one stream next to holes were too short
- * for its next large request, and the segments grew instead: one thread
- * of the mixed 256 B-2 MiB workload on the simulated device held 2.2
- * times its peak live bytes, 2.0 with the merge. Unmapped ready ranges
- * (a segment's never-used tail) stay apart, ready for every stream. */
+ * for its next large request, and the segments grew instead
+ * (bench/DECISIONS.md, "A ready hole joins a free neighbour waiting on a
+ * stream"). Unmapped ready ranges (a segment's never-used tail) stay
+ * apart, ready for every stream. */
 static int large_mergeable(lblock *a, lblock *b, size_t g, lticket **deferred) {
   if (a->ticket && lticket_done(a->ticket)) {
     lticket_unref(a->ticket, deferred);
@@ -328,12 +323,11 @@ static lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
  * those whose ticket completed; each is then merged with the neighbours
  * it may join, blocks absorbed meanwhile marked dead (a later entry of the
  * list may be one) and freed at the end. Restarting the walk after each
- * merge, as before, was quadratic in the free blocks: 46 % of the time of
- * 10,000 random allocations of up to 4 MiB (12 GB live) on the simulated
- * device. Listed too: ready blocks whose next block is free and ready
- * (the merge tests of other blocks clear completed tickets on the way and
- * may leave such pairs apart); a trim could not unmap a granule they
- * share. */
+ * merge, as before, was quadratic in the free blocks (bench/DECISIONS.md,
+ * "Completed tickets settle in one walk"). Listed too: ready blocks whose
+ * next block is free and ready (the merge tests of other blocks clear
+ * completed tickets on the way and may leave such pairs apart); a trim
+ * could not unmap a granule they share. */
 static size_t large_settle_locked(large_cache *c, lticket **deferred) {
   size_t ready = 0;
   lblock *work = NULL, *dead = NULL;
@@ -526,9 +520,8 @@ static int large_hand_out(large_cache *c, lblock *u, lticket **deferred);
  *
  * Free neighbours waiting on different streams do not merge (one ticket
  * holds one event), so a request larger than each of them grew the
- * segment beside them: the demo on an H100 held four adjacent free
- * blocks of 14 MiB together, each waiting on its own stream, while it
- * mapped 2-6 MiB blocks anew (bench/HISTORY.md, 2026-11-26). Where a
+ * segment beside them while they lay free together (bench/DECISIONS.md,
+ * "Runs of free blocks waiting on different streams"). Where a
  * stream may be made to wait (as for one block: pressure, or the layer
  * holding more than its reserve beyond its use), a run of such blocks
  * serves instead: the allocating stream waits on each foreign ticket's
@@ -782,16 +775,9 @@ static size_t large_free_whole_locked(large_cache *c) {
  * small reserve kept for reuse (1/128 of the large bytes in use, at least
  * 8 MiB). Peak reserved memory then follows peak live memory instead of
  * the history of sizes, at the price of one unmap per granule remapped.
- * With class blocks in the segments, a reserve of 32 MiB held one thread
- * of the mixed 256 B-2 MiB workload (35 MB live) at 2.37 times its peak
- * on the simulated device, 8 MiB at 2.19. The inference-like trace
- * (workload 5, 5-8 GB live) grew its segments with the reserve's 170 MiB
- * of whole granules kept mapped: with 1/128 instead of 1/32 it held a
- * median 1.095 times its peak live bytes against 1.123 (ten runs each,
- * alternating, H100; 1.141 against 1.162 in an earlier visit) and
- * replayed 2.6 instead of 3.0 M operations a second, the price of the
- * granules it remaps; workloads 2 and 3 the same (bench/HISTORY.md,
- * 2026-11-26). */
+ * A larger reserve kept whole granules mapped that the segments then
+ * grew beside, holding more memory (bench/DECISIONS.md, "The reserve kept
+ * before the segments grow"). */
 static size_t large_keep(large_cache *c) {
   size_t keep = atomic_load_relaxed(&c->in_use_bytes) / 128;
   return keep < 8 * ((size_t)1 << 20) ? 8 * ((size_t)1 << 20) : keep;
@@ -811,18 +797,12 @@ static void large_shrink_before_grow(large_cache *c, size_t growing) {
 
 /* Mappings one allocation waits out before it maps memory itself. Threads
  * that each found nothing free while another mapped used to map side by
- * side (the lock is dropped around the driver calls, about 35 us a
- * granule): the demo's eight threads, starting together, had 30 MiB of
- * 2-6 MiB blocks mapping at once within its first 2 ms on an H100, few of
- * them ever live at the same time. Waiting, a thread first finds what was
- * freed and what completed meanwhile. The demo's peak reserved, eight
- * runs each alternating: 38-42 MiB (mean 40.5) against 38-68 (45.5).
- * The trace (workload 5, four threads growing together), ten runs each:
- * median 1.077 times its peak live bytes against 1.125, replayed 10 %
- * slower (2.97 against 3.30 M operations a second); workloads 1 and 2
- * and the soak the same within their spreads (bench/HISTORY.md,
- * 2026-11-26). Bounded, so that a thread others keep overtaking still
- * maps in the end. */
+ * side (the lock is dropped around the driver calls), blocks that were
+ * seldom live at the same time. Waiting, a thread first finds what was
+ * freed and what completed meanwhile: lower peaks, at some speed where
+ * threads grow together (bench/DECISIONS.md, "An allocation waits out
+ * other threads' mappings"). Bounded, so that a thread others keep
+ * overtaking still maps in the end. */
 #define LARGE_MAP_WAITS 16
 
 /* Find, carve, map and hand out a block of need bytes for stream_id (lock
@@ -856,12 +836,9 @@ static int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, c
      * larger ones): one round of queries (one per stream) before mapping
      * more memory. Not of the allocating stream's own frees: it reuses
      * them as they are, and clearing their tickets let the shrink below
-     * unmap them, to map as much again at once. On an H100, RMM's
-     * random_allocations pattern on one stream (10,000 allocations of up
-     * to 1 GiB, 16 GB live) remapped 1 TB that way in 28.7 s; without
-     * those queries 0.12 s, holding 1.8 times the live bytes at its peak
-     * instead of 1.1. A trim and the pressure ladder still query and
-     * settle everything first. */
+     * unmap them, to map as much again at once (bench/DECISIONS.md, "A
+     * stream's own frees are not queried before mapping"). A trim and the
+     * pressure ladder still query and settle everything first. */
     if (!queried) {
       queried = 1;
       if (large_query_pending_locked(c, stream_id, deferred) > 0) {
@@ -1037,12 +1014,12 @@ int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch
 /* ---- granules lent to the span set ----
  *
  * The span set maps a granule of its own when every span is full, beside
- * the segments' free memory: one thread of the mixed 256 B-2 MiB workload
- * (the simulated device and an H100 alike) mapped its second span while
- * an 18 MiB free block, ready, lay in its segment, and held 1.44 times
- * its peak live bytes instead of 1.38. A whole mapped granule of a free
- * ready block serves the span set instead: the smallest such block gives
- * it, and it comes back free and ready once the span is empty. */
+ * the segments' free memory: a thread mapped its second span while a
+ * large free block, ready, lay in its segment (bench/DECISIONS.md, "The
+ * span set borrows granules of free large blocks"). A whole mapped
+ * granule of a free ready block serves the span set instead: the smallest
+ * such block gives it, and it comes back free and ready once the span is
+ * empty. */
 
 /* The mapped granule [at, at + g) of free ready block b becomes a USED
  * block not in the hash (lock held); NULL if host memory ran out. */

@@ -11,9 +11,10 @@
 /* Free blocks hold the mapped bytes less those in use: every mapped byte
  * lies in one block and a handed-out block is wholly mapped (large.h), so
  * only the few blocks still waiting on a stream are walked. Walking every
- * free block's granules instead cost 52 us a call on an H200, where one
- * free block spans most of a segment's reserved range. While a map or an
- * unmap is in flight the figures may be off by its granules. */
+ * free block's granules instead was slow where one free block spans most
+ * of a segment's reserved range (bench/DECISIONS.md, "Statistics walk only
+ * blocks waiting on a stream"). While a map or an unmap is in flight the
+ * figures may be off by its granules. */
 void large_account_get(large_cache *c, large_account *out) {
   memset(out, 0, sizeof *out);
   size_t pending = 0;

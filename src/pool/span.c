@@ -57,10 +57,9 @@ int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span 
   if (!may_map && ss->lender.lend == NULL) return SPAN_WOULD_MAP;
   /* No free chunk: a lent granule, else map one, one thread at a time. Threads of other
    * classes that ran dry meanwhile wait here and take the new span's
-   * spare chunks: on the H200, sixteen threads starting together each
-   * mapped a granule of their own, and one or two of those sat almost
-   * unused (workload 2 held 1.34-1.41 times its threads' peaks instead of
-   * 1.27). */
+   * spare chunks: threads starting together each mapped a granule of
+   * their own otherwise, and some of those sat almost unused
+   * (bench/DECISIONS.md, "Spans are mapped one at a time per set"). */
   pthread_mutex_lock(&ss->span_grow_lock);
   if (span_take_free(ss, n, base, out)) {
     pthread_mutex_unlock(&ss->span_grow_lock);

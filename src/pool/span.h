@@ -1,11 +1,9 @@
 /* Spans: granules (the smallest map, 2 MiB on the H200) cut into chunks of
  * SPAN_CHUNK bytes. A size class's slab is a run of one or more contiguous
  * chunks of one span, so that classes share granules instead of mapping
- * whole ones each (sixteen threads of workload 2 held 8 MiB of four small
- * classes' slabs for under 2 MiB of their blocks; with slabs of whole
- * granules for classes above 32 KiB, one thread of the mixed 256 B-2 MiB
- * workload held 4.5 times its peak live bytes, most of it in carved blocks
- * of 2-8 MiB slabs no allocation had reached).
+ * whole ones each: a class's slab of a whole granule held far more than
+ * its blocks, most of it in carved blocks no allocation had reached
+ * (bench/DECISIONS.md, "Slabs are runs of chunks of shared granules").
  *
  * A span is mapped when no span has a free chunk and unmapped when its
  * last chunk comes back. Mapped chunks no slab uses count as overhead.
