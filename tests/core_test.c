@@ -1,7 +1,9 @@
 /* Allocator core against the deterministic fake device (fake_backend.c),
  * through the public API: stream-ordered reuse, handle reuse, large
  * blocks, memory pressure, bad input, statistics and thread exit. The
- * layers below it one at a time: layers_test.c. */
+ * layers below it one module at a time: base_test.c, epoch_test.c,
+ * depot_test.c, tcache_test.c, class_blocks_test.c, carve_test.c,
+ * span_test.c, region_test.c. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <setjmp.h>

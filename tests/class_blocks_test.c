@@ -1,0 +1,188 @@
+/* Class blocks (the size classes above 32 KiB, carved from the large
+ * segments: src/heap/heap.c with src/pool/large.c) against the
+ * deterministic fake device (fake_backend.c): where they go when they
+ * leave a thread's slot (back to the segments, or to the depot). */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include "base/sizeclass.h"
+#include "front/tcache.h"
+#include "heap/heap.h"
+#include "magpie.h"
+#include "pool/depot.h"
+#include "tests/fake_backend.h"
+#include "tests/tcache_util.h"
+
+/* Bytes of class cls in the depot, ready and pending. */
+static int64_t depot_class_bytes(heap *h, unsigned cls) {
+  return atomic_load_relaxed(&h->depots[cls].ready_bytes) + atomic_load_relaxed(&h->depots[cls].pending_bytes);
+}
+
+enum { CLASS_BLOCKS = 6 };
+
+/* The class-block tests' start: device 0's heap, CLASS_BLOCKS blocks of
+ * size (a class above 32 KiB) allocated on a new stream into p, and what
+ * the depot holds of their class before anything is freed. */
+typedef struct class_case {
+  heap *h;
+  unsigned cls;
+  cudaStream_t s;
+  int64_t depot0;
+} class_case;
+
+static class_case class_case_start(size_t size, void **p) {
+  class_case k = {.h = heap_get(0), .cls = sizeclass_of(size), .s = fake_stream_create(0)};
+  assert_non_null(k.h);
+  assert_true(globals.sizeclass_table[k.cls].seg);
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, k.s));
+  k.depot0 = depot_class_bytes(k.h, k.cls);
+  return k;
+}
+
+/* Class blocks (classes above 32 KiB) that come and go in one thread's
+ * slot: what leaves the slot is the thread's surplus and goes back to the
+ * segments (heap_put), not to the depot, where each class kept its own
+ * high-water mark. There they coalesce and serve a large block without
+ * mapping more; another stream still waits for the freeing stream's work. */
+static void test_class_surplus_back_to_segments(void **state) {
+  (void)state;
+  const size_t size = 600000; /* the 768 KiB class, which no other test here uses */
+  void *p[CLASS_BLOCKS];
+  class_case k = class_case_start(size, p);
+  heap *h = k.h;
+  unsigned cls = k.cls;
+  cudaStream_t s = k.s, t = fake_stream_create(0);
+  int64_t depot0 = k.depot0;
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  assert_true((ts->round_trip >> cls) & 1);
+  /* One block stays loaded, one may wait in the outbox; the rest left in
+   * sealed outboxes of two (768 KiB each, TCACHE_OUTBOX_BYTES). */
+  assert_int_equal(depot_class_bytes(h, cls), depot0);
+  /* Another stream: none of them while s may still run. */
+  for (int k = 0; k < CLASS_BLOCKS; k++) {
+    void *q = magpie_malloc_async(size, t);
+    assert_non_null(q);
+    for (int i = 0; i < CLASS_BLOCKS; i++) assert_ptr_not_equal(q, p[i]);
+    assert_int_equal(magpie_free_async(q, t), MAGPIE_OK);
+  }
+  /* s itself: a large block in their coalesced room, nothing mapped. */
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  void *big = magpie_malloc_async((size_t)1400 << 10, s);
+  assert_non_null(big);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.reserved_bytes, st0.reserved_bytes);
+  uintptr_t lo = UINTPTR_MAX, hi = 0;
+  for (int i = 0; i < CLASS_BLOCKS; i++) {
+    if ((uintptr_t)p[i] < lo) lo = (uintptr_t)p[i];
+    if ((uintptr_t)p[i] > hi) hi = (uintptr_t)p[i];
+  }
+  assert_true((uintptr_t)big >= lo && (uintptr_t)big <= hi);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  fake_stream_complete(t);
+}
+
+/* Class blocks that only flow out of a slot (another thread allocated
+ * them) go to the depot, where the allocating thread takes them back with
+ * no lock. */
+static void *free_all_thread(void *arg) {
+  void **p = arg;
+  cudaStream_t s = p[CLASS_BLOCKS];
+  for (int i = 0; i < CLASS_BLOCKS; i++)
+    if (magpie_free_async(p[i], s) != MAGPIE_OK) return NULL;
+  return arg;
+}
+
+static void test_class_outflow_to_depot(void **state) {
+  (void)state;
+  const size_t size = 400000; /* the 512 KiB class, which no other test here uses */
+  void *p[CLASS_BLOCKS + 1];
+  class_case k = class_case_start(size, p);
+  cudaStream_t s = k.s;
+  p[CLASS_BLOCKS] = s;
+  pthread_t th;
+  void *ret = NULL;
+  assert_int_equal(pthread_create(&th, NULL, free_all_thread, p), 0);
+  assert_int_equal(pthread_join(th, &ret), 0);
+  assert_ptr_equal(ret, p);
+  /* Two sealed outboxes of two (512 KiB each) while it ran; what it still
+   * held at its exit went to limbo, which the maintenance thread may have
+   * drained into the depot since. */
+  assert_true(depot_class_bytes(k.h, k.cls) >= k.depot0 + 4 * (int64_t)globals.sizeclass_table[k.cls].size);
+  fake_stream_complete(s);
+  for (int n = 0; n < 4; n++) {
+    void *q = magpie_malloc_async(size, s);
+    int found = 0;
+    for (int i = 0; i < CLASS_BLOCKS; i++) found |= q == p[i];
+    assert_true(found);
+    assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  }
+}
+
+/* A large allocation first sends the slot's cached class blocks back to
+ * their segments (with the outbox it seals anyway), where they coalesce
+ * with the free space around them instead of keeping it apart; not to
+ * the depot. */
+static void test_large_allocation_sends_class_blocks_back(void **state) {
+  (void)state;
+  const size_t size = 90000; /* the 96 KiB class, which no other test here uses */
+  heap *h = heap_get(0);
+  unsigned cls = sizeclass_of(size);
+  assert_true(globals.sizeclass_table[cls].seg);
+  cudaStream_t s = fake_stream_create(0);
+  void *p[2];
+  for (int i = 0; i < 2; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  for (int i = 0; i < 2; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  assert_true(ts->cl[cls].loaded->count + ts->prev[cls]->count > 0);
+  int64_t depot0 = depot_class_bytes(h, cls);
+  void *big = magpie_malloc_async((size_t)2 << 20, s);
+  assert_non_null(big);
+  assert_int_equal(ts->cl[cls].loaded->count + ts->prev[cls]->count, 0);
+  assert_int_equal(depot_class_bytes(h, cls), depot0);
+  /* The slot's next block of the class comes from the segments. */
+  void *q = magpie_malloc_async(size, s);
+  assert_non_null(q);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
+/* The round trip's give-back only tries the large cache's lock: while
+ * another thread holds it, the surplus goes to the depot instead of
+ * waiting, and the next HEAP_PUT_BACKOFF do without trying. */
+static void test_class_surplus_to_depot_when_lock_busy(void **state) {
+  (void)state;
+  const size_t size = 300000; /* the 384 KiB class, which no other test here uses */
+  void *p[CLASS_BLOCKS];
+  class_case k = class_case_start(size, p);
+  heap *h = k.h;
+  cudaStream_t s = k.s;
+  pthread_mutex_lock(&h->large.lock);
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  pthread_mutex_unlock(&h->large.lock);
+  assert_true(depot_class_bytes(h, k.cls) > k.depot0);
+  assert_true(atomic_load_relaxed(&h->put_backoff) > 0);
+  atomic_store_relaxed(&h->put_backoff, 0); /* for the tests after this one */
+  fake_stream_complete(s);
+}
+
+int main(void) {
+  if (fake_magpie_init(0) != MAGPIE_OK) return 1;
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_class_surplus_back_to_segments),
+      cmocka_unit_test(test_large_allocation_sends_class_blocks_back),
+      cmocka_unit_test(test_class_outflow_to_depot),
+      cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
