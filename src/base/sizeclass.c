@@ -59,7 +59,7 @@ static uint32_t sizeclass_icbrt(size_t v) {
  * the throughput in event records and depot exchanges (bench/DECISIONS.md,
  * "Magazine capacity falls with the cube root of the size"). Where a
  * thread's blocks only flow out (frees, no allocations: one exchange per
- * magazine, however large) its capacity grows up to mag_max (tcache.c). */
+ * magazine, however large) its capacity grows up to mag_max (tcache_slots.c). */
 void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     sizeclass_info *ci = &globals.sizeclass_table[c];
@@ -75,7 +75,7 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
     uint32_t start = sizeclass_icbrt(((size_t)1 << 23) / ci->size);
     if (start < 2) start = 2;
     ci->mag_cap = start < ci->mag_max ? start : ci->mag_max;
-    /* Class blocks: a thread keeps one magazine of a class (tcache.c) of
+    /* Class blocks: a thread keeps one magazine of a class (tcache_free.c) of
      * at most SIZECLASS_SEG_MAG_BYTES, so that what threads cache of the
      * classes above 64 KiB stays small next to their blocks' sizes. */
     if (ci->seg) {

@@ -187,10 +187,8 @@ static void tdrain_seal_one(tcache *tc, heap *h, magazine *m, const epoch_ticket
  * What the slot holds that was freed on s (the caller's handle, whose id
  * matched) is sealed there and waits in the thread; the untouched carried
  * blocks go on unsealed; nothing in the slot needs a seal when it is taken
- * for another stream. On the simulated device, one thread visiting 33
- * streams (8 blocks of 4-64 KiB allocated and freed per visit) held 3.4 GB
- * and sent 165,547 magazines to limbo without it; bench/HISTORY.md has the
- * GPU figures. The empty magazines stay, in prev, for the slot's next
+ * for another stream (bench/DECISIONS.md, "Threads on many streams drain
+ * their slots"). The empty magazines stay, in prev, for the slot's next
  * frees; every loaded one becomes the sentinel, so the slot's next
  * allocation or free of any class takes a slow path, which clears
  * `drained`. */

@@ -4,9 +4,10 @@
  * turns on more streams than that, a slot must be taken for another
  * stream while it still holds blocks freed on its own; its handle may be
  * gone by then (a stored handle is never passed to the driver again), so
- * those blocks went to limbo and waited for a device synchronisation: one
- * thread visiting 33 streams in turn held 1.9-3.4 GB where one stream
- * needed 6 MB.
+ * those blocks went to limbo and waited for a device synchronisation, and
+ * a thread taking turns on 33 streams held gigabytes where one stream
+ * needed megabytes (bench/DECISIONS.md, "Threads on many streams drain
+ * their slots").
  *
  * So a thread with TDRAIN_SLOTS streams or more arms each slot it moves to
  * (tdrain_enter), and the free that brings the slot back to its level at
@@ -56,7 +57,7 @@ void tdrain_release_spares(tcache *tc);
 void tdrain_inspect(tcache *tc, heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);
 
 /* A slot taken for another stream starts unarmed, with nothing counted
- * and nothing noted as carried (tcache.c: clear and recycle). */
+  * and nothing noted as carried (tcache_slots.c: clear and recycle). */
 static inline void tdrain_slot_reset(tslot *ts) {
   ts->held = 0;
   ts->drain_at = INT64_MIN;

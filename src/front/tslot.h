@@ -2,7 +2,7 @@
  * drained and carries while it takes turns on many streams (tsealed, carry;
  * front/tdrain.c), and the fields the give-back handshake shares with
  * reclaimers (tcache.h). Types and owner-only counters; the fast paths
- * are in tcache.h, the slow paths in tcache.c.
+ * are in tcache.h, the slow paths in tcache_alloc.c and tcache_free.c.
  *
  * INVARIANT: every block in a slot's loaded/prev/outbox may be used by work
  *            enqueued on the slot's stream after now.
@@ -61,7 +61,7 @@ typedef struct tslot {
    * through it (allocations and frees; owner only), and the level at
    * which a free drains the slot (tcache_slot_drain): INT64_MIN (never)
    * unless the slot was armed when its thread last moved to it from
-   * another stream (tcache.c, tcache_slot_arm), then the level of that
+   * another stream (tdrain.c, tdrain_arm), then the level of that
    * moment. Beside `live`: the fast paths touch both. */
   int64_t held;
   int64_t drain_at;

@@ -52,10 +52,9 @@ typedef struct region {
    * written by slab.c and span.c as they carve what this region maps).
    * mapped also counts maps in flight, and an unmap's bytes until it
    * returned: a map that fails (the device full) or one made in the room
-   * another thread's unmap just left must not raise the peak. Reading
-   * mapped for the peak, four threads replaying the inference-like trace
-   * on a full 4 GiB simulated device reported a peak of 4,420 MiB
-   * reserved. */
+   * another thread's unmap just left must not raise the peak (reading
+   * mapped, a full device reported more reserved than it has: bench/
+   * DECISIONS.md, "The peak counts only what the device held"). */
   _Atomic size_t held;
   _Atomic size_t peak_held;
   _Atomic int64_t overhead;

@@ -1,0 +1,51 @@
+/* Declarations shared by the thread cache's files (tcache.c,
+ * tcache_slots.c, tcache_alloc.c, tcache_free.c, tcache_reclaim.c); not the
+ * layer's interface, which is tcache.h. Included by those files only. */
+#ifndef MAGPIE_TCACHE_INTERNAL_H
+#define MAGPIE_TCACHE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "front/tslot.h"
+#include "pool/large.h"
+#include "pool/slab.h"
+
+/* tcache.c */
+int tcache_barrier(void);
+tcache *tcache_create(void);
+void tcache_publish(tcache *tc, heap *h);
+void tcache_honour_ask(tcache *tc);
+void tcache_enter_slow(tcache *tc);
+
+/* tcache_slots.c */
+void tcache_slot_clear(tslot *ts);
+void tcache_slot_index(tcache *tc, const tslot *ts);
+uint32_t tcache_next_cap(tslot *ts, unsigned c);
+void tcache_outbox_seal(tslot *ts, cudaStream_t handle);
+void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle);
+magazine *tcache_outbox_take(tslot *ts, unsigned c);
+int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int *sealed);
+void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b);
+void tcache_kept_detach(tcache *tc, tslot *ts);
+size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
+size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
+void tcache_class_blocks_out(tslot *ts, cudaStream_t s);
+size_t tcache_slot_empty(tcache *tc, tslot *ts);
+void tcache_slot_retire(tcache *tc, tslot *ts);
+tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id);
+tslot *tcache_slot_for_free(tcache *tc, cudaStream_t s, uint64_t id, heap *h);
+
+/* tcache_alloc.c */
+size_t tcache_give_back_own(tcache *tc, tslot *cur, cudaStream_t s);
+void tcache_relief_end(tcache *tc);
+int tcache_mark_used(slab *sl, uintptr_t p, uint32_t bi);
+int tcache_mark_free(slab *sl, uintptr_t p, uint32_t bi);
+void tcache_note_held(tslot *ts, unsigned c);
+
+/* tcache_reclaim.c */
+tcache **tcache_claim_others(int *n);
+int tcache_owner_out(tcache *tc, int barrier);
+size_t tcache_reclaim_threads(heap *h);
+
+#endif /* MAGPIE_TCACHE_INTERNAL_H */
