@@ -19,10 +19,10 @@
  * Neighbouring free blocks are merged when both are ready for every stream,
  * both wait on the same stream (the later ticket covers the earlier), or
  * one waits on a stream and the other is ready and wholly mapped (the
- * merged block waits on that stream: large.c, large_mergeable). Where a
+ * merged block waits on that stream: large_bins.c, large_mergeable). Where a
  * stream may be made to wait, a request no single free block serves may
  * take a run of adjacent free blocks waiting on different streams, its
- * stream waiting on each one's event (large.c, large_run_take).
+ * stream waiting on each one's event (large_run.c, large_run_take).
  *
  * Lock order: large_cache.lock is a leaf; no driver call is made while it
  * is held. Mapping and unmapping happen outside it; a granule being mapped
@@ -84,7 +84,7 @@ typedef struct lblock {
    * (LARGE_KEPT_STATE) and a generation above it.
    *   0: handed out (a free block's state is 0 too);
    *   LARGE_KEPT: freed by its user and kept by a thread for its stream
-   *     (front/tcache.c); LARGE_KEPT_LIMBO once the thread let it go to
+   *     (front/tcache_free.c); LARGE_KEPT_LIMBO once the thread let it go to
    *     wait for a device synchronisation (heap.c);
    *   LARGE_KEPT_OUT: handed out again by the thread that kept it, which
    *     may keep it again at its free without the lock (large_rekeep).
@@ -97,7 +97,7 @@ typedef struct lblock {
    * lock), so while it is unchanged the descriptor names the same block:
    * a block's base and size change only while it is free, and only a
    * hand-out leads from free to kept or lent. Descriptors are never given
-   * back to the host allocator (large.c, large_block_drop) and their
+   * back to the host allocator (large_desc.c, large_block_drop) and their
    * recycling leaves this word alone, so a lender's stale word fails its
    * compare-and-swap on a descriptor still. Read under the lock (acquire)
    * by large_free (a free of a kept block is a double free), lookups and
@@ -188,7 +188,7 @@ typedef struct large_cache {
   _Atomic uint64_t bytes_unmapped;
 } large_cache;
 
-/* Helpers shared by large.c and large_view.c (lock held by the caller). */
+/* Helpers shared by the large*.c files (lock held by the caller). */
 
 /* The first non-empty bin at or after k; LARGE_BINS if none. */
 static inline unsigned large_bin_next(const large_cache *c, unsigned k) {
