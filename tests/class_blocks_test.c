@@ -11,7 +11,7 @@
 #include <cmocka.h>
 
 #include "base/sizeclass.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "magpie.h"
 #include "pool/depot.h"

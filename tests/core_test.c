@@ -22,7 +22,7 @@
 #include "base/sizeclass.h"
 #include "base/stack.h"
 #include "front/init.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "magpie.h"
 #include "pool/depot.h"

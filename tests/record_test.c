@@ -8,7 +8,7 @@
  * the test needs, however many allocations it makes meanwhile. */
 #include "tests/sim_test_util.h"
 
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/record.h"
 

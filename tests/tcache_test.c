@@ -11,7 +11,7 @@
 #include <cmocka.h>
 
 #include "base/sizeclass.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "magpie.h"
 #include "tests/fake_backend.h"
 #include "tests/tcache_util.h"

@@ -5,7 +5,7 @@
 
 #include <stddef.h>
 
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 
 /* The calling thread's slot of stream s. */
 static inline tslot *own_slot(cudaStream_t s) {

@@ -8,7 +8,7 @@
  *
  * Not here, and why:
  *   - per-thread variables (error.c's last error, device/detail.c's error
- *     detail, front/tcache.c's tcache_tls, backend_cuda.c's cache of special
+ *     detail, tcache/tcache.c's tcache_tls, backend_cuda.c's cache of special
  *     stream ids): a thread's own, not the process's, and one object cannot
  *     be partly thread-local;
  *   - constants (the device tables, magazine_sentinel, name tables);
@@ -35,7 +35,6 @@ struct backend_ops;
 struct backend_observer;
 struct heap;
 struct slab;
-struct tcache;
 struct capture_reg;
 struct ipc_import;
 struct CUctx_st;
@@ -143,19 +142,6 @@ typedef struct global_vars {
    * are registered (under init_lock). */
   int forked;
   int init_atfork;
-  /* tcache.c: the thread-exit key (made once); the list of live caches and
-   * the live bytes of retired ones, under tcache_list_lock (taken alone);
-   * whether idle threads' magazines may be taken (set once at set-up); the
-   * out-of-memory description (set once at set-up). */
-  pthread_once_t tcache_key_once;
-  pthread_key_t tcache_key;
-  int tcache_key_made;
-  pthread_mutex_t tcache_list_lock;
-  struct tcache *tcache_list;
-  int64_t tcache_retired_live[MAGPIE_MAX_DEVICES];
-  int64_t tcache_retired_kept[MAGPIE_MAX_DEVICES]; /* as tcache_retired_live: threads gone */
-  int tcache_can_steal;
-  void (*tcache_describe)(struct heap *h, char *buf, size_t n);
   /* The fast paths' one switch (front/alloc.c reads it relaxed: it only
    * decides whether the slow paths are taken): while nonzero, every
    * allocation and free takes its slow path. Bit SLOW_OBSERVE (observe.c
@@ -173,9 +159,6 @@ typedef struct global_vars {
   struct capture_reg *capture_regs;
   uint32_t capture_count;
   _Atomic uint64_t capture_next_pool;
-  /* tcache.c: the free of a graph pool's block (capture.c registers it at
-   * set-up; the thread caches cannot name capture.c, which calls them). */
-  int (*tcache_graph_free)(void *p, struct slab *sl, cudaStream_t stream);
   _Atomic(struct backend_observer *) observe_hooks;
   /* ipc_server.c and ipc.c (sharing blocks with other processes), all
    * under ipc_lock (a leaf: no other lock and no driver call under it):

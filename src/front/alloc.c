@@ -6,7 +6,7 @@
 #include "front/capture.h"
 #include "front/global.h"
 #include "front/observe.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "pool/large.h"
 
 /* Everything but a fast-path hit: the slow path; while a capture is

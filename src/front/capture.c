@@ -17,10 +17,10 @@
 #include "base/pagemap.h"
 #include "front/global.h"
 #include "front/observe.h"
-#include "front/tcache.h"
 #include "heap/heap.h"
 #include "pool/gpool.h"
 #include "pool/large.h"
+#include "tcache/tcache.h"
 
 /* INVARIANT: on globals.capture_regs iff announced and not ended;
  * capture_count is the list's length; SLOW_CAPTURE is set iff it is
@@ -172,7 +172,7 @@ int capture_alloc(size_t size, cudaStream_t stream, void **out) {
 
 /* The free of graph pool block p (segment descriptor sl) on stream: during
  * a capture, tagged with it; outside, sealed on the stream. */
-static int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
+int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
   const backend_ops *ops = global_ops();
   heap *h = sl->heap;
   uint64_t id = 0;
@@ -224,8 +224,6 @@ int capture_free(void *p, cudaStream_t stream, int *rc) {
   *rc = tcache_free_to_limbo(p, sl, stream);
   return 1;
 }
-
-void capture_module_init(void) { globals.tcache_graph_free = capture_graph_free; }
 
 /* ---- the public API ---- */
 

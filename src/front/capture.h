@@ -19,8 +19,12 @@
 
 #include "magpie.h"
 
-/* At set-up: the thread caches learn the graph blocks' free. */
-void capture_module_init(void);
+struct slab;
+
+/* The free of graph pool block p (segment descriptor sl) on stream: during
+ * a capture, tagged with it; outside, sealed on the stream. The thread
+ * caches call it through their upcalls (front/init.c). */
+int capture_graph_free(void *p, struct slab *sl, cudaStream_t stream);
 
 /* An allocation's slow path while a capture is announced: if stream is
  * capturing, the allocation is served (or refused) here: returns 1 with

@@ -25,11 +25,11 @@
 #include "front/ipc.h"
 #include "front/observe.h"
 #include "front/stats.h"
-#include "front/tcache.h"
 #include "heap/heap.h"
 #include "pool/epoch.h"
 #include "pool/magazine.h"
 #include "pool/region.h"
+#include "tcache/tcache.h"
 
 const backend_ops *global_ops(void) { return globals.global_backend; }
 const magpie_config *global_config(void) { return &globals.global_cfg; }
@@ -143,6 +143,23 @@ static void init_verbose_atexit(void) {
     if (heap_peek(d) != NULL) stats_print(d, stderr);
 }
 
+/* The thread caches' calls up into this layer (tcache/tcache_upcalls.h),
+ * handed down when the library is loaded: a thread's first slow path can
+ * be the process's first call, before any set-up. */
+static int init_ensure(void) { return global_ensure(); }
+
+static int init_capture_announced(void) { return (atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0; }
+
+__attribute__((constructor)) static void init_upcalls(void) {
+  static const tcache_upcalls up = {
+      .ensure = init_ensure,
+      .graph_free = capture_graph_free,
+      .describe = stats_describe,
+      .capture_announced = init_capture_announced,
+  };
+  tcache_set_upcalls(&up);
+}
+
 /* fork(): a child of a process in which magpie started cannot use it, as a
  * child cannot use the CUDA context its parent made: the device memory,
  * streams and events it would use are the parent's (the simulated
@@ -219,9 +236,7 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   globals.global_backend = ops;
   sizeclass_init(c.magazine_bytes, region_unit(gran)); /* the unit every heap's region maps in */
   magazine_module_init();
-  tcache_module_init();
-  tcache_set_describe(stats_describe);
-  capture_module_init();
+  tcache_module_init(ops, c.check);
   epoch_module_init();
   heap_module_init(ops, &c);
   if (c.verbose) atexit(init_verbose_atexit);

@@ -37,7 +37,7 @@
 #include "base/meta.h"
 #include "front/global.h"
 #include "front/stats.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/large.h"
 #include "pool/record.h"

@@ -9,7 +9,7 @@
 #include "base/sizeclass.h"
 #include "device/backend_timed.h"
 #include "front/global.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/large.h"
 #include "pool/record.h"

@@ -5,11 +5,11 @@
  * CUDA 13.0, driver 580) and nothing waits for a device synchronisation
  * that one event covers: blocks recorded on it (pool/record.c,
  * record_retire) and the calling thread's cache slots for it
- * (front/tcache.c, tcache_stream_retire). Takes no lock of its own; the
+ * (tcache/tcache_reclaim.c, tcache_stream_retire). Takes no lock of its own; the
  * record table's lock is a leaf (pool/record.h). */
 #include "base/error.h"
 #include "front/global.h"
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/record.h"
 

@@ -84,7 +84,7 @@ typedef struct lblock {
    * (LARGE_KEPT_STATE) and a generation above it.
    *   0: handed out (a free block's state is 0 too);
    *   LARGE_KEPT: freed by its user and kept by a thread for its stream
-   *     (front/tcache_free.c); LARGE_KEPT_LIMBO once the thread let it go to
+   *     (tcache/tcache_free.c); LARGE_KEPT_LIMBO once the thread let it go to
    *     wait for a device synchronisation (heap.c);
    *   LARGE_KEPT_OUT: handed out again by the thread that kept it, which
    *     may keep it again at its free without the lock (large_rekeep).

@@ -7,9 +7,36 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "front/tslot.h"
+#include <pthread.h>
+
 #include "pool/large.h"
 #include "pool/slab.h"
+#include "tcache/tcache_upcalls.h"
+#include "tcache/tslot.h"
+
+/* The thread caches' process-wide state, owned by this layer (defined in
+ * tcache.c). */
+typedef struct tcache_state {
+  /* Set once: the upcalls when the library is loaded, ops and check by
+   * tcache_module_init at set-up (the public layer's set-up publishes them
+   * with its release of the ready state; readers are past its acquire). */
+  tcache_upcalls up;
+  const backend_ops *ops;
+  int check;
+  int can_steal; /* idle threads' magazines may be taken (membarrier works) */
+  /* The thread-exit key (made once). */
+  pthread_once_t key_once;
+  pthread_key_t key;
+  int key_made;
+  /* The live caches and the live bytes of retired ones, under list_lock
+   * (taken alone: never while calling into the heap, depot or backend). */
+  pthread_mutex_t list_lock;
+  struct tcache *list;
+  int64_t retired_live[MAGPIE_MAX_DEVICES];
+  int64_t retired_kept[MAGPIE_MAX_DEVICES]; /* as retired_live: threads gone */
+} tcache_state;
+
+extern tcache_state tcache_st;
 
 /* tcache.c */
 int tcache_barrier(void);

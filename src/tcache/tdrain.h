@@ -1,6 +1,6 @@
 /* Threads that take turns on many streams.
  *
- * A thread keeps TCACHE_SLOTS stream slots (front/tslot.h). When it takes
+ * A thread keeps TCACHE_SLOTS stream slots (tcache/tslot.h). When it takes
  * turns on more streams than that, a slot must be taken for another
  * stream while it still holds blocks freed on its own; its handle may be
  * gone by then (a stored handle is never passed to the driver again), so
@@ -23,7 +23,7 @@
 
 #include <string.h>
 
-#include "front/tslot.h"
+#include "tcache/tslot.h"
 
 /* From this many alloc-capable slots in use (of TCACHE_SLOTS), a thread
  * drains each slot: below it, a slot's blocks stay for its stream's next

@@ -8,7 +8,7 @@
  * Lock order: tcache_list_lock is taken alone (never while calling into the
  * heap, depot or backend). Everything else here is thread-owned, or taken
  * over from an idle owner through the steal handshake (tcache.h). */
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 
 #include <linux/membarrier.h>
 #include <pthread.h>
@@ -21,44 +21,53 @@
 #include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
-#include "front/global.h"
-#include "front/observe.h"
-#include "front/tcache_internal.h"
-#include "front/tdrain.h"
 #include "pool/record.h"
+#include "tcache/tcache_internal.h"
+#include "tcache/tdrain.h"
 
 static void tcache_destroy(void *arg);
 
 __thread tcache *tcache_tls;
 
-void tcache_module_init(void) {
-  globals.tcache_can_steal = syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+tcache_state tcache_st = {
+    .key_once = PTHREAD_ONCE_INIT,
+    .list_lock = PTHREAD_MUTEX_INITIALIZER,
+};
+
+void tcache_set_upcalls(const tcache_upcalls *up) { tcache_st.up = *up; }
+
+void tcache_module_init(const backend_ops *ops, int check) {
+  tcache_st.ops = ops;
+  tcache_st.check = check;
+  tcache_st.can_steal = syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
   heap_set_threads_reclaim(tcache_reclaim_threads);
 }
 
 int tcache_barrier(void) {
-  return globals.tcache_can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
+  return tcache_st.can_steal && syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0;
 }
 
-static void tcache_key_create(void) {
-  globals.tcache_key_made = pthread_key_create(&globals.tcache_key, tcache_destroy) == 0;
-}
+static void tcache_key_create(void) { tcache_st.key_made = pthread_key_create(&tcache_st.key, tcache_destroy) == 0; }
 
 void tcache_after_fork_child(void) {
   tcache_tls = NULL;
-  if (globals.tcache_key_made) pthread_setspecific(globals.tcache_key, NULL);
+  if (tcache_st.key_made) pthread_setspecific(tcache_st.key, NULL);
 }
 
 tcache *tcache_create(void) {
-  if (global_ensure() != MAGPIE_OK) return NULL; /* error already set */
-  pthread_once(&globals.tcache_key_once, tcache_key_create);
+  if (tcache_st.up.ensure == NULL) { /* a call from another library's constructor, before ours ran */
+    error_set(MAGPIE_ERR_NO_DEVICE, "magpie was called before its library finished loading");
+    return NULL;
+  }
+  if (tcache_st.up.ensure() != MAGPIE_OK) return NULL; /* error already set */
+  pthread_once(&tcache_st.key_once, tcache_key_create);
   tcache *tc = meta_alloc(sizeof *tc);
   if (tc == NULL) {
     error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of host memory for a thread cache");
     return NULL;
   }
-  tc->ops = global_ops();
-  tc->check = global_config()->check;
+  tc->ops = tcache_st.ops;
+  tc->check = tcache_st.check;
   tcache_slot_clear(&tc->dummy);
   for (int i = 0; i < TCACHE_SLOTS; i++) {
     tcache_slot_clear(&tc->slots[i]);
@@ -66,12 +75,12 @@ tcache *tcache_create(void) {
   }
   tc->last = &tc->dummy;
   atomic_store_relaxed(&tc->busy, 1); /* created inside a slow path */
-  pthread_mutex_lock(&globals.tcache_list_lock);
-  tc->lnext = globals.tcache_list;
-  if (globals.tcache_list) globals.tcache_list->lprev = tc;
-  globals.tcache_list = tc;
-  pthread_mutex_unlock(&globals.tcache_list_lock);
-  pthread_setspecific(globals.tcache_key, tc);
+  pthread_mutex_lock(&tcache_st.list_lock);
+  tc->lnext = tcache_st.list;
+  if (tcache_st.list) tcache_st.list->lprev = tc;
+  tcache_st.list = tc;
+  pthread_mutex_unlock(&tcache_st.list_lock);
+  pthread_setspecific(tcache_st.key, tc);
   tcache_tls = tc;
   return tc;
 }
@@ -84,8 +93,6 @@ void tcache_publish(tcache *tc, heap *h) {
     tc->published[d] = live;
   }
 }
-
-void tcache_set_describe(tcache_describe_fn fn) { globals.tcache_describe = fn; }
 
 /* A reclaimer asked this thread (the owner) to give back: every
  * magazine goes to limbo, and the request is cleared only once that is
@@ -117,22 +124,22 @@ static void tcache_destroy(void *arg) {
    * wait out one that already did (it set steal under the list lock). */
   atomic_store_relaxed(&tc->busy, 1);
   atomic_thread_fence(memory_order_seq_cst);
-  pthread_mutex_lock(&globals.tcache_list_lock);
+  pthread_mutex_lock(&tcache_st.list_lock);
   if (tc->lprev) tc->lprev->lnext = tc->lnext;
-  else globals.tcache_list = tc->lnext;
+  else tcache_st.list = tc->lnext;
   if (tc->lnext) tc->lnext->lprev = tc->lprev;
-  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_mutex_unlock(&tcache_st.list_lock);
   while ((atomic_load_acquire(&tc->steal) & TCACHE_CLAIMED) != 0) sched_yield();
   tdrain_flush(tc, NULL);
   tdrain_release_spares(tc);
   for (int i = 0; i < TCACHE_SLOTS; i++)
     if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
-  pthread_mutex_lock(&globals.tcache_list_lock);
+  pthread_mutex_lock(&tcache_st.list_lock);
   for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
-    globals.tcache_retired_live[d] += atomic_load_relaxed(&tc->live[d]);
-    globals.tcache_retired_kept[d] += atomic_load_relaxed(&tc->kept_bytes[d]);
+    tcache_st.retired_live[d] += atomic_load_relaxed(&tc->live[d]);
+    tcache_st.retired_kept[d] += atomic_load_relaxed(&tc->kept_bytes[d]);
   }
-  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_mutex_unlock(&tcache_st.list_lock);
   tcache_tls = NULL;
   meta_free(tc);
 }
@@ -140,24 +147,24 @@ static void tcache_destroy(void *arg) {
 int64_t tcache_live_bytes(int device, int64_t *kept) {
   *kept = 0;
   if (device < 0 || device >= HEAP_MAX_DEVICES) return 0;
-  pthread_mutex_lock(&globals.tcache_list_lock);
-  int64_t sum = globals.tcache_retired_live[device];
-  *kept = globals.tcache_retired_kept[device];
-  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
+  pthread_mutex_lock(&tcache_st.list_lock);
+  int64_t sum = tcache_st.retired_live[device];
+  *kept = tcache_st.retired_kept[device];
+  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) {
     sum += atomic_load_relaxed(&tc->live[device]);
     *kept += atomic_load_relaxed(&tc->kept_bytes[device]);
   }
-  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_mutex_unlock(&tcache_st.list_lock);
   return sum;
 }
 
 void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
-  pthread_mutex_lock(&globals.tcache_list_lock);
+  pthread_mutex_lock(&tcache_st.list_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     hits[c] += atomic_load_relaxed(&h->stat_class_hits[c]);
     misses[c] += atomic_load_relaxed(&h->stat_class_misses[c]);
   }
-  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
+  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) {
     for (int i = 0; i < TCACHE_SLOTS; i++) {
       tslot *ts = &tc->slots[i];
       if (atomic_load_relaxed(&ts->stats_heap) != h) continue;
@@ -167,7 +174,7 @@ void tcache_class_counts(heap *h, uint64_t *hits, uint64_t *misses) {
       }
     }
   }
-  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_mutex_unlock(&tcache_st.list_lock);
 }
 
 int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx) {

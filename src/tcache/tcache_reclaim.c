@@ -4,7 +4,7 @@
  * a thread's own magazines are flushed.
  *
  * Lock order: tcache_list_lock alone (tcache.c). */
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 
 #include <linux/membarrier.h>
 #include <pthread.h>
@@ -17,23 +17,21 @@
 #include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
-#include "front/global.h"
-#include "front/observe.h"
-#include "front/tcache_internal.h"
-#include "front/tdrain.h"
 #include "pool/record.h"
+#include "tcache/tcache_internal.h"
+#include "tcache/tdrain.h"
 
 /* Caches other than the caller's, each claimed (TCACHE_CLAIMED) under the
  * list lock; *n set. The array comes from host metadata (NULL if none). */
 tcache **tcache_claim_others(int *n) {
   tcache *self = tcache_tls;
   *n = 0;
-  pthread_mutex_lock(&globals.tcache_list_lock);
+  pthread_mutex_lock(&tcache_st.list_lock);
   int count = 0;
-  for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) count++;
+  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) count++;
   tcache **all = count ? meta_alloc((size_t)count * sizeof *all) : NULL;
   if (all != NULL) {
-    for (tcache *tc = globals.tcache_list; tc; tc = tc->lnext) {
+    for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) {
       if (tc == self || (atomic_load_relaxed(&tc->steal) & TCACHE_CLAIMED) != 0) continue;
       /* A read-modify-write that acquires: it reads the last reclaimer's
        * release of the claim (and the owner's of TCACHE_ASKED), so what
@@ -46,7 +44,7 @@ tcache **tcache_claim_others(int *n) {
       all[(*n)++] = tc;
     }
   }
-  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_mutex_unlock(&tcache_st.list_lock);
   return all;
 }
 

@@ -5,7 +5,7 @@
  * Lock order: takes no lock of its own; a seal takes the stream's
  * seal_lock (a leaf, pool/epoch.c), a query may too. Everything here is
  * the calling thread's (or a reclaimer's while the owner is out). */
-#include "front/tdrain.h"
+#include "tcache/tdrain.h"
 
 #include <string.h>
 

@@ -37,10 +37,11 @@
 #include "base/pagemap.h"
 #include "base/sizeclass.h"
 #include "device/backend.h"
-#include "front/tslot.h"
 #include "heap/heap.h"
 #include "pool/magazine.h"
 #include "pool/slab.h"
+#include "tcache/tcache_upcalls.h"
+#include "tcache/tslot.h"
 
 /* The calling thread's cache. Not initial-exec: that model makes the whole
  * library need static TLS, which a dlopen after start-up cannot get with
@@ -188,18 +189,14 @@ void tcache_stream_retire(cudaStream_t s, uint64_t id);
  * outside magpie. Returns how many busy caches could not be inspected. */
 int tcache_inspect(heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);
 
-/* The out-of-memory message's account of where the device's bytes are
- * (stats.c registers it at set-up: statistics read the thread caches, so
- * the caches cannot name them). */
-typedef void (*tcache_describe_fn)(heap *h, char *buf, size_t n);
-void tcache_set_describe(tcache_describe_fn fn);
-
 /* In a child of fork() (its only thread): the forking thread's cache
  * belongs to the parent's heaps; drop it, so every call takes the slow
  * path and its set-up check. */
 void tcache_after_fork_child(void);
 
-/* Set up give-back from idle threads (membarrier registration). */
-void tcache_module_init(void);
+/* At set-up (once, under the public layer's set-up lock): the device table
+ * and checked mode of every cache made from now on; give-back from idle
+ * threads (membarrier registration). */
+void tcache_module_init(const backend_ops *ops, int check);
 
 #endif /* MAGPIE_TCACHE_H */

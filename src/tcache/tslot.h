@@ -1,6 +1,6 @@
 /* A thread cache's layout: its stream slots (tslot), the magazines it
  * drained and carries while it takes turns on many streams (tsealed, carry;
- * front/tdrain.c), and the fields the give-back handshake shares with
+ * tcache/tdrain.c), and the fields the give-back handshake shares with
  * reclaimers (tcache.h). Types and owner-only counters; the fast paths
  * are in tcache.h, the slow paths in tcache_alloc.c and tcache_free.c.
  *

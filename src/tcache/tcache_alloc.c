@@ -4,7 +4,7 @@
  * the thread's own magazines under pressure.
  *
  * Takes no lock of its own: the heap's calls take theirs. */
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 
 #include <linux/membarrier.h>
 #include <pthread.h>
@@ -17,11 +17,9 @@
 #include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
-#include "front/global.h"
-#include "front/observe.h"
-#include "front/tcache_internal.h"
-#include "front/tdrain.h"
 #include "pool/record.h"
+#include "tcache/tcache_internal.h"
+#include "tcache/tdrain.h"
 
 static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id);
 
@@ -64,7 +62,7 @@ static void tcache_oom_error(heap *h, size_t size, int rc) {
     return;
   }
   char detail[512] = "";
-  if (globals.tcache_describe != NULL) globals.tcache_describe(h, detail, sizeof detail);
+  if (tcache_st.up.describe != NULL) tcache_st.up.describe(h, detail, sizeof detail);
   error_set(MAGPIE_ERR_OUT_OF_MEMORY, "out of memory on device %d allocating %zu bytes: %s", h->device, size, detail);
 }
 
@@ -153,7 +151,7 @@ void tcache_capture_error(cudaStream_t s, size_t size) {
  * set: refused. */
 static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
   uint64_t cid;
-  if ((atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0 || !tcache_special_handle(s) ||
+  if (tcache_st.up.capture_announced() || !tcache_special_handle(s) ||
       backend_capture_state(tc->ops, s, &cid) == BACKEND_CAPTURE_NONE)
     return 0;
   tcache_capture_error(s, size);

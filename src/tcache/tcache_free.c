@@ -5,7 +5,7 @@
  *
  * Takes no lock of its own: the heap's and the record table's calls take
  * theirs. */
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 
 #include <linux/membarrier.h>
 #include <pthread.h>
@@ -18,11 +18,9 @@
 #include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
-#include "front/global.h"
-#include "front/observe.h"
-#include "front/tcache_internal.h"
-#include "front/tdrain.h"
 #include "pool/record.h"
+#include "tcache/tcache_internal.h"
+#include "tcache/tdrain.h"
 
 static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s);
 
@@ -117,7 +115,7 @@ int tcache_free_slow(void *p, cudaStream_t s) {
   slab *sl = pagemap_lookup((uintptr_t)p);
   /* A graph pool's block goes back to its pool (capture.c). */
   if (sl != NULL && sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)p))
-    return globals.tcache_graph_free(p, sl, s);
+    return tcache_st.up.graph_free(p, sl, s);
   tcache_enter_slow(tc);
   int rc = (sl != NULL && tcache_keep_large(tc, sl, p, s)) || tcache_free_switch(tc, sl, p, s)
                ? MAGPIE_OK

@@ -5,7 +5,7 @@
  *
  * Lock order: tcache_list_lock alone (tcache.c); the rest is the owning
  * thread's. */
-#include "front/tcache.h"
+#include "tcache/tcache.h"
 
 #include <linux/membarrier.h>
 #include <pthread.h>
@@ -18,11 +18,9 @@
 #include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
-#include "front/global.h"
-#include "front/observe.h"
-#include "front/tcache_internal.h"
-#include "front/tdrain.h"
 #include "pool/record.h"
+#include "tcache/tcache_internal.h"
+#include "tcache/tdrain.h"
 
 void tcache_slot_clear(tslot *ts) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
@@ -266,14 +264,14 @@ size_t tcache_slot_empty(tcache *tc, tslot *ts) { return tcache_slot_out(tc, ts,
 
 /* Fold a retiring slot's class counters into its heap. */
 static void tcache_slot_fold(tslot *ts) {
-  pthread_mutex_lock(&globals.tcache_list_lock);
+  pthread_mutex_lock(&tcache_st.list_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     atomic_add_relaxed(&ts->heap->stat_class_hits[c], atomic_load_relaxed(&ts->cl[c].hits));
     atomic_add_relaxed(&ts->heap->stat_class_misses[c], atomic_load_relaxed(&ts->cl[c].misses));
     atomic_store_relaxed(&ts->cl[c].hits, 0);
     atomic_store_relaxed(&ts->cl[c].misses, 0);
   }
-  pthread_mutex_unlock(&globals.tcache_list_lock);
+  pthread_mutex_unlock(&tcache_st.list_lock);
 }
 
 /* Give back everything a slot holds. Its non-empty magazines go to limbo,
