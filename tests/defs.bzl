@@ -70,7 +70,7 @@ def magpie_fuzz_targets(suffix, lib):
 
 def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], env = {}, size = "small"):
     """Builds magpie with `define` (a deliberate bug, see src/pool/epoch.c,
-    src/front/tcache.c and src/front/tdrain.c), links the test sources
+    src/tcache/tcache_slots.c and src/tcache/tdrain.c), links the test sources
     against it, and passes only if that test binary fails with `pattern` in
     its output (tests/expect_failure.sh)."""
     magpie_variant_library(name = name + "_lib", define = define)

@@ -20,7 +20,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 
-#include "front/ipc.h"
+#include "ipc/ipc.h"
 #include "heap/heap.h"
 #include "pool/record.h"
 

@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-ORDER = ["base", "device", "pool", "heap", "tcache", "front"]
+ORDER = ["base", "device", "pool", "heap", "tcache", "front", "ipc"]
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 

@@ -13,6 +13,4 @@ global_vars globals = {
     .reaper_idle_cv = PTHREAD_COND_INITIALIZER,
     .init_lock = PTHREAD_MUTEX_INITIALIZER,
     .capture_lock = PTHREAD_MUTEX_INITIALIZER,
-    .ipc_lock = PTHREAD_MUTEX_INITIALIZER,
-    .ipc_listen_fd = -1,
 };

@@ -36,7 +36,6 @@ struct backend_observer;
 struct heap;
 struct slab;
 struct capture_reg;
-struct ipc_import;
 struct CUctx_st;
 
 /* Operations backend_timed.c times (its enum's TIMED_COUNT). */
@@ -160,19 +159,6 @@ typedef struct global_vars {
   uint32_t capture_count;
   _Atomic uint64_t capture_next_pool;
   _Atomic(struct backend_observer *) observe_hooks;
-  /* ipc_server.c and ipc.c (sharing blocks with other processes), all
-   * under ipc_lock (a leaf: no other lock and no driver call under it):
-   * the export server's state (started once its socket is bound and its
-   * thread runs; the thread reads ipc_listen_fd, written before
-   * pthread_create, which orders it), the nonce naming its socket, and
-   * this process's imports. ipc_next_id: export ids (fetch_add, relaxed:
-   * only uniqueness matters). */
-  pthread_mutex_t ipc_lock;
-  int ipc_started;
-  int ipc_listen_fd;
-  uint64_t ipc_nonce;
-  struct ipc_import *ipc_imports;
-  _Atomic uint64_t ipc_next_id;
 } global_vars;
 
 extern global_vars globals;

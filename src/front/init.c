@@ -22,7 +22,6 @@
 #include "base/sizeclass.h"
 #include "device/backend_timed.h"
 #include "front/capture.h"
-#include "front/ipc.h"
 #include "front/observe.h"
 #include "front/stats.h"
 #include "heap/heap.h"
@@ -182,7 +181,6 @@ static void init_atfork_child(void) {
   error_set(MAGPIE_ERR_NO_DEVICE, "%s", INIT_FORK_MESSAGE);
   tcache_after_fork_child();
   heap_after_fork_child();
-  ipc_after_fork_child();
 }
 
 int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {

@@ -2,7 +2,7 @@
  * _import and _close (magpie.h; the protocol is ipc.h, the exporting
  * side's server ipc_server.c, the holds pool/record.c).
  *
- * Lock order: globals.ipc_lock, a leaf (the import list only); the record
+ * Lock order: ipc_st.lock, a leaf (the import list only); the record
  * table's lock (a leaf) is taken with no lock held; no lock is held across
  * a driver or socket call. */
 #include <errno.h>
@@ -17,11 +17,11 @@
 #include "base/meta.h"
 #include "front/block.h"
 #include "front/global.h"
-#include "front/ipc.h"
 #include "heap/heap.h"
+#include "ipc/ipc.h"
 #include "pool/epoch.h"
 
-/* An import of this process. INVARIANT: on globals.ipc_imports (under
+/* An import of this process. INVARIANT: on ipc_st.imports (under
  * ipc_lock) from a successful import until its close begins; [base,
  * base+span) is reserved and mapped on device, and sock holds the
  * exporter's hold on the block. */
@@ -66,7 +66,7 @@ MAGPIE_API int magpie_ipc_export(void *ptr, unsigned flags, magpie_ipc_handle *o
   if (getrandom(fresh, sizeof fresh, 0) != (ssize_t)sizeof fresh)
     return error_set(MAGPIE_ERR_IPC, "magpie_ipc_export(%p): no random bytes for the handle's secret (%s)", ptr,
                      strerror(errno));
-  uint64_t id = 0, new_id = atomic_add_relaxed(&globals.ipc_next_id, 1) + 1;
+  uint64_t id = 0, new_id = atomic_add_relaxed(&ipc_st.next_id, 1) + 1;
   rc = record_export(&h->records, sl, large_block_class(sl, (uintptr_t)ptr), (uintptr_t)ptr, bytes,
                      (flags & MAGPIE_IPC_HOLD) != 0, new_id, fresh, &id, secret);
   if (rc == MAGPIE_ERR_INVALID_POINTER) return error_set(rc, "magpie_ipc_export(%p): the block is free", ptr);
@@ -105,9 +105,9 @@ MAGPIE_API int magpie_ipc_revoke(const magpie_ipc_handle *handle) {
   int rc = ipc_parse(handle, &w, "magpie_ipc_revoke");
   if (rc == MAGPIE_OK) rc = global_ensure();
   if (rc != MAGPIE_OK) return rc;
-  pthread_mutex_lock(&globals.ipc_lock);
-  int mine = globals.ipc_started && w.pid == (uint32_t)getpid() && w.nonce == globals.ipc_nonce;
-  pthread_mutex_unlock(&globals.ipc_lock);
+  pthread_mutex_lock(&ipc_st.lock);
+  int mine = ipc_st.started && w.pid == (uint32_t)getpid() && w.nonce == ipc_st.nonce;
+  pthread_mutex_unlock(&ipc_st.lock);
   if (!mine)
     return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
                      "magpie_ipc_revoke: the handle was exported by process %u; only that process can revoke it",
@@ -250,10 +250,10 @@ MAGPIE_API int magpie_ipc_import(const magpie_ipc_handle *handle, void **ptr, si
                       .span = r.span_size,
                       .device = device,
                       .sock = sock};
-  pthread_mutex_lock(&globals.ipc_lock);
-  imp->next = globals.ipc_imports;
-  globals.ipc_imports = imp;
-  pthread_mutex_unlock(&globals.ipc_lock);
+  pthread_mutex_lock(&ipc_st.lock);
+  imp->next = ipc_st.imports;
+  ipc_st.imports = imp;
+  pthread_mutex_unlock(&ipc_st.lock);
   *ptr = (void *)imp->ptr;
   if (size != NULL) *size = r.bytes;
   return MAGPIE_OK;
@@ -284,22 +284,22 @@ static int ipc_stream_wait(const backend_ops *ops, cudaStream_t stream) {
 MAGPIE_API int magpie_ipc_close(void *ptr, cudaStream_t stream) {
   int rc = global_ensure();
   if (rc != MAGPIE_OK) return rc;
-  pthread_mutex_lock(&globals.ipc_lock);
-  ipc_import **pp = &globals.ipc_imports;
+  pthread_mutex_lock(&ipc_st.lock);
+  ipc_import **pp = &ipc_st.imports;
   while (*pp != NULL && (*pp)->ptr != (uintptr_t)ptr) pp = &(*pp)->next;
   ipc_import *imp = *pp;
   if (imp != NULL) *pp = imp->next; /* a racing second close now fails */
-  pthread_mutex_unlock(&globals.ipc_lock);
+  pthread_mutex_unlock(&ipc_st.lock);
   if (imp == NULL)
     return error_set(MAGPIE_ERR_INVALID_POINTER,
                      "magpie_ipc_close(%p): not an address magpie_ipc_import returned (or closed already)", ptr);
   const backend_ops *ops = global_ops();
   rc = ipc_stream_wait(ops, stream);
   if (rc != MAGPIE_OK) {
-    pthread_mutex_lock(&globals.ipc_lock);
-    imp->next = globals.ipc_imports;
-    globals.ipc_imports = imp;
-    pthread_mutex_unlock(&globals.ipc_lock);
+    pthread_mutex_lock(&ipc_st.lock);
+    imp->next = ipc_st.imports;
+    ipc_st.imports = imp;
+    pthread_mutex_unlock(&ipc_st.lock);
     return error_set(rc,
                      rc == MAGPIE_ERR_CAPTURE ? "magpie_ipc_close(%p): stream %p is capturing a CUDA graph; close the "
                                                 "import after the capture, on a stream that is not capturing"

@@ -8,7 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "front/ipc.h"
+#include "ipc/ipc.h"
 
 unsigned ipc_socket_name(uint32_t pid, uint64_t nonce, struct sockaddr_un *addr) {
   memset(addr, 0, sizeof *addr);

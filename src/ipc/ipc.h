@@ -13,11 +13,13 @@
  * Lock order: globals.ipc_lock is a leaf (ipc.c and ipc_server.c hold it
  * for list and state changes only, never across a driver call, a socket
  * call that can block, or another lock). */
-#ifndef MAGPIE_FRONT_IPC_H
-#define MAGPIE_FRONT_IPC_H
+#ifndef MAGPIE_IPC_H
+#define MAGPIE_IPC_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include <pthread.h>
 
 #include "magpie.h"
 #include "pool/record.h"
@@ -79,10 +81,29 @@ int ipc_send(int sock, const void *msg, size_t len, const int *fds, size_t nfds)
 int ipc_recv(int sock, void *msg, size_t len, size_t *got, int *fds, size_t maxfds, size_t *nfds);
 
 /* Starts this process's export server if it is not running; its nonce in
- * *nonce. MAGPIE_OK, or MAGPIE_ERR_IPC with the error set. */
+ * *nonce. MAGPIE_OK, or MAGPIE_ERR_IPC with the error set. (A forked
+ * child serves nothing, its parent's server being the parent's: the
+ * layer's fork handler closes the inherited socket.) */
 int ipc_server_ensure(uint64_t *nonce);
-/* fork(): the child serves nothing (its parent's server is the parent's);
- * it closes the inherited sockets. */
-void ipc_after_fork_child(void);
 
-#endif /* MAGPIE_FRONT_IPC_H */
+/* The layer's process-wide state (defined in ipc_server.c), all under
+ * lock (a leaf: no other lock and no driver call under it): the export
+ * server's (started once its socket is bound and its thread runs; the
+ * thread reads listen_fd, written before pthread_create, which orders it;
+ * atfork: the fork handler is registered, at load), the nonce naming its socket,
+ * and this process's imports. next_id: export ids (fetch_add, relaxed:
+ * only uniqueness matters). */
+struct ipc_import;
+typedef struct ipc_state {
+  pthread_mutex_t lock;
+  int started;
+  int atfork;
+  int listen_fd;
+  uint64_t nonce;
+  struct ipc_import *imports;
+  _Atomic uint64_t next_id;
+} ipc_state;
+
+extern ipc_state ipc_st;
+
+#endif /* MAGPIE_IPC_H */

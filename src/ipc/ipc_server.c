@@ -4,11 +4,11 @@
  * import's hold on the block until the importer closes it or exits.
  *
  * The thread is the only one touching its connections (no lock); the
- * server's start is under globals.ipc_lock (a leaf). It stays for the
+ * server's start is under ipc_st.lock (a leaf). It stays for the
  * process's life (the library is never unloaded: -z nodelete); a child of
  * fork() has none and closes the inherited sockets.
  *
- * Lock order: globals.ipc_lock, a leaf; the thread takes the record table's
+ * Lock order: ipc_st.lock, a leaf; the thread takes the record table's
  * lock (a leaf, pool/record.h) with no lock of its own held, and calls the
  * device table outside every lock. */
 #include <errno.h>
@@ -24,8 +24,22 @@
 #include "base/error.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
-#include "front/ipc.h"
 #include "heap/heap.h"
+#include "ipc/ipc.h"
+
+ipc_state ipc_st = {
+    .lock = PTHREAD_MUTEX_INITIALIZER,
+    .listen_fd = -1,
+};
+
+static void ipc_after_fork_child(void);
+
+/* The layer's fork handler, registered when the library is loaded: a
+ * parent thread may hold the lock at the fork, whether or not the server
+ * runs. */
+__attribute__((constructor)) static void ipc_register_fork(void) {
+  ipc_st.atfork = pthread_atfork(NULL, NULL, ipc_after_fork_child) == 0;
+}
 
 /* One connection. INVARIANT: held != 0 iff the request was granted: the
  * connection then holds one import of export (h, ptr, id). */
@@ -149,7 +163,7 @@ static void ipc_accept(ipc_conns *cs, int lfd) {
 
 static void *ipc_server_main(void *arg) {
   (void)arg;
-  int lfd = globals.ipc_listen_fd; /* written before pthread_create */
+  int lfd = ipc_st.listen_fd; /* written before pthread_create */
   ipc_conns cs = {0};
   struct pollfd *pf = NULL;
   size_t pcap = 0;
@@ -189,9 +203,9 @@ static void *ipc_server_main(void *arg) {
 }
 
 int ipc_server_ensure(uint64_t *nonce) {
-  pthread_mutex_lock(&globals.ipc_lock);
+  pthread_mutex_lock(&ipc_st.lock);
   int rc = MAGPIE_OK;
-  if (!globals.ipc_started) {
+  if (!ipc_st.started) {
     uint64_t n = 0;
     if (getrandom(&n, sizeof n, 0) != (ssize_t)sizeof n) n = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ (uint64_t)&n;
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -203,7 +217,7 @@ int ipc_server_ensure(uint64_t *nonce) {
     pthread_t t;
     pthread_attr_t attr;
     if (step == NULL) {
-      globals.ipc_listen_fd = fd;
+      ipc_st.listen_fd = fd;
       pthread_attr_init(&attr);
       pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
       if (pthread_create(&t, &attr, ipc_server_main, NULL) != 0) step = "pthread_create";
@@ -212,25 +226,25 @@ int ipc_server_ensure(uint64_t *nonce) {
     if (step != NULL) {
       int e = errno;
       if (fd >= 0) close(fd);
-      globals.ipc_listen_fd = -1;
+      ipc_st.listen_fd = -1;
       rc = error_set(MAGPIE_ERR_IPC, "magpie_ipc_export: cannot start the export server (%s: %s)", step, strerror(e));
     } else {
-      globals.ipc_nonce = n;
-      globals.ipc_started = 1;
+      ipc_st.nonce = n;
+      ipc_st.started = 1;
     }
   }
-  *nonce = globals.ipc_nonce;
-  pthread_mutex_unlock(&globals.ipc_lock);
+  *nonce = ipc_st.nonce;
+  pthread_mutex_unlock(&ipc_st.lock);
   return rc;
 }
 
-void ipc_after_fork_child(void) {
+static void ipc_after_fork_child(void) {
   /* The child's only thread: the parent's server thread is not here. Its
    * listening socket is the parent's to serve; the child's copy goes. The
    * connections' copies close with the child's exit (magpie is unusable
    * in it: init.c). */
-  pthread_mutex_init(&globals.ipc_lock, NULL);
-  if (globals.ipc_listen_fd >= 0) close(globals.ipc_listen_fd);
-  globals.ipc_listen_fd = -1;
-  globals.ipc_started = 0;
+  pthread_mutex_init(&ipc_st.lock, NULL);
+  if (ipc_st.listen_fd >= 0) close(ipc_st.listen_fd);
+  ipc_st.listen_fd = -1;
+  ipc_st.started = 0;
 }
