@@ -11,10 +11,10 @@
 #include <cmocka.h>
 
 #include "base/sizeclass.h"
-#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "magpie.h"
 #include "pool/depot.h"
+#include "tcache/tcache.h"
 #include "tests/fake_backend.h"
 #include "tests/tcache_util.h"
 

@@ -22,7 +22,6 @@
 #include "base/sizeclass.h"
 #include "base/stack.h"
 #include "front/init.h"
-#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "magpie.h"
 #include "pool/depot.h"
@@ -30,6 +29,7 @@
 #include "pool/magazine.h"
 #include "pool/slab.h"
 #include "pool/span.h"
+#include "tcache/tcache.h"
 #include "tests/fake_backend.h"
 
 #define N_BLOCKS 400

@@ -20,8 +20,8 @@
 #include <fcntl.h>
 #include <stdio.h>
 
-#include "ipc/ipc.h"
 #include "heap/heap.h"
+#include "ipc/ipc.h"
 #include "pool/record.h"
 
 #define SMALL 4096

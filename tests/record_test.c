@@ -8,9 +8,9 @@
  * the test needs, however many allocations it makes meanwhile. */
 #include "tests/sim_test_util.h"
 
-#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/record.h"
+#include "tcache/tcache.h"
 
 #define SMALL 4096
 #define LARGE (4 * MiB)

@@ -11,8 +11,8 @@
 #include <cmocka.h>
 
 #include "base/sizeclass.h"
-#include "tcache/tcache.h"
 #include "magpie.h"
+#include "tcache/tcache.h"
 #include "tests/fake_backend.h"
 #include "tests/tcache_util.h"
 

@@ -6,8 +6,8 @@
 #include "front/capture.h"
 #include "front/global.h"
 #include "front/observe.h"
-#include "tcache/tcache.h"
 #include "pool/large.h"
+#include "tcache/tcache.h"
 
 /* Everything but a fast-path hit: the slow path; while a capture is
  * announced, capturing streams' allocations go to their graph pools

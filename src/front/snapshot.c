@@ -37,10 +37,10 @@
 #include "base/meta.h"
 #include "front/global.h"
 #include "front/stats.h"
-#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/large.h"
 #include "pool/record.h"
+#include "tcache/tcache.h"
 
 enum { SNAP_IN_USE = 0, SNAP_THREAD, SNAP_DEPOT, SNAP_PENDING, SNAP_LIMBO, SNAP_UNUSED };
 static const char *const snap_names[] = {"in_use", "thread", "depot", "pending", "limbo", "unused"};

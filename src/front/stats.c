@@ -9,10 +9,10 @@
 #include "base/sizeclass.h"
 #include "device/backend_timed.h"
 #include "front/global.h"
-#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/large.h"
 #include "pool/record.h"
+#include "tcache/tcache.h"
 
 static size_t stats_nonneg(int64_t v) { return v > 0 ? (size_t)v : 0; }
 

@@ -9,9 +9,9 @@
  * record table's lock is a leaf (pool/record.h). */
 #include "base/error.h"
 #include "front/global.h"
-#include "tcache/tcache.h"
 #include "heap/heap.h"
 #include "pool/record.h"
+#include "tcache/tcache.h"
 
 MAGPIE_API int magpie_stream_retire(cudaStream_t stream) {
   int rc = global_ensure();
