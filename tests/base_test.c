@@ -22,10 +22,10 @@ static void test_sizeclass(void **state) {
   for (size_t size = 1; size <= SIZECLASS_MAX_SIZE; size += (size < 65536 ? 1 : 97)) {
     unsigned c = sizeclass_of(size);
     assert_true(c < SIZECLASS_COUNT);
-    size_t cs = globals.sizeclass_table[c].size;
+    size_t cs = sizeclass_table[c].size;
     assert_true(cs >= size);
     assert_int_equal(cs % 256, 0);
-    if (c > 0) assert_true(globals.sizeclass_table[c - 1].size < size);
+    if (c > 0) assert_true(sizeclass_table[c - 1].size < size);
     /* At most 25 % wasted up to 32 KiB, a third above (two classes per
      * power of two). */
     if (size > 1024 && size <= 32768) assert_true((cs - size) * 4 <= cs);
@@ -33,14 +33,13 @@ static void test_sizeclass(void **state) {
     assert_int_equal(c >= SIZECLASS_FINE_COUNT, size > 32768);
   }
   assert_int_equal(sizeclass_of(SIZECLASS_MAX_SIZE), SIZECLASS_COUNT - 1);
-  for (unsigned c = 1; c < SIZECLASS_COUNT; c++)
-    assert_true(globals.sizeclass_table[c].size > globals.sizeclass_table[c - 1].size);
+  for (unsigned c = 1; c < SIZECLASS_COUNT; c++) assert_true(sizeclass_table[c].size > sizeclass_table[c - 1].size);
 }
 
 static void test_sizeclass_magic_division(void **state) {
   (void)state;
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    const sizeclass_info *ci = &globals.sizeclass_table[c];
+    const sizeclass_info *ci = &sizeclass_table[c];
     assert_true(ci->blocks >= 1 && ci->slab_size < ((size_t)1 << 24));
     assert_true(ci->mag_cap >= (ci->seg ? 1 : 2) && ci->mag_cap <= 64);
     /* Classes above SIZECLASS_SLAB_MAX are class blocks of the segments,

@@ -38,7 +38,7 @@ typedef struct class_case {
 static class_case class_case_start(size_t size, void **p) {
   class_case k = {.h = heap_get(0), .cls = sizeclass_of(size), .s = fake_stream_create(0)};
   assert_non_null(k.h);
-  assert_true(globals.sizeclass_table[k.cls].seg);
+  assert_true(sizeclass_table[k.cls].seg);
   for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, k.s));
   k.depot0 = depot_class_bytes(k.h, k.cls);
   return k;
@@ -116,7 +116,7 @@ static void test_class_outflow_to_depot(void **state) {
   /* Two sealed outboxes of two (512 KiB each) while it ran; what it still
    * held at its exit went to limbo, which the maintenance thread may have
    * drained into the depot since. */
-  assert_true(depot_class_bytes(k.h, k.cls) >= k.depot0 + 4 * (int64_t)globals.sizeclass_table[k.cls].size);
+  assert_true(depot_class_bytes(k.h, k.cls) >= k.depot0 + 4 * (int64_t)sizeclass_table[k.cls].size);
   fake_stream_complete(s);
   for (int n = 0; n < 4; n++) {
     void *q = magpie_malloc_async(size, s);
@@ -136,7 +136,7 @@ static void test_large_allocation_sends_class_blocks_back(void **state) {
   const size_t size = 90000; /* the 96 KiB class, which no other test here uses */
   heap *h = heap_get(0);
   unsigned cls = sizeclass_of(size);
-  assert_true(globals.sizeclass_table[cls].seg);
+  assert_true(sizeclass_table[cls].seg);
   cudaStream_t s = fake_stream_create(0);
   void *p[2];
   for (int i = 0; i < 2; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));

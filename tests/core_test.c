@@ -95,7 +95,7 @@ static void test_cross_stream_waits_for_epoch(void **state) {
    * holds, so the depot's fresh magazines run out and its pending ones are
    * scanned. */
   int reused = 0;
-  int more = (int)globals.sizeclass_table[sizeclass_of(3000)].blocks * 2 + N_BLOCKS;
+  int more = (int)sizeclass_table[sizeclass_of(3000)].blocks * 2 + N_BLOCKS;
   for (int i = 0; i < more; i++) {
     void *p = magpie_malloc_async(3000, b);
     assert_non_null(p);
@@ -127,7 +127,7 @@ static int wait_device_synced(uint64_t before) {
  * device has drained (the reaper's synchronisation). */
 static void test_handle_reuse(void **state) {
   (void)state;
-  int blocks = (int)globals.sizeclass_table[sizeclass_of(5000)].blocks;
+  int blocks = (int)sizeclass_table[sizeclass_of(5000)].blocks;
   cudaStream_t a = fake_stream_create(0);
   static void *pa[N_BLOCKS];
   for (int i = 0; i < N_BLOCKS; i++) assert_non_null(pa[i] = magpie_malloc_async(5000, a));
@@ -338,7 +338,7 @@ static void test_small_classes_share_a_granule(void **state) {
   void *p[N];
   slab *sl[N];
   for (int i = 0; i < N; i++) {
-    assert_int_equal(globals.sizeclass_table[sizeclass_of(sizes[i])].slab_size, SPAN_CHUNK);
+    assert_int_equal(sizeclass_table[sizeclass_of(sizes[i])].slab_size, SPAN_CHUNK);
     assert_non_null(p[i] = magpie_malloc_async(sizes[i], s));
   }
   fake_get_counters(&c1);
@@ -358,7 +358,7 @@ static void test_small_classes_share_a_granule(void **state) {
   void *q[2];
   for (int i = 0; i < 2; i++) {
     unsigned cls = sizeclass_of(bigger[i]);
-    assert_true(globals.sizeclass_table[cls].seg);
+    assert_true(sizeclass_table[cls].seg);
     assert_non_null(q[i] = magpie_malloc_async(bigger[i], s));
     slab *qs = pagemap_lookup((uintptr_t)q[i]);
     assert_non_null(qs);
@@ -367,7 +367,7 @@ static void test_small_classes_share_a_granule(void **state) {
     assert_int_equal(large_class_of(qs->seg, (uintptr_t)q[i] + LARGE_QUANTUM), -1);
     size_t bs = 0;
     assert_int_equal(magpie_block_info(q[i], &bs, NULL), MAGPIE_OK);
-    assert_int_equal(bs, globals.sizeclass_table[cls].size);
+    assert_int_equal(bs, sizeclass_table[cls].size);
   }
   fake_get_counters(&c1);
   assert_int_equal(c1.mapped_bytes[2] - c0.mapped_bytes[2], (size_t)4 << 20);

@@ -51,7 +51,7 @@ static void test_magazine_and_depot(void **state) {
   magazine *m = magazine_get_empty(cls);
   assert_non_null(m);
   assert_int_equal(m->count, 0);
-  assert_int_equal(m->cap, globals.sizeclass_table[cls].mag_cap);
+  assert_int_equal(m->cap, sizeclass_table[cls].mag_cap);
   assert_int_equal(m->cls, cls);
   magazine_put_empty(m);
   magazine *again = magazine_get_empty(cls);

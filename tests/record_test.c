@@ -569,8 +569,8 @@ static void *retire_main(void *arg) {
   RT_CHECK(maintenance_idle()); /* the device_syncs count below is this test's alone */
   cudaStream_t s = magpie_sim_stream_create(), c = magpie_sim_stream_create();
   unsigned cls = sizeclass_of(SMALL);
-  RT_CHECK(RETIRE_BLOCKS + 2 * globals.sizeclass_table[cls].mag_max < TCACHE_OUTBOX_BYTES / SMALL);
-  RT_CHECK(globals.sizeclass_table[cls].mag_cap == 12);
+  RT_CHECK(RETIRE_BLOCKS + 2 * sizeclass_table[cls].mag_max < TCACHE_OUTBOX_BYTES / SMALL);
+  RT_CHECK(sizeclass_table[cls].mag_cap == 12);
   static void *v[RETIRE_BLOCKS];
   for (int i = 0; i < RETIRE_BLOCKS; i++) RT_CHECK_NONNULL(v[i] = magpie_malloc_async(SMALL, s));
   struct gated g;

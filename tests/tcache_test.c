@@ -22,7 +22,7 @@
 static void test_magazine_capacity_adapts(void **state) {
   (void)state;
   unsigned cls = sizeclass_of(30000); /* 32 KiB class, the largest with slabs */
-  const sizeclass_info *ci = &globals.sizeclass_table[cls];
+  const sizeclass_info *ci = &sizeclass_table[cls];
   assert_int_equal(ci->mag_cap, 6); /* cbrt(2^23 / 32 KiB) */
   assert_true(ci->mag_max > ci->mag_cap);
   cudaStream_t s = fake_stream_create(0);
@@ -64,7 +64,7 @@ static void test_magazine_capacity_bursts(void **state) {
   /* A class no other test here uses: its magazines all start at mag_cap
    * (a magazine keeps the capacity it was made with). */
   unsigned cls = sizeclass_of(45000); /* 48 KiB */
-  const sizeclass_info *ci = &globals.sizeclass_table[cls];
+  const sizeclass_info *ci = &sizeclass_table[cls];
   assert_int_equal(ci->mag_cap, 5);
   cudaStream_t s = fake_stream_create(0);
   enum { BURST = 4 * 5 }; /* four magazines of 5, under a run of 32 */

@@ -22,13 +22,19 @@
 #include <stdint.h>
 
 #include "base/atomic.h"
-#include "base/globals.h"
 #include "base/types.h"
 
-static inline struct slab *pagemap_lookup(uintptr_t addr) {
+/* The radix root, this module's state (defined in pagemap.c). Leaves are
+ * installed with a CAS (acq_rel) and never freed; lookups load them with
+ * acquire. */
+extern _Atomic(pagemap_entry *) pagemap_top[1u << PAGEMAP_TOP_BITS];
+
+/* The descriptor set for addr's page (a pool slab descriptor: the caller
+ * converts), or NULL. */
+static inline void *pagemap_lookup(uintptr_t addr) {
   uintptr_t page = addr >> PAGEMAP_PAGE_SHIFT;
   if (unlikely(page >> (PAGEMAP_TOP_BITS + PAGEMAP_LEAF_BITS))) return NULL;
-  pagemap_entry *leaf = atomic_load_acquire(&globals.pagemap_top[page >> PAGEMAP_LEAF_BITS]);
+  pagemap_entry *leaf = atomic_load_acquire(&pagemap_top[page >> PAGEMAP_LEAF_BITS]);
   if (unlikely(leaf == NULL)) return NULL;
   return atomic_load_acquire(&leaf[page & ((1u << PAGEMAP_LEAF_BITS) - 1)]);
 }
@@ -37,6 +43,6 @@ static inline struct slab *pagemap_lookup(uintptr_t addr) {
  * are multiples of the page (32 KiB). Returns MAGPIE_OK or
  * MAGPIE_ERR_OUT_OF_MEMORY (host metadata), in which case nothing was
  * set. */
-int pagemap_set(uintptr_t base, size_t size, struct slab *s);
+int pagemap_set(uintptr_t base, size_t size, void *s);
 
 #endif /* MAGPIE_PAGEMAP_H */

@@ -2,7 +2,7 @@
  * multiply-shift constant that turns a block offset into an index. */
 #include "base/sizeclass.h"
 
-#include "base/globals.h"
+sizeclass_info sizeclass_table[SIZECLASS_COUNT];
 
 /* Slabs are runs of chunks of a shared granule when the granularity is 2
  * to 64 chunks: one chunk where it holds SIZECLASS_CHUNK_MIN_BLOCKS blocks,
@@ -62,7 +62,7 @@ static uint32_t sizeclass_icbrt(size_t v) {
  * magazine, however large) its capacity grows up to mag_max (tcache_slots.c). */
 void sizeclass_init(size_t magazine_bytes, size_t granularity) {
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    sizeclass_info *ci = &globals.sizeclass_table[c];
+    sizeclass_info *ci = &sizeclass_table[c];
     ci->size = sizeclass_size_calc(c);
     ci->seg = ci->size > SIZECLASS_SLAB_MAX;
     ci->chunks = sizeclass_chunks(ci->size, granularity);

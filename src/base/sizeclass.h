@@ -36,7 +36,7 @@ static inline unsigned sizeclass_of(size_t size) {
   return q < SIZECLASS_FINE_COUNT ? q : (q + SIZECLASS_FINE_COUNT) >> 1;
 }
 
-/* Bytes of class c, by the same formula (globals.sizeclass_table caches it). */
+/* Bytes of class c, by the same formula (sizeclass_table caches it). */
 static inline size_t sizeclass_size_calc(unsigned c) {
   if (c < 8) return (size_t)(c + 1) << SIZECLASS_SHIFT;
   if (c >= SIZECLASS_FINE_COUNT) c = 2 * c - SIZECLASS_FINE_COUNT + 1; /* the odd quarter step */
@@ -45,8 +45,11 @@ static inline size_t sizeclass_size_calc(unsigned c) {
   return ((size_t)(m + 5) << (b - 2)) << SIZECLASS_SHIFT;
 }
 
-/* The table itself is globals.sizeclass_table (base/globals.h), filled once
- * by sizeclass_init. */
+/* The table, this module's state (defined in sizeclass.c): filled once by
+ * sizeclass_init during set-up, before the set-up is published (release);
+ * read-only afterwards. A plain global array: the fast paths index it
+ * (tcache/tcache.h). */
+extern sizeclass_info sizeclass_table[SIZECLASS_COUNT];
 
 /* Chunks per slab of blocks of `size` for this granularity (slabs are runs
  * of span chunks), or 0 when slabs are whole granules. */

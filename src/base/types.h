@@ -1,8 +1,9 @@
-/* The types of base that the process-wide object (globals.h) embeds: the
- * registry and stack heads, a size-class row and the page map's shape.
- * Apart from their modules' functions (registry.h, stack.h, sizeclass.h,
- * pagemap.h) so that globals.h depends on types alone and no module
- * include cycle runs through it. */
+/* The types and constants of base's modules, apart from their functions
+ * (registry.h, stack.h, sizeclass.h, pagemap.h): the registry and stack
+ * heads, a size-class row, the page map's shape. Each module's state
+ * object is declared beside its functions (sizeclass_table, pagemap_top);
+ * the layers above embed these heads in theirs (pool/magazine.h's
+ * magazine_st, pool/epoch.c's event registry). */
 #ifndef MAGPIE_TYPES_H
 #define MAGPIE_TYPES_H
 
@@ -98,14 +99,15 @@ typedef struct sizeclass_info {
   uint64_t magic;   /* offset * magic >> 48 == offset / size, exact for offsets < 2^24 */
 } sizeclass_info;
 
-/* ---- pagemap.h: address -> slab ---- */
+/* ---- pagemap.h: address -> slab descriptor ---- */
 
 #define PAGEMAP_PAGE_SHIFT 15
 #define PAGEMAP_ADDR_BITS 48
 #define PAGEMAP_LEAF_BITS 17
 #define PAGEMAP_TOP_BITS (PAGEMAP_ADDR_BITS - PAGEMAP_PAGE_SHIFT - PAGEMAP_LEAF_BITS)
 
-struct slab;
-typedef _Atomic(struct slab *) pagemap_entry;
+/* An entry: the descriptor of the page's owner, untyped (base names no type
+ * of the layers above; the pool stores its slab descriptors, pool/slab.h). */
+typedef _Atomic(void *) pagemap_entry;
 
 #endif /* MAGPIE_TYPES_H */

@@ -13,7 +13,7 @@
  * first use and never released, as the runtime does; it is pushed around the
  * calls that need a current context and popped after.
  *
- * Lock order: cuda_lock is this file's only lock. It is held by init() and
+ * Lock order: cuda_st.lock is this file's only lock. It is held by init() and
  * by the first use of a device's context (cuda_device_ctx), never while
  * calling anything outside this file but the driver and its loader (which
  * takes no magpie lock), so it sits below every other magpie lock; the
@@ -28,19 +28,22 @@
 
 #include "device/backend.h"
 
-#include "base/globals.h"
 #include "device/backend_cuda.h"
 #include "device/cuda_driver.h"
 
-/* The device arrays are globals.cuda_devices and cuda_ctx (base/globals.h). */
+/* The device arrays are cuda_st.devices and cuda_st.ctx (backend_cuda.h). */
 #define CUDA_MAX_DEVICES MAGPIE_MAX_DEVICES
 
 enum { CUDA_STATE_UNINIT = 0, CUDA_STATE_READY = 1, CUDA_STATE_FAILED = 2 };
 
+cuda_state cuda_st = {
+    .lock = PTHREAD_MUTEX_INITIALIZER,
+};
+
 /* The driver's entry points are the loader's table `cudrv` (NULL for an
  * optional one the driver lacks). It is filled by cudrv_load, which init
- * calls under cuda_lock before the release store of cuda_state; every
- * operation reads it after its acquire load of cuda_state (cuda_ready), so
+ * calls under cuda_st.lock before the release store of cuda_st.state; every
+ * operation reads it after its acquire load of cuda_st.state (cuda_ready), so
  * plain fields suffice. */
 
 /* --- errors ------------------------------------------------------------ */
@@ -81,7 +84,7 @@ static int cuda_stream_code(cudrv_result r) {
   }
 }
 
-int cuda_ready(void) { return atomic_load_explicit(&globals.cuda_state, memory_order_acquire) == CUDA_STATE_READY; }
+int cuda_ready(void) { return atomic_load_explicit(&cuda_st.state, memory_order_acquire) == CUDA_STATE_READY; }
 
 int cuda_not_ready(void) {
   backend_set_error_detail("CUDA backend used before a successful init()");
@@ -89,9 +92,9 @@ int cuda_not_ready(void) {
 }
 
 int cuda_check_device(int device) {
-  if (device < 0 || device >= globals.cuda_ndevices) {
-    backend_set_error_detail("CUDA device %d does not exist (%d device%s)", device, globals.cuda_ndevices,
-                             globals.cuda_ndevices == 1 ? "" : "s");
+  if (device < 0 || device >= cuda_st.ndevices) {
+    backend_set_error_detail("CUDA device %d does not exist (%d device%s)", device, cuda_st.ndevices,
+                             cuda_st.ndevices == 1 ? "" : "s");
     return MAGPIE_ERR_INVALID_ARGUMENT;
   }
   return MAGPIE_OK;
@@ -102,7 +105,7 @@ int cuda_check_device(int device) {
 __attribute__((format(printf, 2, 3))) static int cuda_init_fail(int code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(globals.cuda_init_detail, sizeof globals.cuda_init_detail, fmt, ap);
+  vsnprintf(cuda_st.init_detail, sizeof cuda_st.init_detail, fmt, ap);
   va_end(ap);
   return code;
 }
@@ -128,54 +131,53 @@ static int cuda_init_locked(void) {
   if (n <= 0) return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "the CUDA driver reports no device");
   if (n > CUDA_MAX_DEVICES) n = CUDA_MAX_DEVICES; /* the rest stay unused */
   for (int i = 0; i < n; i++) {
-    r = cudrv.device_get(&globals.cuda_devices[i], i);
+    r = cudrv.device_get(&cuda_st.devices[i], i);
     if (r != CUDRV_SUCCESS)
       return cuda_init_fail(MAGPIE_ERR_NO_DEVICE, "cuDeviceGet(%d) failed: %s (%d)", i, cuda_error_name(r), (int)r);
   }
-  globals.cuda_ndevices = n;
+  cuda_st.ndevices = n;
   const char *vmm = getenv("MAGPIE_CUDA_VMM");
-  globals.cuda_vmm_off = vmm != NULL && strcmp(vmm, "0") == 0;
+  cuda_st.vmm_off = vmm != NULL && strcmp(vmm, "0") == 0;
   return MAGPIE_OK;
 }
 
 static int cuda_init(void) {
   if (cuda_ready()) return MAGPIE_OK;
-  if (pthread_mutex_lock(&globals.cuda_lock) != 0) {
+  if (pthread_mutex_lock(&cuda_st.lock) != 0) {
     backend_set_error_detail("CUDA backend init: pthread_mutex_lock failed");
     return MAGPIE_ERR_BACKEND;
   }
-  if (atomic_load_explicit(&globals.cuda_state, memory_order_relaxed) == CUDA_STATE_UNINIT) {
-    globals.cuda_init_code = cuda_init_locked();
-    atomic_store_explicit(&globals.cuda_state,
-                          globals.cuda_init_code == MAGPIE_OK ? CUDA_STATE_READY : CUDA_STATE_FAILED,
+  if (atomic_load_explicit(&cuda_st.state, memory_order_relaxed) == CUDA_STATE_UNINIT) {
+    cuda_st.init_code = cuda_init_locked();
+    atomic_store_explicit(&cuda_st.state, cuda_st.init_code == MAGPIE_OK ? CUDA_STATE_READY : CUDA_STATE_FAILED,
                           memory_order_release);
   }
-  int code = globals.cuda_init_code;
-  if (code != MAGPIE_OK) backend_set_error_detail("%s", globals.cuda_init_detail);
-  pthread_mutex_unlock(&globals.cuda_lock);
+  int code = cuda_st.init_code;
+  if (code != MAGPIE_OK) backend_set_error_detail("%s", cuda_st.init_detail);
+  pthread_mutex_unlock(&cuda_st.lock);
   return code;
 }
 
 /* --- contexts ---------------------------------------------------------- */
 
 int cuda_device_ctx(int device, cudrv_context *out) {
-  cudrv_context ctx = atomic_load_explicit(&globals.cuda_ctx[device], memory_order_acquire);
+  cudrv_context ctx = atomic_load_explicit(&cuda_st.ctx[device], memory_order_acquire);
   if (ctx != NULL) {
     *out = ctx;
     return MAGPIE_OK;
   }
-  if (pthread_mutex_lock(&globals.cuda_lock) != 0) {
+  if (pthread_mutex_lock(&cuda_st.lock) != 0) {
     backend_set_error_detail("CUDA device %d context: pthread_mutex_lock failed", device);
     return MAGPIE_ERR_BACKEND;
   }
   int rc = MAGPIE_OK;
-  ctx = atomic_load_explicit(&globals.cuda_ctx[device], memory_order_relaxed);
+  ctx = atomic_load_explicit(&cuda_st.ctx[device], memory_order_relaxed);
   if (ctx == NULL) {
-    cudrv_result r = cudrv.primary_ctx_retain(&ctx, globals.cuda_devices[device]);
-    if (r == CUDRV_SUCCESS) atomic_store_explicit(&globals.cuda_ctx[device], ctx, memory_order_release);
+    cudrv_result r = cudrv.primary_ctx_retain(&ctx, cuda_st.devices[device]);
+    if (r == CUDRV_SUCCESS) atomic_store_explicit(&cuda_st.ctx[device], ctx, memory_order_release);
     else rc = cuda_fail(cuda_code(r), r, "cuDevicePrimaryCtxRetain(device %d)", device);
   }
-  pthread_mutex_unlock(&globals.cuda_lock);
+  pthread_mutex_unlock(&cuda_st.lock);
   *out = ctx;
   return rc;
 }
@@ -243,12 +245,12 @@ static int cuda_bind_default_ctx(cudrv_stream stream) {
 }
 
 static int cuda_ordinal(cudrv_device dev, int *device) {
-  for (int i = 0; i < globals.cuda_ndevices; i++)
-    if (globals.cuda_devices[i] == dev) {
+  for (int i = 0; i < cuda_st.ndevices; i++)
+    if (cuda_st.devices[i] == dev) {
       *device = i;
       return MAGPIE_OK;
     }
-  backend_set_error_detail("CUDA device handle %d is not among the %d devices", (int)dev, globals.cuda_ndevices);
+  backend_set_error_detail("CUDA device handle %d is not among the %d devices", (int)dev, cuda_st.ndevices);
   return MAGPIE_ERR_BACKEND;
 }
 
@@ -256,7 +258,7 @@ static int cuda_ordinal(cudrv_device dev, int *device) {
 
 static int cuda_device_count(int *count) {
   if (!cuda_ready()) return cuda_not_ready();
-  *count = globals.cuda_ndevices;
+  *count = cuda_st.ndevices;
   return MAGPIE_OK;
 }
 
@@ -275,11 +277,11 @@ static int cuda_vmm_supported(int device, int *supported) {
   int rc = cuda_check_device(device);
   if (rc != MAGPIE_OK) return rc;
   int v = 0;
-  cudrv_result r = cudrv.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED, globals.cuda_devices[device]);
+  cudrv_result r = cudrv.device_get_attribute(&v, CUDRV_DEVICE_ATTRIBUTE_VMM_SUPPORTED, cuda_st.devices[device]);
   if (r != CUDRV_SUCCESS)
     return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device %d)",
                      device);
-  *supported = v != 0 && !globals.cuda_vmm_off;
+  *supported = v != 0 && !cuda_st.vmm_off;
   return MAGPIE_OK;
 }
 
@@ -291,7 +293,7 @@ void cuda_alloc_prop(int device, cudrv_mem_alloc_prop *prop) {
   prop->type = CUDRV_MEM_ALLOCATION_TYPE_PINNED;
   prop->requested_handle_types = CUDRV_MEM_HANDLE_TYPE_NONE;
   prop->location.type = CUDRV_MEM_LOCATION_TYPE_DEVICE;
-  prop->location.id = globals.cuda_devices[device];
+  prop->location.id = cuda_st.devices[device];
 }
 
 /* The caller has checked device; no context needed. */

@@ -3,15 +3,39 @@
  * and import) are one table split in two files. Nothing outside them
  * includes this.
  *
- * Lock order: as backend_cuda.c (cuda_lock only, below every magpie lock). */
+ * Lock order: as backend_cuda.c (cuda_st.lock only, below every magpie
+ * lock). */
 #ifndef MAGPIE_BACKEND_CUDA_H
 #define MAGPIE_BACKEND_CUDA_H
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "device/backend.h"
 #include "device/cuda_driver.h"
+
+/* The backend's process-wide state (defined in backend_cuda.c;
+ * backend_cuda_vmm.c reads the devices). state: written by init under lock
+ * (release store, after the fields below are set); read by every operation
+ * (acquire load in cuda_ready, pairing with that store). */
+typedef struct cuda_state {
+  pthread_mutex_t lock;
+  _Atomic int state;
+  /* Set once by init before state is published; read-only afterwards. */
+  int ndevices;
+  int devices[MAGPIE_MAX_DEVICES];
+  int vmm_off; /* MAGPIE_CUDA_VMM=0: report no VMM support */
+  /* init's outcome, replayed by later calls; under lock. */
+  int init_code;
+  char init_detail[256];
+  /* Each device's retained primary context, NULL until first used. Written
+   * once by cuda_device_ctx under lock (release store after the retain);
+   * read by any thread needing the context (acquire load). */
+  _Atomic(cudrv_context) ctx[MAGPIE_MAX_DEVICES];
+} cuda_state;
+
+extern cuda_state cuda_st;
 
 /* Sets the detail "<what> failed: CUDA_ERROR_X (n)" and returns code. */
 int cuda_fail(int code, cudrv_result r, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

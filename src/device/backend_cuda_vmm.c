@@ -13,12 +13,11 @@
  * and its last handle released, so an importer's mapping outlives the
  * exporter's.
  *
- * Lock order: takes no lock but the driver's (cuda_push may take cuda_lock
+ * Lock order: takes no lock but the driver's (cuda_push may take cuda_st.lock
  * once per device, below every magpie lock). */
 #include <string.h>
 #include <unistd.h>
 
-#include "base/globals.h"
 #include "device/backend_cuda.h"
 
 /* Access descriptors for device and every device in peers (at most
@@ -26,11 +25,11 @@
 static size_t cuda_access_descs(int device, uint64_t peers, cudrv_mem_access_desc *d) {
   size_t n = 0;
   peers |= (uint64_t)1 << device;
-  for (int i = 0; i < globals.cuda_ndevices; i++) {
+  for (int i = 0; i < cuda_st.ndevices; i++) {
     if (!(peers >> i & 1)) continue;
     memset(&d[n], 0, sizeof d[n]);
     d[n].location.type = CUDRV_MEM_LOCATION_TYPE_DEVICE;
-    d[n].location.id = globals.cuda_devices[i];
+    d[n].location.id = cuda_st.devices[i];
     d[n].flags = CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE;
     n++;
   }
@@ -103,7 +102,7 @@ int cuda_can_access_peer(int device, int peer, int *can) {
   /* cuDeviceCanAccessPeer(can, dev, peerDev): whether dev can access
    * peerDev's memory; here peer accesses device's. */
   int v = 0;
-  cudrv_result r = cudrv.device_can_access_peer(&v, globals.cuda_devices[peer], globals.cuda_devices[device]);
+  cudrv_result r = cudrv.device_can_access_peer(&v, cuda_st.devices[peer], cuda_st.devices[device]);
   if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuDeviceCanAccessPeer(%d, %d)", peer, device);
   *can = v != 0;
   return MAGPIE_OK;
@@ -149,7 +148,7 @@ int cuda_device_uuid(int device, unsigned char uuid[16]) {
   int rc = cuda_check_device(device);
   if (rc != MAGPIE_OK) return rc;
   cudrv_uuid u;
-  cudrv_result r = cudrv.device_get_uuid(&u, globals.cuda_devices[device]);
+  cudrv_result r = cudrv.device_get_uuid(&u, cuda_st.devices[device]);
   if (r != CUDRV_SUCCESS) return cuda_fail(MAGPIE_ERR_BACKEND, r, "cuDeviceGetUuid(device %d)", device);
   memcpy(uuid, u.bytes, 16);
   return MAGPIE_OK;

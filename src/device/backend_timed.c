@@ -16,7 +16,6 @@
 #include <time.h>
 
 #include "base/atomic.h"
-#include "base/globals.h"
 
 enum {
   TIMED_INIT,
@@ -43,7 +42,15 @@ enum {
   TIMED_COUNT
 };
 
-_Static_assert(TIMED_COUNT == GLOBALS_TIMED_OPS, "globals.h counts the timed operations");
+/* This file's state: set once by backend_timed before the table is used;
+ * counters relaxed (statistics only). */
+static struct timed_state {
+  const backend_ops *inner;
+  uint64_t threshold_ns;
+  _Atomic size_t max_ns[TIMED_COUNT];
+  _Atomic size_t calls[TIMED_COUNT];
+  _Atomic size_t total_ns[TIMED_COUNT];
+} timed_st;
 
 static const char *const timed_names[TIMED_COUNT] = {
     "init",
@@ -77,102 +84,102 @@ static uint64_t timed_now(void) {
 
 static int timed_done(int op, uint64_t t0, int rc) {
   uint64_t ns = timed_now() - t0;
-  atomic_max_size_relaxed(&globals.timed_max_ns[op], (size_t)ns);
-  atomic_add_relaxed(&globals.timed_calls[op], 1);
-  atomic_add_relaxed(&globals.timed_total_ns[op], (size_t)ns);
-  if (ns >= globals.timed_threshold_ns)
+  atomic_max_size_relaxed(&timed_st.max_ns[op], (size_t)ns);
+  atomic_add_relaxed(&timed_st.calls[op], 1);
+  atomic_add_relaxed(&timed_st.total_ns[op], (size_t)ns);
+  if (ns >= timed_st.threshold_ns)
     fprintf(stderr, "magpie: slow device call: %s took %.3f ms (returned %d)\n", timed_names[op], ns / 1e6, rc);
   return rc;
 }
 
 static int timed_init(void) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_INIT, t0, globals.timed_inner->init());
+  return timed_done(TIMED_INIT, t0, timed_st.inner->init());
 }
 static int timed_device_count(int *n) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_DEVICE_COUNT, t0, globals.timed_inner->device_count(n));
+  return timed_done(TIMED_DEVICE_COUNT, t0, timed_st.inner->device_count(n));
 }
 static int timed_mem_info(int d, size_t *f, size_t *t) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_MEM_INFO, t0, globals.timed_inner->mem_info(d, f, t));
+  return timed_done(TIMED_MEM_INFO, t0, timed_st.inner->mem_info(d, f, t));
 }
 static int timed_vmm(int d, int *s) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_VMM, t0, globals.timed_inner->vmm_supported(d, s));
+  return timed_done(TIMED_VMM, t0, timed_st.inner->vmm_supported(d, s));
 }
 static int timed_gran(int d, size_t *g) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_GRAN, t0, globals.timed_inner->granularity(d, g));
+  return timed_done(TIMED_GRAN, t0, timed_st.inner->granularity(d, g));
 }
 static int timed_reserve(int d, size_t size, uintptr_t *base) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_RESERVE, t0, globals.timed_inner->reserve(d, size, base));
+  return timed_done(TIMED_RESERVE, t0, timed_st.inner->reserve(d, size, base));
 }
 static int timed_unreserve(int d, uintptr_t base, size_t size) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_UNRESERVE, t0, globals.timed_inner->unreserve(d, base, size));
+  return timed_done(TIMED_UNRESERVE, t0, timed_st.inner->unreserve(d, base, size));
 }
 static int timed_map(int d, uintptr_t a, size_t size, unsigned flags, uint64_t peers) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_MAP, t0, globals.timed_inner->map(d, a, size, flags, peers));
+  return timed_done(TIMED_MAP, t0, timed_st.inner->map(d, a, size, flags, peers));
 }
 static int timed_unmap(int d, uintptr_t a, size_t size) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_UNMAP, t0, globals.timed_inner->unmap(d, a, size));
+  return timed_done(TIMED_UNMAP, t0, timed_st.inner->unmap(d, a, size));
 }
 static int timed_mem_alloc(int d, size_t size, uintptr_t *out) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_MEM_ALLOC, t0, globals.timed_inner->mem_alloc(d, size, out));
+  return timed_done(TIMED_MEM_ALLOC, t0, timed_st.inner->mem_alloc(d, size, out));
 }
 static int timed_mem_free(int d, uintptr_t p, size_t size) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_MEM_FREE, t0, globals.timed_inner->mem_free(d, p, size));
+  return timed_done(TIMED_MEM_FREE, t0, timed_st.inner->mem_free(d, p, size));
 }
 static int timed_event_create(int d, void **ev) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_EVENT_CREATE, t0, globals.timed_inner->event_create(d, ev));
+  return timed_done(TIMED_EVENT_CREATE, t0, timed_st.inner->event_create(d, ev));
 }
 static int timed_event_destroy(void *ev) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_EVENT_DESTROY, t0, globals.timed_inner->event_destroy(ev));
+  return timed_done(TIMED_EVENT_DESTROY, t0, timed_st.inner->event_destroy(ev));
 }
 static int timed_event_record(void *ev, cudaStream_t s) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_EVENT_RECORD, t0, globals.timed_inner->event_record(ev, s));
+  return timed_done(TIMED_EVENT_RECORD, t0, timed_st.inner->event_record(ev, s));
 }
 static int timed_event_query(void *ev) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_EVENT_QUERY, t0, globals.timed_inner->event_query(ev));
+  return timed_done(TIMED_EVENT_QUERY, t0, timed_st.inner->event_query(ev));
 }
 static int timed_event_sync(void *ev) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_EVENT_SYNC, t0, globals.timed_inner->event_synchronize(ev));
+  return timed_done(TIMED_EVENT_SYNC, t0, timed_st.inner->event_synchronize(ev));
 }
 static int timed_wait_event(cudaStream_t s, void *ev) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_WAIT_EVENT, t0, globals.timed_inner->stream_wait_event(s, ev));
+  return timed_done(TIMED_WAIT_EVENT, t0, timed_st.inner->stream_wait_event(s, ev));
 }
 static int timed_stream_id(cudaStream_t s, uint64_t *id) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_STREAM_ID, t0, globals.timed_inner->stream_id(s, id));
+  return timed_done(TIMED_STREAM_ID, t0, timed_st.inner->stream_id(s, id));
 }
 static int timed_stream_id_fast(cudaStream_t s, unsigned long long *id) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_STREAM_ID, t0, globals.timed_inner->stream_id_fast(s, id));
+  return timed_done(TIMED_STREAM_ID, t0, timed_st.inner->stream_id_fast(s, id));
 }
 static int timed_stream_device(cudaStream_t s, int *d) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_STREAM_DEVICE, t0, globals.timed_inner->stream_device(s, d));
+  return timed_done(TIMED_STREAM_DEVICE, t0, timed_st.inner->stream_device(s, d));
 }
 static int timed_device_sync(int d) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_DEVICE_SYNC, t0, globals.timed_inner->device_synchronize(d));
+  return timed_done(TIMED_DEVICE_SYNC, t0, timed_st.inner->device_synchronize(d));
 }
 
 static int timed_stream_capture(cudaStream_t s, int *status, uint64_t *id) {
   uint64_t t0 = timed_now();
-  return timed_done(TIMED_STREAM_CAPTURE, t0, globals.timed_inner->stream_capture(s, status, id));
+  return timed_done(TIMED_STREAM_CAPTURE, t0, timed_st.inner->stream_capture(s, status, id));
 }
 
 static backend_ops timed_ops = {
@@ -201,8 +208,8 @@ static backend_ops timed_ops = {
 };
 
 const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms) {
-  globals.timed_inner = inner;
-  globals.timed_threshold_ns = (uint64_t)threshold_ms * 1000000ull;
+  timed_st.inner = inner;
+  timed_st.threshold_ns = (uint64_t)threshold_ms * 1000000ull;
   timed_ops.name = inner->name;
   timed_ops.event_prefill = inner->event_prefill;
   timed_ops.error_detail = inner->error_detail; /* not operations: as they are */
@@ -214,18 +221,18 @@ const backend_ops *backend_timed(const backend_ops *inner, unsigned threshold_ms
   return &timed_ops;
 }
 
-int backend_timed_active(void) { return globals.timed_inner != NULL; }
+int backend_timed_active(void) { return timed_st.inner != NULL; }
 
 void backend_timed_print(FILE *out) {
-  if (globals.timed_inner == NULL) return;
+  if (timed_st.inner == NULL) return;
   fputs("  slowest device call of each kind (ms):", out);
   for (int i = 0; i < TIMED_COUNT; i++) {
-    size_t ns = atomic_load_relaxed(&globals.timed_max_ns[i]);
+    size_t ns = atomic_load_relaxed(&timed_st.max_ns[i]);
     if (ns) fprintf(out, " %s %.3f", timed_names[i], ns / 1e6);
   }
   fputs("\n  device calls of each kind: count, total ms, mean us:", out);
   for (int i = 0; i < TIMED_COUNT; i++) {
-    size_t n = atomic_load_relaxed(&globals.timed_calls[i]), ns = atomic_load_relaxed(&globals.timed_total_ns[i]);
+    size_t n = atomic_load_relaxed(&timed_st.calls[i]), ns = atomic_load_relaxed(&timed_st.total_ns[i]);
     if (n) fprintf(out, " %s %zu %.3f %.3f;", timed_names[i], n, ns / 1e6, ns / 1e3 / (double)n);
   }
   fputc('\n', out);

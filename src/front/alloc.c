@@ -15,7 +15,7 @@
  * view of every other hand-out while it is on. The calls stay out of line
  * so that the fast paths need no frame of their own. */
 static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64_t id) {
-  int slow = atomic_load_relaxed(&globals.slow_paths);
+  int slow = atomic_load_relaxed(&front_st.slow_paths);
   void *p;
   if (unlikely(slow & SLOW_CAPTURE) && capture_alloc(size, stream, &p)) return p;
   p = tcache_alloc_slow(size, stream, id);
@@ -28,7 +28,7 @@ static MAGPIE_NOINLINE void *alloc_slow(size_t size, cudaStream_t stream, uint64
 
 static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
   uint64_t id = 0;
-  if (likely(!atomic_load_relaxed(&globals.slow_paths))) {
+  if (likely(!atomic_load_relaxed(&front_st.slow_paths))) {
     void *p = tcache_alloc_fast(size, stream, &id);
     if (likely(p != NULL)) return p;
   }
@@ -36,14 +36,14 @@ static MAGPIE_INLINE void *alloc_checked(size_t size, cudaStream_t stream) {
 }
 
 static MAGPIE_NOINLINE int free_watched(void *ptr, cudaStream_t stream) {
-  int slow = atomic_load_relaxed(&globals.slow_paths), rc;
+  int slow = atomic_load_relaxed(&front_st.slow_paths), rc;
   if ((slow & SLOW_CAPTURE) && capture_free(ptr, stream, &rc)) return rc;
   if (slow & SLOW_OBSERVE) observe_free(ptr, stream);
   return tcache_free(ptr, stream);
 }
 
 static MAGPIE_INLINE int free_checked(void *ptr, cudaStream_t stream) {
-  if (unlikely(atomic_load_relaxed(&globals.slow_paths))) return free_watched(ptr, stream);
+  if (unlikely(atomic_load_relaxed(&front_st.slow_paths))) return free_watched(ptr, stream);
   return tcache_free(ptr, stream);
 }
 

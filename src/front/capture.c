@@ -3,16 +3,15 @@
  * An announcement (magpie_capture_begin) is a registration: a pool, the
  * stream whose capture it names (NULL: the caller routes allocations
  * itself) and, once known, that capture's id. While any is registered,
- * globals.slow_paths has SLOW_CAPTURE set (every allocation and free
+ * front_st.slow_paths has SLOW_CAPTURE set (every allocation and free
  * comes here first) and heap_capture_hold keeps the maintenance thread
  * from synchronising the device.
  *
- * Lock order: capture_lock alone (capture.h); gpool_set.lock and the
+ * Lock order: capture_st.lock alone (capture.h); gpool_set.lock and the
  * heap's locks are taken outside it. */
 #include "front/capture.h"
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
 #include "front/global.h"
@@ -22,9 +21,9 @@
 #include "pool/large.h"
 #include "tcache/tcache.h"
 
-/* INVARIANT: on globals.capture_regs iff announced and not ended;
- * capture_count is the list's length; SLOW_CAPTURE is set iff it is
- * nonzero. All under capture_lock.
+/* INVARIANT: on capture_st.regs iff announced and not ended;
+ * capture_st.count is the list's length; SLOW_CAPTURE is set iff it is
+ * nonzero. All under capture_st.lock.
  * INVARIANT: a registration on the per-thread handle is resolved (its
  * capture id learnt) and ended only by the thread that announced it: the
  * handle names another stream in every thread, so another thread's query
@@ -36,6 +35,19 @@ typedef struct capture_reg {
   pthread_t owner;     /* the announcing thread (read for the per-thread handle) */
   struct capture_reg *next;
 } capture_reg;
+
+/* This file's state: the captures announced (magpie_capture_begin) and
+ * their count, under lock (a leaf: held across stream capture queries,
+ * never across a wait or another lock); graph pool ids, fetch_add
+ * (relaxed: only uniqueness matters). */
+static struct capture_state {
+  pthread_mutex_t lock;
+  capture_reg *regs;
+  uint32_t count;
+  _Atomic uint64_t next_pool;
+} capture_st = {
+    .lock = PTHREAD_MUTEX_INITIALIZER,
+};
 
 #define CAPTURE_PER_THREAD ((cudaStream_t)0x2)
 
@@ -69,15 +81,15 @@ static heap *capture_pool_heap(uint64_t pool, const char *fn) {
  * learn it here. */
 static uint64_t capture_pool_of(const backend_ops *ops, uint64_t id) {
   uint64_t pool = 0;
-  pthread_mutex_lock(&globals.capture_lock);
-  for (capture_reg *r = globals.capture_regs; r != NULL && pool == 0; r = r->next) {
+  pthread_mutex_lock(&capture_st.lock);
+  for (capture_reg *r = capture_st.regs; r != NULL && pool == 0; r = r->next) {
     if (r->capture_id == 0 && r->stream != NULL && capture_reg_mine(r)) {
       uint64_t cid;
       if (backend_capture_state(ops, r->stream, &cid) == BACKEND_CAPTURE_ACTIVE) r->capture_id = cid;
     }
     if (r->capture_id == id) pool = r->pool;
   }
-  pthread_mutex_unlock(&globals.capture_lock);
+  pthread_mutex_unlock(&capture_st.lock);
   return pool;
 }
 
@@ -104,7 +116,7 @@ static uint64_t capture_stream_key(cudaStream_t s, int capturing, int *dev, cons
  * during a capture are not shown to the observer: a replay may use the
  * block again, in the capture's order, which the observer cannot see. */
 static void *capture_handed_out(uintptr_t p, size_t bsize, cudaStream_t stream) {
-  if (unlikely(atomic_load_relaxed(&globals.slow_paths) & SLOW_OBSERVE)) observe_handout((void *)p, bsize, stream);
+  if (unlikely(atomic_load_relaxed(&front_st.slow_paths) & SLOW_OBSERVE)) observe_handout((void *)p, bsize, stream);
   return (void *)p;
 }
 
@@ -234,7 +246,7 @@ MAGPIE_API int magpie_graph_pool_create(int device, uint64_t *pool) {
   heap *h = heap_get(device);
   if (h == NULL) return magpie_last_error();
   uint64_t id = ((uint64_t)(device + 1) << CAPTURE_POOL_SHIFT) |
-                (atomic_fetch_add_explicit(&globals.capture_next_pool, 1, memory_order_relaxed) + 1);
+                (atomic_fetch_add_explicit(&capture_st.next_pool, 1, memory_order_relaxed) + 1);
   rc = gpool_create(&h->graphs, id);
   if (rc != MAGPIE_OK) return error_set(rc, "magpie_graph_pool_create: out of host memory");
   *pool = id;
@@ -275,11 +287,11 @@ MAGPIE_API int magpie_capture_begin(uint64_t pool, cudaStream_t stream) {
   r->capture_id = id;
   r->owner = pthread_self();
   heap_capture_hold(1);
-  pthread_mutex_lock(&globals.capture_lock);
-  r->next = globals.capture_regs;
-  globals.capture_regs = r;
-  if (globals.capture_count++ == 0) atomic_fetch_or_explicit(&globals.slow_paths, SLOW_CAPTURE, memory_order_seq_cst);
-  pthread_mutex_unlock(&globals.capture_lock);
+  pthread_mutex_lock(&capture_st.lock);
+  r->next = capture_st.regs;
+  capture_st.regs = r;
+  if (capture_st.count++ == 0) atomic_fetch_or_explicit(&front_st.slow_paths, SLOW_CAPTURE, memory_order_seq_cst);
+  pthread_mutex_unlock(&capture_st.lock);
   return MAGPIE_OK;
 }
 
@@ -289,16 +301,15 @@ MAGPIE_API int magpie_capture_end(uint64_t pool, cudaStream_t stream) {
   heap *h = capture_pool_heap(pool, "magpie_capture_end");
   if (h == NULL) return magpie_last_error();
   capture_reg *found = NULL;
-  pthread_mutex_lock(&globals.capture_lock);
-  for (capture_reg **r = &globals.capture_regs; *r != NULL; r = &(*r)->next) {
+  pthread_mutex_lock(&capture_st.lock);
+  for (capture_reg **r = &capture_st.regs; *r != NULL; r = &(*r)->next) {
     if ((*r)->pool != pool || (*r)->stream != stream || !capture_reg_mine(*r)) continue;
     found = *r;
     *r = found->next;
-    if (--globals.capture_count == 0)
-      atomic_fetch_and_explicit(&globals.slow_paths, ~SLOW_CAPTURE, memory_order_seq_cst);
+    if (--capture_st.count == 0) atomic_fetch_and_explicit(&front_st.slow_paths, ~SLOW_CAPTURE, memory_order_seq_cst);
     break;
   }
-  pthread_mutex_unlock(&globals.capture_lock);
+  pthread_mutex_unlock(&capture_st.lock);
   if (found == NULL)
     return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
                      "magpie_capture_end: no capture was announced with pool %#llx and stream %p",

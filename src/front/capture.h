@@ -3,14 +3,14 @@
  * graph pools' blocks (public API in magpie.h, "CUDA graphs").
  *
  * What it costs: nothing on the fast paths while no capture is announced
- * (they read globals.slow_paths, which they read anyway). While one is,
+ * (they read front_st.slow_paths, which they read anyway). While one is,
  * every allocation and free of every thread takes its slow path and asks
  * the device once for its stream's capture state (cuStreamIsCapturing
  * costs about as much as cuStreamGetId; bench/DECISIONS.md, "Announced
  * captures send every call to the slow path"); captures are short and
  * replays allocate nothing.
  *
- * Lock order: capture_lock (globals.h) is taken alone; it is held across
+ * Lock order: capture_st.lock (capture.c) is taken alone; it is held across
  * stream capture queries (never a wait) while finding a capture's pool. */
 #ifndef MAGPIE_CAPTURE_H
 #define MAGPIE_CAPTURE_H

@@ -1,5 +1,5 @@
 /* One-time set-up: configuration, backend choice, module tables.
- * Lock order: init_lock is taken first and alone (the backend's init runs
+ * Lock order: front_st.init_lock is taken first and alone (the backend's init runs
  * under it; no other magpie lock is held then).
  *
  * The simulated device is a library of its own (sim/): its table comes from
@@ -18,7 +18,6 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/sizeclass.h"
 #include "device/backend_timed.h"
 #include "front/capture.h"
@@ -30,8 +29,12 @@
 #include "pool/region.h"
 #include "tcache/tcache.h"
 
-const backend_ops *global_ops(void) { return globals.global_backend; }
-const magpie_config *global_config(void) { return &globals.global_cfg; }
+front_state front_st = {
+    .init_lock = PTHREAD_MUTEX_INITIALIZER,
+};
+
+const backend_ops *global_ops(void) { return front_st.backend; }
+const magpie_config *global_config(void) { return &front_st.cfg; }
 
 int global_device_check(int device, const char *fn) {
   int rc = global_ensure();
@@ -137,7 +140,7 @@ static int init_pick_backend(int kind, const backend_ops **out) {
 }
 
 static void init_verbose_atexit(void) {
-  if (globals.forked) return; /* the parent's heaps are not this process's */
+  if (front_st.forked) return; /* the parent's heaps are not this process's */
   for (int d = 0; d < HEAP_MAX_DEVICES; d++)
     if (heap_peek(d) != NULL) stats_print(d, stderr);
 }
@@ -147,7 +150,7 @@ static void init_verbose_atexit(void) {
  * be the process's first call, before any set-up. */
 static int init_ensure(void) { return global_ensure(); }
 
-static int init_capture_announced(void) { return (atomic_load_relaxed(&globals.slow_paths) & SLOW_CAPTURE) != 0; }
+static int init_capture_announced(void) { return (atomic_load_relaxed(&front_st.slow_paths) & SLOW_CAPTURE) != 0; }
 
 __attribute__((constructor)) static void init_upcalls(void) {
   static const tcache_upcalls up = {
@@ -174,32 +177,32 @@ __attribute__((constructor)) static void init_upcalls(void) {
   "in a child forked after it started): exec a new program (or use spawn) to allocate in another process"
 
 static void init_atfork_child(void) {
-  globals.forked = 1;
-  pthread_mutex_init(&globals.init_lock, NULL);
+  front_st.forked = 1;
+  pthread_mutex_init(&front_st.init_lock, NULL);
   /* Not READY: every call takes the slow path, whose forked check answers. */
-  atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
+  atomic_store_release(&front_st.state, GLOBAL_FAILED);
   error_set(MAGPIE_ERR_NO_DEVICE, "%s", INIT_FORK_MESSAGE);
   tcache_after_fork_child();
   heap_after_fork_child();
 }
 
 int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
-  pthread_mutex_lock(&globals.init_lock);
-  if (globals.forked) {
-    pthread_mutex_unlock(&globals.init_lock);
+  pthread_mutex_lock(&front_st.init_lock);
+  if (front_st.forked) {
+    pthread_mutex_unlock(&front_st.init_lock);
     return error_set(MAGPIE_ERR_NO_DEVICE, "%s", INIT_FORK_MESSAGE);
   }
-  if (!globals.init_atfork) globals.init_atfork = pthread_atfork(NULL, NULL, init_atfork_child) == 0;
-  int state = atomic_load_relaxed(&globals.global_state_v);
+  if (!front_st.init_atfork) front_st.init_atfork = pthread_atfork(NULL, NULL, init_atfork_child) == 0;
+  int state = atomic_load_relaxed(&front_st.state);
   if (state == GLOBAL_READY) {
-    pthread_mutex_unlock(&globals.init_lock);
+    pthread_mutex_unlock(&front_st.init_lock);
     if (cfg == NULL && ops == NULL) return MAGPIE_OK;
     return error_set(MAGPIE_ERR_ALREADY_INITIALIZED,
                      "magpie_init: already initialised (call it before the first allocation)");
   }
   if (state == GLOBAL_FAILED && cfg == NULL && ops == NULL) {
-    pthread_mutex_unlock(&globals.init_lock);
-    return error_set(globals.global_err, "%s", globals.global_msg);
+    pthread_mutex_unlock(&front_st.init_lock);
+    return error_set(front_st.err, "%s", front_st.msg);
   }
   magpie_config c;
   int rc = MAGPIE_OK;
@@ -223,15 +226,15 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   if (rc == MAGPIE_OK && ops->granularity(0, &gran) != MAGPIE_OK) gran = (size_t)2 << 20;
   if (rc == MAGPIE_OK) rc = options_check(&c, region_unit(gran), cfg != NULL ? "magpie_init" : "MAGPIE_CONF");
   if (rc != MAGPIE_OK) {
-    globals.global_err = rc;
-    snprintf(globals.global_msg, sizeof globals.global_msg, "%s", magpie_last_error_message());
-    atomic_store_release(&globals.global_state_v, GLOBAL_FAILED);
-    pthread_mutex_unlock(&globals.init_lock);
+    front_st.err = rc;
+    snprintf(front_st.msg, sizeof front_st.msg, "%s", magpie_last_error_message());
+    atomic_store_release(&front_st.state, GLOBAL_FAILED);
+    pthread_mutex_unlock(&front_st.init_lock);
     return rc;
   }
-  globals.global_cfg = c;
+  front_st.cfg = c;
   if (c.slow_call_ms) ops = backend_timed(ops, c.slow_call_ms);
-  globals.global_backend = ops;
+  front_st.backend = ops;
   sizeclass_init(c.magazine_bytes, region_unit(gran)); /* the unit every heap's region maps in */
   magazine_module_init();
   tcache_module_init(ops, c.check);
@@ -241,8 +244,8 @@ int global_init_slow(const magpie_config *cfg, const backend_ops *ops) {
   /* A device's observer (the simulated device's stream-order checker),
    * switched on by check_streams=1. */
   observe_install(ops, c.check_streams);
-  atomic_store_release(&globals.global_state_v, GLOBAL_READY);
-  pthread_mutex_unlock(&globals.init_lock);
+  atomic_store_release(&front_st.state, GLOBAL_READY);
+  pthread_mutex_unlock(&front_st.init_lock);
   return MAGPIE_OK;
 }
 
@@ -260,7 +263,7 @@ MAGPIE_API int magpie_init(const magpie_config *cfg) {
 
 MAGPIE_API int magpie_active_backend(void) {
   if (global_ensure() != MAGPIE_OK) return -1;
-  return strcmp(globals.global_backend->name, "cuda") == 0 ? MAGPIE_BACKEND_CUDA : MAGPIE_BACKEND_SIM;
+  return strcmp(front_st.backend->name, "cuda") == 0 ? MAGPIE_BACKEND_CUDA : MAGPIE_BACKEND_SIM;
 }
 
 MAGPIE_API const char *magpie_version(void) { return MAGPIE_VERSION_STRING; }

@@ -1,21 +1,21 @@
 /* The allocator's observer hook: a device's watcher of hand-outs and frees
  * (backend_observer, device/backend.h; the simulated device's stream-order
  * checker offers one), attached at set-up. The allocation and free paths
- * read globals.slow_paths alone and call out of line only while it is set. */
+ * read front_st.slow_paths (front/global.h) alone and call out of line only
+ * while it is set. */
 #ifndef MAGPIE_OBSERVE_H
 #define MAGPIE_OBSERVE_H
 
 #include <stddef.h>
 
-#include "base/globals.h"
 #include "device/backend.h"
 #include "magpie.h"
 
-/* The bits of globals.slow_paths. */
+/* The bits of front_st.slow_paths. */
 #define SLOW_OBSERVE BACKEND_OBSERVER_BIT /* the device's observer is on */
 #define SLOW_CAPTURE 2                    /* a capture magpie was told of runs */
 
-/* The observer's switch is globals.slow_paths' SLOW_OBSERVE bit:
+/* The observer's switch is front_st.slow_paths' SLOW_OBSERVE bit:
  * read-mostly, following the attached
  * observer's (written through backend_observer_set: at set-up with
  * check_streams=1, or by the device's own switch, such as

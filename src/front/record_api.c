@@ -79,6 +79,6 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
   epoch_stream_release(rec); /* the entry took its own reference */
   if (rc == MAGPIE_ERR_INVALID_POINTER) return error_set(rc, "magpie_record_stream(%p): the block is free", ptr);
   if (rc != MAGPIE_OK) return error_set(rc, "magpie_record_stream(%p): out of host memory", ptr);
-  if (unlikely(atomic_load_relaxed(&globals.slow_paths) & SLOW_OBSERVE)) observe_record(ptr, stream);
+  if (unlikely(atomic_load_relaxed(&front_st.slow_paths) & SLOW_OBSERVE)) observe_record(ptr, stream);
   return MAGPIE_OK;
 }

@@ -161,17 +161,17 @@ static void snap_mark_thread(void *ctx, const magazine *m, int loaded) {
 
 /* Mark every magazine on a stack, then put them back. */
 static void snap_mark_stack(snap_ctx *cx, stack *st, int state) {
-  registry_link *chain = stack_take_all(st, &globals.magazine_registry);
+  registry_link *chain = stack_take_all(st, &magazine_st.registry);
   if (chain == NULL) return;
   registry_link *last = chain;
   int64_t n = 0;
-  for (registry_link *l = chain; l; l = stack_next(&globals.magazine_registry, l)) {
+  for (registry_link *l = chain; l; l = stack_next(&magazine_st.registry, l)) {
     const magazine *m = (const magazine *)l;
     snap_mark(cx, m, state, m->ticket.rec ? m->ticket.rec->id : 0);
     last = l;
     n++;
   }
-  stack_push_chain(st, &globals.magazine_registry, chain, last, n);
+  stack_push_chain(st, &magazine_st.registry, chain, last, n);
 }
 
 static int snap_cmp(const void *a, const void *b) {

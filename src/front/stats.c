@@ -163,7 +163,7 @@ void stats_print(int device, FILE *out) {
   fputs("  size class: hits / misses\n", out);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     if (s.class_hits[c] == 0 && s.class_misses[c] == 0) continue;
-    fprintf(out, "    %8zu B: %llu / %llu\n", globals.sizeclass_table[c].size, (unsigned long long)s.class_hits[c],
+    fprintf(out, "    %8zu B: %llu / %llu\n", sizeclass_table[c].size, (unsigned long long)s.class_hits[c],
             (unsigned long long)s.class_misses[c]);
   }
 }

@@ -1,17 +1,17 @@
 /* Per-device heaps, the refill ladder and the limbo reaper.
  *
- * Lock order: heap_create_lock -> (region/epoch init, no other magpie
+ * Lock order: heap_st.create_lock -> (region/epoch init, no other magpie
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_set.slab_lock,
- * slab_desc_lock, registry.grow_lock, span_set.span_grow_lock ->
+ * slab_st.desc_lock, registry.grow_lock, span_set.span_grow_lock ->
  * (region.lock, span_set.span_lock, and a lent granule's large_cache.lock,
  * stream_rec.seal_lock, epoch_table.lock), large_cache.lock, one at a
  * time; and
  * heap_recycle's record_table.lock and slab_set.reclaim_lock ->
  * (slab_set.slab_lock, large_cache.lock)).
- * reaper_lock, klimbo_lock and gpool_set.lock are leaves.
+ * heap_st.reaper_lock, klimbo_lock and gpool_set.lock are leaves.
  * None is held across a device synchronisation (the exit handler waits on
- * reaper_idle_cv, which releases reaper_lock). */
+ * heap_st.reaper_idle_cv, which releases heap_st.reaper_lock). */
 #include "heap/heap.h"
 
 #include <pthread.h>
@@ -21,9 +21,42 @@
 #include <time.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
+
+/* This layer's process-wide state, this file's own. */
+static struct heap_state {
+  /* Set once by heap_module_init during set-up. */
+  const backend_ops *ops;
+  magpie_config cfg;
+  size_t (*threads_reclaim)(heap *h);
+  /* Heaps by device: written once (release) under create_lock after the
+   * heap is fully built; read with acquire. */
+  pthread_mutex_t create_lock;
+  _Atomic(heap *) heaps[MAGPIE_MAX_DEVICES];
+  /* The maintenance thread, all under reaper_lock (a leaf): started, work
+   * asked, timed (some heap has a release threshold), stop (process exit:
+   * keep off the driver), busy (a round of driver calls under way; the
+   * exit handler waits on reaper_idle_cv while it is set). */
+  pthread_mutex_t reaper_lock;
+  pthread_cond_t reaper_cv;
+  pthread_cond_t reaper_idle_cv;
+  int reaper_started;
+  int reaper_work;
+  int reaper_timed;
+  int reaper_stop;
+  int reaper_busy;
+  /* Captures under way that magpie was told of (heap_capture_hold: seq_cst
+   * RMW, then it reads each heap's reaping count); heap_reap raises its
+   * reaping count, then reads this (seq_cst both: one of the two sees the
+   * other) and makes no device synchronisation while it is nonzero. */
+  _Atomic int captures;
+} heap_st = {
+    .create_lock = PTHREAD_MUTEX_INITIALIZER,
+    .reaper_lock = PTHREAD_MUTEX_INITIALIZER,
+    .reaper_cv = PTHREAD_COND_INITIALIZER,
+    .reaper_idle_cv = PTHREAD_COND_INITIALIZER,
+};
 
 static void heap_wake_maintenance(void);
 
@@ -31,14 +64,14 @@ static void heap_events_low(void);
 static void heap_records_sync(void *arg);
 
 void heap_module_init(const backend_ops *ops, const magpie_config *cfg) {
-  globals.heap_ops = ops;
-  globals.heap_cfg = *cfg;
+  heap_st.ops = ops;
+  heap_st.cfg = *cfg;
   epoch_set_low_hook(heap_events_low);
 }
 
 heap *heap_peek(int device) {
   if (device < 0 || device >= HEAP_MAX_DEVICES) return NULL;
-  return atomic_load_acquire(&globals.heaps[device]);
+  return atomic_load_acquire(&heap_st.heaps[device]);
 }
 
 /* The span set's lender: the large segments' free memory (pool/large.h,
@@ -47,7 +80,7 @@ static int heap_lend_granule(void *ctx, uintptr_t *base) { return large_lend_gra
 static void heap_take_back_granule(void *ctx, uintptr_t base) { large_return_granule(ctx, base); }
 
 static heap *heap_create(int device) {
-  const backend_ops *ops = globals.heap_ops;
+  const backend_ops *ops = heap_st.ops;
   size_t free_b = 0, total = 0;
   int rc = ops->mem_info(device, &free_b, &total);
   if (rc != MAGPIE_OK) {
@@ -68,7 +101,7 @@ static heap *heap_create(int device) {
   size_t hint = total > SIZE_MAX / 4 ? SIZE_MAX : total * 4; /* no wrap for a huge device */
   if (hint < ((size_t)4 << 30)) hint = (size_t)4 << 30;
   if (hint > ((size_t)1 << 40)) hint = (size_t)1 << 40;
-  const magpie_config *cfg = &globals.heap_cfg;
+  const magpie_config *cfg = &heap_st.cfg;
   rc = region_init(&h->region, device, ops, hint, cfg->ipc && ops->export_fds != NULL ? BACKEND_MAP_EXPORTABLE : 0);
   if (rc != MAGPIE_OK) {
     error_set(rc, "cannot set up device memory of device %d: %s", device, backend_error_detail());
@@ -101,15 +134,15 @@ heap *heap_get(int device) {
     error_set(MAGPIE_ERR_INVALID_ARGUMENT, "device %d out of range (0..%d)", device, HEAP_MAX_DEVICES - 1);
     return NULL;
   }
-  heap *h = atomic_load_acquire(&globals.heaps[device]);
+  heap *h = atomic_load_acquire(&heap_st.heaps[device]);
   if (likely(h != NULL)) return h;
-  pthread_mutex_lock(&globals.heap_create_lock);
-  h = atomic_load_relaxed(&globals.heaps[device]);
+  pthread_mutex_lock(&heap_st.create_lock);
+  h = atomic_load_relaxed(&heap_st.heaps[device]);
   if (h == NULL) {
     h = heap_create(device);
-    if (h != NULL) atomic_store_release(&globals.heaps[device], h);
+    if (h != NULL) atomic_store_release(&heap_st.heaps[device], h);
   }
-  pthread_mutex_unlock(&globals.heap_create_lock);
+  pthread_mutex_unlock(&heap_st.create_lock);
   return h;
 }
 
@@ -128,7 +161,7 @@ static int heap_klimbo_any(heap *h) {
   return any;
 }
 
-void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { globals.heap_threads_reclaim = fn; }
+void heap_set_threads_reclaim(heap_threads_reclaim_fn fn) { heap_st.threads_reclaim = fn; }
 
 size_t heap_cached_bytes(heap *h) {
   size_t reserved = atomic_load_relaxed(&h->region.mapped);
@@ -171,7 +204,7 @@ static size_t heap_release_class_blocks(heap *h) {
   size_t bytes = 0;
   pthread_mutex_lock(&h->slabs.reclaim_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    if (!globals.sizeclass_table[c].seg) continue;
+    if (!sizeclass_table[c].seg) continue;
     depot *d = &h->depots[c];
     depot_scanners_wait(d); /* a sweep's magazines come back first */
     for (size_t n = stack_count(&d->full) + stack_count(&d->pending); n > 0; n--) {
@@ -202,7 +235,7 @@ int heap_relieve(heap *h, enum heap_step step) {
     got += heap_release_class_blocks(h);
     break;
   case HEAP_STEP_THREADS:
-    if (globals.heap_threads_reclaim) got = globals.heap_threads_reclaim(h);
+    if (heap_st.threads_reclaim) got = heap_st.threads_reclaim(h);
     break;
   case HEAP_STEP_WAIT:
     /* Blocking, off the fast path: limbo and recorded blocks whose streams
@@ -317,8 +350,8 @@ static int heap_class_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStrea
   magazine *m = magazine_get_empty(cls);
   if (m == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   uint32_t got = 0;
-  int rc = large_class_carve(&h->large, cls, globals.sizeclass_table[cls].size, m->cap, stream_id, stream, flags,
-                             m->slots, &got);
+  int rc =
+      large_class_carve(&h->large, cls, sizeclass_table[cls].size, m->cap, stream_id, stream, flags, m->slots, &got);
   if (rc != MAGPIE_OK) {
     magazine_put_empty(m);
     return rc == LARGE_WOULD_MAP ? SLAB_WOULD_MAP : rc;
@@ -333,7 +366,7 @@ static int heap_class_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStrea
  * blocks may come through a stream wait. */
 static int heap_carve_from(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int may_map, int pressure,
                            magazine **out) {
-  if (!globals.sizeclass_table[cls].seg) return slab_carve(&h->slabs, cls, may_map, out);
+  if (!sizeclass_table[cls].seg) return slab_carve(&h->slabs, cls, may_map, out);
   int flags = (may_map ? 0 : LARGE_NO_MAP) | (pressure ? LARGE_MAY_WAIT_EVENT : 0);
   return heap_class_carve(h, cls, stream_id, stream, flags, out);
 }
@@ -394,7 +427,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
     return MAGPIE_OK;
   }
   heap_refill_req req = {cls, stream_id, stream, out};
-  return heap_descend(h, heap_refill_retry, &req, globals.sizeclass_table[cls].size);
+  return heap_descend(h, heap_refill_retry, &req, sizeclass_table[cls].size);
 }
 
 /* Class blocks cached class by class held a thread's high-water mark of
@@ -415,7 +448,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
 #define HEAP_PUT_BACKOFF 4
 
 void heap_put(heap *h, magazine *m, int round_trip) {
-  if (round_trip && globals.sizeclass_table[m->cls].seg) {
+  if (round_trip && sizeclass_table[m->cls].seg) {
     if (atomic_load_relaxed(&h->put_backoff) > 0) {
       atomic_sub_relaxed(&h->put_backoff, 1);
     } else {
@@ -483,7 +516,7 @@ int heap_trim(heap *h, size_t keep) {
  * event pools that run low, so that no driver call of those kinds lands on
  * an allocation path. */
 
-/* Its state is globals.reaper_* (base/globals.h). Process exit: the
+/* Its state is heap_st.reaper_* (above). Process exit: the
  * thread must not call the driver once the CUDA runtime's exit handlers
  * tear it down. heap_reaper_atexit (registered when the thread starts, so
  * after CUDA's own handlers and run before them) sets reaper_stop and
@@ -552,7 +585,7 @@ static void heap_lpart_flush_locked(heap *h) {
     h->lpart[c] = NULL;
     atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
     atomic_add_relaxed(&h->stat_limbo, 1);
-    stack_push(&h->limbo, &globals.magazine_registry, &m->link);
+    stack_push(&h->limbo, &magazine_st.registry, &m->link);
   }
 }
 
@@ -562,7 +595,7 @@ static void heap_reap(heap *h) {
    * makes no synchronisation, or the capture's announcement waits for this
    * reap to end before it returns. */
   atomic_fetch_add_explicit(&h->reaping, 1, memory_order_seq_cst);
-  if (atomic_load_explicit(&globals.heap_captures, memory_order_seq_cst) > 0) {
+  if (atomic_load_explicit(&heap_st.captures, memory_order_seq_cst) > 0) {
     atomic_sub_acq_rel(&h->reaping, 1);
     return;
   }
@@ -571,12 +604,12 @@ static void heap_reap(heap *h) {
   heap_kept *kchain = h->klimbo;
   h->klimbo = NULL;
   pthread_mutex_unlock(&h->klimbo_lock);
-  registry_link *chain = stack_take_all(&h->limbo, &globals.magazine_registry);
+  registry_link *chain = stack_take_all(&h->limbo, &magazine_st.registry);
   struct record_entry *rchain = record_sync_take(&h->records);
   if (chain != NULL || kchain != NULL || rchain != NULL) {
     /* The devices every entry taken waits for (heap.h, "Limbo"). */
     uint64_t devs = ((uint64_t)1 << h->device) | record_sync_devs(rchain);
-    for (registry_link *n = chain; n; n = stack_next(&globals.magazine_registry, n)) devs |= ((magazine *)n)->sync_devs;
+    for (registry_link *n = chain; n; n = stack_next(&magazine_st.registry, n)) devs |= ((magazine *)n)->sync_devs;
     for (heap_kept *n = kchain; n; n = n->next) devs |= n->sync_devs;
     atomic_add_relaxed(&h->stat_device_syncs, 1);
     int ok = heap_sync_devices(h, devs);
@@ -585,13 +618,13 @@ static void heap_reap(heap *h) {
     record_sync_done(&h->records, rchain, ok);
     if (ok && rchain != NULL) record_poll(&h->records, h->depots, &h->large);
     for (registry_link *n = chain, *next; n; n = next) {
-      next = stack_next(&globals.magazine_registry, n);
+      next = stack_next(&magazine_st.registry, n);
       magazine *m = (magazine *)n;
       if (ok) {
         atomic_sub_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
         depot_put(&h->depots[m->cls], m);
       } else {
-        stack_push(&h->limbo, &globals.magazine_registry, &m->link);
+        stack_push(&h->limbo, &magazine_st.registry, &m->link);
       }
     }
     atomic_fetch_add_explicit(&h->reap_moves, 1, memory_order_release);
@@ -630,10 +663,10 @@ static void heap_release_above_threshold(heap *h) {
 static void *heap_reaper_main(void *arg) {
   (void)arg;
   for (;;) {
-    pthread_mutex_lock(&globals.reaper_lock);
-    while (!globals.reaper_work && !globals.reaper_stop) {
-      if (!globals.reaper_timed) {
-        pthread_cond_wait(&globals.reaper_cv, &globals.reaper_lock);
+    pthread_mutex_lock(&heap_st.reaper_lock);
+    while (!heap_st.reaper_work && !heap_st.reaper_stop) {
+      if (!heap_st.reaper_timed) {
+        pthread_cond_wait(&heap_st.reaper_cv, &heap_st.reaper_lock);
         continue;
       }
       /* Threshold checks also run on a timer: memory cached by a program
@@ -645,12 +678,12 @@ static void *heap_reaper_main(void *arg) {
         ts.tv_sec++;
         ts.tv_nsec -= 1000000000;
       }
-      if (pthread_cond_timedwait(&globals.reaper_cv, &globals.reaper_lock, &ts) != 0) break;
+      if (pthread_cond_timedwait(&heap_st.reaper_cv, &heap_st.reaper_lock, &ts) != 0) break;
     }
-    globals.reaper_work = 0;
-    if (globals.reaper_stop) break;
-    globals.reaper_busy = 1;
-    pthread_mutex_unlock(&globals.reaper_lock);
+    heap_st.reaper_work = 0;
+    if (heap_st.reaper_stop) break;
+    heap_st.reaper_busy = 1;
+    pthread_mutex_unlock(&heap_st.reaper_lock);
     for (int d = 0; d < HEAP_MAX_DEVICES; d++) {
       heap *h = heap_peek(d);
       if (h == NULL) continue;
@@ -658,12 +691,12 @@ static void *heap_reaper_main(void *arg) {
       heap_release_above_threshold(h);
       if (atomic_load_acquire(&h->epochs.refill_asked)) epoch_pool_fill(&h->epochs, h->ops->event_prefill);
     }
-    pthread_mutex_lock(&globals.reaper_lock);
-    globals.reaper_busy = 0;
-    pthread_cond_broadcast(&globals.reaper_idle_cv);
-    pthread_mutex_unlock(&globals.reaper_lock);
+    pthread_mutex_lock(&heap_st.reaper_lock);
+    heap_st.reaper_busy = 0;
+    pthread_cond_broadcast(&heap_st.reaper_idle_cv);
+    pthread_mutex_unlock(&heap_st.reaper_lock);
   }
-  pthread_mutex_unlock(&globals.reaper_lock); /* stopping: the loop broke with it held */
+  pthread_mutex_unlock(&heap_st.reaper_lock); /* stopping: the loop broke with it held */
   return NULL;
 }
 
@@ -672,65 +705,65 @@ void heap_after_fork_child(void) {
    * lock or been busy at the fork. Fresh lock and conditions; stopped, so
    * the exit handler returns at once; reaper_started stays as inherited,
    * so nothing starts another. */
-  pthread_mutex_init(&globals.reaper_lock, NULL);
-  pthread_cond_init(&globals.reaper_cv, NULL);
-  pthread_cond_init(&globals.reaper_idle_cv, NULL);
-  globals.reaper_busy = 0;
-  globals.reaper_work = 0;
-  globals.reaper_stop = 1;
+  pthread_mutex_init(&heap_st.reaper_lock, NULL);
+  pthread_cond_init(&heap_st.reaper_cv, NULL);
+  pthread_cond_init(&heap_st.reaper_idle_cv, NULL);
+  heap_st.reaper_busy = 0;
+  heap_st.reaper_work = 0;
+  heap_st.reaper_stop = 1;
 }
 
 /* At exit: let a round under way finish, then keep the thread off the
  * driver for good (what limbo still holds is the process's last memory). */
 static void heap_reaper_atexit(void) {
-  pthread_mutex_lock(&globals.reaper_lock);
-  globals.reaper_stop = 1;
-  pthread_cond_broadcast(&globals.reaper_cv);
-  while (globals.reaper_busy) pthread_cond_wait(&globals.reaper_idle_cv, &globals.reaper_lock);
-  pthread_mutex_unlock(&globals.reaper_lock);
+  pthread_mutex_lock(&heap_st.reaper_lock);
+  heap_st.reaper_stop = 1;
+  pthread_cond_broadcast(&heap_st.reaper_cv);
+  while (heap_st.reaper_busy) pthread_cond_wait(&heap_st.reaper_idle_cv, &heap_st.reaper_lock);
+  pthread_mutex_unlock(&heap_st.reaper_lock);
 }
 
 /* Signal the thread, starting it if needed; returns 0 if none could be
  * started. reaper_lock is held by the caller. */
 static int heap_reaper_signal_locked(void) {
-  globals.reaper_work = 1;
-  if (!globals.reaper_started) {
+  heap_st.reaper_work = 1;
+  if (!heap_st.reaper_started) {
     pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, heap_reaper_main, NULL) == 0) {
-      globals.reaper_started = 1;
+      heap_st.reaper_started = 1;
       atexit(heap_reaper_atexit);
     }
     pthread_attr_destroy(&attr);
   }
-  pthread_cond_signal(&globals.reaper_cv);
-  return globals.reaper_started;
+  pthread_cond_signal(&heap_st.reaper_cv);
+  return heap_st.reaper_started;
 }
 
 /* The event pool of some heap runs low (epoch.c's hook): refill it in the
  * background thread. */
 static void heap_events_low(void) {
-  pthread_mutex_lock(&globals.reaper_lock);
+  pthread_mutex_lock(&heap_st.reaper_lock);
   heap_reaper_signal_locked();
-  pthread_mutex_unlock(&globals.reaper_lock);
+  pthread_mutex_unlock(&heap_st.reaper_lock);
 }
 
 static void heap_wake_maintenance(void) {
-  pthread_mutex_lock(&globals.reaper_lock);
-  globals.reaper_timed = 1;
+  pthread_mutex_lock(&heap_st.reaper_lock);
+  heap_st.reaper_timed = 1;
   heap_reaper_signal_locked();
-  pthread_mutex_unlock(&globals.reaper_lock);
+  pthread_mutex_unlock(&heap_st.reaper_lock);
 }
 
 /* Wake the maintenance thread to drain h's limbo; if none could be started,
  * drain here (a slow path: a slot being retired) rather than strand the
  * memory. */
 static void heap_limbo_wake(heap *h) {
-  pthread_mutex_lock(&globals.reaper_lock);
+  pthread_mutex_lock(&heap_st.reaper_lock);
   int started = heap_reaper_signal_locked();
-  pthread_mutex_unlock(&globals.reaper_lock);
+  pthread_mutex_unlock(&heap_st.reaper_lock);
   if (!started) heap_reap(h);
 }
 
@@ -775,7 +808,7 @@ int heap_limbo_block(heap *h, unsigned cls, void *p, int sdev) {
 }
 
 void heap_capture_hold(int delta) {
-  int now = atomic_fetch_add_explicit(&globals.heap_captures, delta, memory_order_seq_cst) + delta;
+  int now = atomic_fetch_add_explicit(&heap_st.captures, delta, memory_order_seq_cst) + delta;
   if (delta > 0) {
     /* A reap that began before the hold may be synchronising the device:
      * wait for it (see heap_reap), so that none runs once this returns. */
@@ -784,9 +817,9 @@ void heap_capture_hold(int delta) {
       while (h != NULL && atomic_load_explicit(&h->reaping, memory_order_seq_cst) > 0) sched_yield();
     }
   } else if (now == 0) {
-    pthread_mutex_lock(&globals.reaper_lock);
+    pthread_mutex_lock(&heap_st.reaper_lock);
     heap_reaper_signal_locked();
-    pthread_mutex_unlock(&globals.reaper_lock);
+    pthread_mutex_unlock(&heap_st.reaper_lock);
   }
 }
 
@@ -823,7 +856,7 @@ void heap_limbo_put(heap *h, magazine *m, int sdev) {
   m->ticket = (epoch_ticket){0};
   m->sync_devs = heap_sync_devs(h, sdev);
   atomic_add_relaxed(&h->stat_limbo_bytes, (int64_t)depot_magazine_bytes(m));
-  stack_push(&h->limbo, &globals.magazine_registry, &m->link);
+  stack_push(&h->limbo, &magazine_st.registry, &m->link);
   atomic_add_relaxed(&h->stat_limbo, 1);
   heap_limbo_wake(h);
 }

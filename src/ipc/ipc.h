@@ -10,7 +10,7 @@
  * it is the import's hold on the block (pool/record.h, exports), released
  * when the importer closes it, by magpie_ipc_close or by exiting.
  *
- * Lock order: globals.ipc_lock is a leaf (ipc.c and ipc_server.c hold it
+ * Lock order: ipc_st.lock is a leaf (ipc.c and ipc_server.c hold it
  * for list and state changes only, never across a driver call, a socket
  * call that can block, or another lock). */
 #ifndef MAGPIE_IPC_H

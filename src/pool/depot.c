@@ -47,7 +47,7 @@ void depot_totals_get(depot *depots, unsigned n, depot_totals *out) {
   }
 }
 
-size_t depot_magazine_bytes(const magazine *m) { return (size_t)m->count * globals.sizeclass_table[m->cls].size; }
+size_t depot_magazine_bytes(const magazine *m) { return (size_t)m->count * sizeclass_table[m->cls].size; }
 
 /* depot_counted: a magazine's bytes are added to its stack's counter before
  * the push that publishes it (release), and taken off after the pop that
@@ -59,7 +59,7 @@ void depot_put(depot *d, magazine *m) {
   MAGPIE_ASSERT(m->count > 0); /* the depot holds no empties (magazine_put_empty does) */
   atomic_add_relaxed(&d->exchanges, 1);
   atomic_add_relaxed(m->ticket.rec ? &d->pending_bytes : &d->ready_bytes, (int64_t)depot_magazine_bytes(m));
-  stack_push(m->ticket.rec ? &d->pending : &d->full, &globals.magazine_registry, &m->link);
+  stack_push(m->ticket.rec ? &d->pending : &d->full, &magazine_st.registry, &m->link);
 }
 
 /* A pending magazine whose epoch completed moves to full: its ticket is
@@ -70,7 +70,7 @@ static void depot_pending_to_full(depot *d, magazine *m) {
   int64_t was = atomic_sub_relaxed(&d->pending_bytes, b);
   MAGPIE_ASSERT(was >= b); /* counted when it was put (depot_counted) */
   atomic_add_relaxed(&d->ready_bytes, b);
-  stack_push(&d->full, &globals.magazine_registry, &m->link);
+  stack_push(&d->full, &magazine_st.registry, &m->link);
 }
 
 /* Within one scan, per stream: the lowest seq seen pending. Events on a
@@ -135,7 +135,7 @@ static magazine *depot_pop_pending(depot *d, uint64_t stream_id, int *tries_out)
   magazine *taken = NULL;
   int tries = 0;
   while (tries < DEPOT_TAKE_TRIES) {
-    registry_link *n = stack_pop(&d->pending, &globals.magazine_registry);
+    registry_link *n = stack_pop(&d->pending, &magazine_st.registry);
     if (n == NULL) break;
     tries++;
     magazine *m = (magazine *)n;
@@ -153,14 +153,14 @@ static magazine *depot_pop_pending(depot *d, uint64_t stream_id, int *tries_out)
     keep_last = n;
     kept++;
   }
-  if (keep_first) stack_push_chain(&d->pending, &globals.magazine_registry, keep_first, keep_last, kept);
+  if (keep_first) stack_push_chain(&d->pending, &magazine_st.registry, keep_first, keep_last, kept);
   *tries_out = tries;
   return taken;
 }
 
 magazine *depot_take(depot *d, uint64_t stream_id) {
   for (int spin = 0;; spin++) {
-    magazine *m = (magazine *)stack_pop(&d->full, &globals.magazine_registry);
+    magazine *m = (magazine *)stack_pop(&d->full, &magazine_st.registry);
     if (m != NULL) {
       MAGAZINE_ASSERT_VALID(m);
       MAGPIE_ASSERT(m->ticket.rec == NULL); /* full holds unsealed magazines only */
@@ -185,10 +185,10 @@ magazine *depot_take(depot *d, uint64_t stream_id) {
 }
 
 magazine *depot_give_up(depot *d) {
-  magazine *m = (magazine *)stack_pop(&d->full, &globals.magazine_registry);
+  magazine *m = (magazine *)stack_pop(&d->full, &magazine_st.registry);
   _Atomic int64_t *counter = &d->ready_bytes;
   if (m == NULL) {
-    m = (magazine *)stack_pop(&d->pending, &globals.magazine_registry);
+    m = (magazine *)stack_pop(&d->pending, &magazine_st.registry);
     counter = &d->pending_bytes;
   }
   if (m == NULL) return NULL;
@@ -199,14 +199,14 @@ magazine *depot_give_up(depot *d) {
 }
 
 magazine *depot_take_waiting(depot *d, const backend_ops *ops, uint64_t stream_id, cudaStream_t stream) {
-  magazine *m = (magazine *)stack_pop(&d->pending, &globals.magazine_registry);
+  magazine *m = (magazine *)stack_pop(&d->pending, &magazine_st.registry);
   if (m == NULL) return NULL;
   enum epoch_state st = epoch_ready(&m->ticket, stream_id);
   /* Work enqueued on `stream` from now on runs after the freeing stream's
    * work up to the seal; the wait keeps the record it was made for, so the
    * event may go back to the pool at once. */
   if (st == EPOCH_PENDING && ops->stream_wait_event(stream, m->ticket.ev->ev) != MAGPIE_OK) {
-    stack_push(&d->pending, &globals.magazine_registry, &m->link);
+    stack_push(&d->pending, &magazine_st.registry, &m->link);
     return NULL;
   }
   return depot_hand_over(d, m, st);
@@ -224,15 +224,15 @@ int depot_wait_pending(depot *d) {
     depot_scanners_wait(d);
     if (stack_count(&d->pending) == 0) break;
     atomic_add_relaxed(&d->scanners, 1);
-    registry_link *chain = stack_take_all(&d->pending, &globals.magazine_registry);
+    registry_link *chain = stack_take_all(&d->pending, &magazine_st.registry);
     for (registry_link *n = chain, *next; n; n = next) {
-      next = stack_next(&globals.magazine_registry, n);
+      next = stack_next(&magazine_st.registry, n);
       magazine *m = (magazine *)n;
       if (epoch_wait(&m->ticket) == MAGPIE_OK) {
         depot_pending_to_full(d, m);
         moved++;
       } else {
-        stack_push(&d->pending, &globals.magazine_registry, &m->link);
+        stack_push(&d->pending, &magazine_st.registry, &m->link);
         failed = 1; /* the driver failed: leave the rest */
       }
     }
@@ -244,11 +244,11 @@ int depot_wait_pending(depot *d) {
 int depot_reclaim(depot *d) {
   if (stack_count(&d->pending) == 0) return 0;
   atomic_add_relaxed(&d->scanners, 1);
-  registry_link *chain = stack_take_all(&d->pending, &globals.magazine_registry);
+  registry_link *chain = stack_take_all(&d->pending, &magazine_st.registry);
   depot_memo memo = {.n = 0};
   int moved = 0;
   for (registry_link *n = chain, *next; n; n = next) {
-    next = stack_next(&globals.magazine_registry, n);
+    next = stack_next(&magazine_st.registry, n);
     magazine *m = (magazine *)n;
     if (!depot_memo_known_pending(&memo, &m->ticket) && epoch_ready(&m->ticket, EPOCH_NO_STREAM) == EPOCH_READY_DONE) {
       depot_pending_to_full(d, m);
@@ -256,7 +256,7 @@ int depot_reclaim(depot *d) {
       moved++;
     } else {
       depot_memo_note_pending(&memo, &m->ticket);
-      stack_push(&d->pending, &globals.magazine_registry, &m->link);
+      stack_push(&d->pending, &magazine_st.registry, &m->link);
     }
   }
   atomic_sub_relaxed(&d->scanners, 1);

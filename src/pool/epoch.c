@@ -3,12 +3,18 @@
 #include "pool/epoch.h"
 
 #include "base/assert.h"
-#include "base/globals.h"
 #include <string.h>
 
 #include "base/meta.h"
 
-void epoch_module_init(void) { registry_init(&globals.event_registry, sizeof(event_node)); }
+/* This file's state: the event nodes (type-stable; grown under its grow
+ * lock); the hook that asks for a refill, set once at set-up. */
+static struct epoch_events {
+  registry event_registry;
+  void (*low_hook)(void);
+} epoch_st;
+
+void epoch_module_init(void) { registry_init(&epoch_st.event_registry, sizeof(event_node)); }
 
 int epoch_table_init(epoch_table *t, int device, const backend_ops *ops) {
   memset(t, 0, sizeof *t);
@@ -71,10 +77,10 @@ void epoch_stream_release(stream_rec *r) {
   meta_free(r);
 }
 
-void epoch_set_low_hook(void (*fn)(void)) { globals.epoch_low_hook = fn; }
+void epoch_set_low_hook(void (*fn)(void)) { epoch_st.low_hook = fn; }
 
 static event_node *epoch_event_new(epoch_table *t) {
-  event_node *e = registry_new(&globals.event_registry);
+  event_node *e = registry_new(&epoch_st.event_registry);
   if (e == NULL) return NULL;
   e->device = t->device;
   atomic_store_relaxed(&e->refs, 0);
@@ -94,7 +100,7 @@ int epoch_pool_fill(epoch_table *t, int64_t n) {
       rc = MAGPIE_ERR_BACKEND;
       break;
     }
-    stack_push(&t->free_events, &globals.event_registry, &e->link);
+    stack_push(&t->free_events, &epoch_st.event_registry, &e->link);
   }
   atomic_store_release(&t->refill_asked, 0);
   return rc;
@@ -105,17 +111,17 @@ int epoch_pool_fill(epoch_table *t, int64_t n) {
  * runs dry; creating one here is the fallback (bench/DECISIONS.md, "Events
  * come from a pool refilled in the background"). */
 static event_node *epoch_event_get(epoch_table *t) {
-  event_node *e = (event_node *)stack_pop(&t->free_events, &globals.event_registry);
+  event_node *e = (event_node *)stack_pop(&t->free_events, &epoch_st.event_registry);
   if (t->ops->event_prefill > 0 && stack_count(&t->free_events) < t->ops->event_prefill / 4 &&
-      globals.epoch_low_hook != NULL && atomic_exchange_acq_rel(&t->refill_asked, 1) == 0)
-    globals.epoch_low_hook();
+      epoch_st.low_hook != NULL && atomic_exchange_acq_rel(&t->refill_asked, 1) == 0)
+    epoch_st.low_hook();
   return e != NULL ? e : epoch_event_new(t);
 }
 
 /* Drop one reference; the last one returns the node to the pool. */
 static void epoch_event_unref(epoch_table *t, event_node *e) {
   MAGPIE_ASSERT(atomic_load_relaxed(&e->refs) > 0); /* INVARIANT (epoch.h): pooled iff refs == 0 */
-  if (atomic_sub_acq_rel(&e->refs, 1) == 1) stack_push(&t->free_events, &globals.event_registry, &e->link);
+  if (atomic_sub_acq_rel(&e->refs, 1) == 1) stack_push(&t->free_events, &epoch_st.event_registry, &e->link);
 }
 
 int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
@@ -145,7 +151,7 @@ int epoch_seal(stream_rec *r, cudaStream_t handle, epoch_ticket *out) {
   }
   pthread_mutex_unlock(&r->seal_lock);
   if (rc != MAGPIE_OK) {
-    stack_push(&t->free_events, &globals.event_registry, &e->link);
+    stack_push(&t->free_events, &epoch_st.event_registry, &e->link);
     return rc;
   }
   if (old != NULL) epoch_event_unref(t, old);

@@ -17,9 +17,9 @@
 #include <stdint.h>
 
 #include "base/assert.h"
-#include "base/globals.h"
 #include "base/registry.h"
 #include "base/sizeclass.h"
+#include "base/stack.h"
 
 #define MAGAZINE_MAX SIZECLASS_MAG_MAX
 
@@ -62,6 +62,25 @@ extern magazine magazine_sentinel;
 static inline int magazine_is_real(const magazine *m) { return m != &magazine_sentinel; }
 
 /* Magazines live in one registry (type-stable, indexed). */
+
+/* A stack of empty magazines on a line of its own (magazine.c). */
+typedef struct magazine_stack {
+  _Alignas(64) stack s;
+} magazine_stack;
+
+/* The magazines' process-wide state, owned by this module (defined in
+ * magazine.c): the magazines (type-stable), and the stacks of empty ones
+ * (lock-free: release on push, acquire on pop). The registry is shared:
+ * every stack of magazines is popped and pushed through it (the depot, slab
+ * release, the heap's limbo, snapshots); the stacks of empty ones are
+ * magazine.c's alone. */
+typedef struct magazine_state {
+  registry registry;
+  magazine_stack empties[SIZECLASS_COUNT];
+  magazine_stack spill;
+} magazine_state;
+
+extern magazine_state magazine_st;
 
 void magazine_module_init(void);
 /* An empty magazine for class cls (reused or new); NULL if the host is out

@@ -1,24 +1,31 @@
 /* Slab carving, release and descriptors.
- * Lock order: slab_set.reclaim_lock -> slab_set.slab_lock; slab_desc_lock is a
- * leaf. No lock is held across a driver call. */
+ * Lock order: slab_set.reclaim_lock -> slab_set.slab_lock; slab_st.desc_lock
+ * is a leaf. No lock is held across a driver call. */
 #include "pool/slab.h"
 
 #include <pthread.h>
 #include <string.h>
 
 #include "base/assert.h"
-#include "base/globals.h"
 #include "base/meta.h"
 #include "base/pagemap.h"
 #include "base/sizeclass.h"
 #include "pool/depot.h"
 #include "pool/span.h"
 
+/* This file's state: recycled descriptors, under desc_lock (a leaf). */
+static struct slab_state {
+  pthread_mutex_t desc_lock;
+  slab *desc_free;
+} slab_st = {
+    .desc_lock = PTHREAD_MUTEX_INITIALIZER,
+};
+
 slab *slab_desc_get(void) {
-  pthread_mutex_lock(&globals.slab_desc_lock);
-  slab *s = globals.slab_desc_free;
-  if (s) globals.slab_desc_free = s->lnext;
-  pthread_mutex_unlock(&globals.slab_desc_lock);
+  pthread_mutex_lock(&slab_st.desc_lock);
+  slab *s = slab_st.desc_free;
+  if (s) slab_st.desc_free = s->lnext;
+  pthread_mutex_unlock(&slab_st.desc_lock);
   if (s == NULL) return meta_alloc_aligned(sizeof *s, 64);
   /* Keep the in-use bitmap for reuse (slab_desc_for). */
   _Atomic uint64_t *bits = s->inuse;
@@ -30,10 +37,10 @@ slab *slab_desc_get(void) {
 }
 
 void slab_desc_put(slab *s) {
-  pthread_mutex_lock(&globals.slab_desc_lock);
-  s->lnext = globals.slab_desc_free;
-  globals.slab_desc_free = s;
-  pthread_mutex_unlock(&globals.slab_desc_lock);
+  pthread_mutex_lock(&slab_st.desc_lock);
+  s->lnext = slab_st.desc_free;
+  slab_st.desc_free = s;
+  pthread_mutex_unlock(&slab_st.desc_lock);
 }
 
 int slab_mark_used(slab *s, uint32_t i) {
@@ -100,7 +107,7 @@ static void slab_give_back(slab_set *ss, slab *s) {
 }
 
 int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out) {
-  const sizeclass_info *ci = &globals.sizeclass_table[cls];
+  const sizeclass_info *ci = &sizeclass_table[cls];
   MAGPIE_ASSERT(!ci->seg);                            /* class blocks come from the large segments */
   if (!may_map && !ci->chunks) return SLAB_WOULD_MAP; /* slabs of whole granules are always mapped */
   slab *s = slab_desc_for((ci->blocks + 63) / 64);
@@ -166,9 +173,9 @@ int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out) {
 
 /* Count, per slab, the blocks in a chain of magazines. */
 static void slab_count_chain(registry_link *chain) {
-  for (registry_link *n = chain; n; n = stack_next(&globals.magazine_registry, n)) {
+  for (registry_link *n = chain; n; n = stack_next(&magazine_st.registry, n)) {
     magazine *m = (magazine *)n;
-    for (uint32_t i = 0; i < m->count; i++) pagemap_lookup((uintptr_t)m->slots[i])->reclaim_free++;
+    for (uint32_t i = 0; i < m->count; i++) ((slab *)pagemap_lookup((uintptr_t)m->slots[i]))->reclaim_free++;
   }
 }
 
@@ -176,7 +183,7 @@ static void slab_count_chain(registry_link *chain) {
  * magazines back (ready, empty ones to the pool). */
 static void slab_return_chain(slab_set *ss, unsigned cls, registry_link *chain) {
   for (registry_link *n = chain, *next; n; n = next) {
-    next = stack_next(&globals.magazine_registry, n);
+    next = stack_next(&magazine_st.registry, n);
     magazine *m = (magazine *)n;
     uint32_t keep = 0;
     for (uint32_t i = 0; i < m->count; i++) {
@@ -197,9 +204,9 @@ size_t slab_release_free(slab_set *ss, size_t want) {
   size_t bytes = 0;
   pthread_mutex_lock(&ss->reclaim_lock);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    if (globals.sizeclass_table[c].seg) continue; /* class blocks have no slab (heap.c gives them back) */
-    chains[c] = stack_take_all(&ss->depots[c].full, &globals.magazine_registry);
-    for (registry_link *n = chains[c]; n; n = stack_next(&globals.magazine_registry, n))
+    if (sizeclass_table[c].seg) continue; /* class blocks have no slab (heap.c gives them back) */
+    chains[c] = stack_take_all(&ss->depots[c].full, &magazine_st.registry);
+    for (registry_link *n = chains[c]; n; n = stack_next(&magazine_st.registry, n))
       atomic_sub_relaxed(&ss->depots[c].ready_bytes, (int64_t)depot_magazine_bytes((magazine *)n));
     slab_count_chain(chains[c]);
   }

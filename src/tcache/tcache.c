@@ -5,7 +5,7 @@
  * slots are tcache_slots.c, the slow paths tcache_alloc.c and
  * tcache_free.c, the give-back of other threads' caches tcache_reclaim.c.
  *
- * Lock order: tcache_list_lock is taken alone (never while calling into the
+ * Lock order: tcache_st.list_lock is taken alone (never while calling into the
  * heap, depot or backend). Everything else here is thread-owned, or taken
  * over from an idle owner through the steal handshake (tcache.h). */
 #include "tcache/tcache.h"
@@ -18,7 +18,6 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
 #include "pool/record.h"

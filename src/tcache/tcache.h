@@ -112,7 +112,7 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
   if (unlikely(m->count == 0)) return NULL;
   MAGAZINE_ASSERT_VALID(m);
   MAGPIE_ASSERT(m->cls == c);
-  tslot_count(ts, (int64_t)globals.sizeclass_table[c].size);
+  tslot_count(ts, (int64_t)sizeclass_table[c].size);
   atomic_owner_inc_u64(&ts->cl[c].hits);
   void *p = m->slots[--m->count];
   if (m->count < ts->cl[c].low) ts->cl[c].low = m->count;
@@ -135,7 +135,7 @@ static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaS
     int k = large_class_of(sl->seg, (uintptr_t)ptr);
     if (k < 0) return 0;
     c = (uint32_t)k;
-    bsize = globals.sizeclass_table[k].size;
+    bsize = sizeclass_table[k].size;
   } else if (unlikely(!slab_block_index(sl, (uintptr_t)ptr, &i))) {
     return 0;
   }

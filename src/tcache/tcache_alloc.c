@@ -14,8 +14,8 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
+#include "base/sizeclass.h"
 #include "base/ticks.h"
 #include "pool/record.h"
 #include "tcache/tcache_internal.h"
@@ -219,7 +219,7 @@ static void tcache_slot_decay(tslot *ts, cudaStream_t s) {
   int shed = 0;
   for (uint64_t used = ts->used; used != 0; used &= used - 1) {
     unsigned c = (unsigned)__builtin_ctzll(used);
-    const sizeclass_info *ci = &globals.sizeclass_table[c];
+    const sizeclass_info *ci = &sizeclass_table[c];
     tcache_note_held(ts, c);
     magazine *m = ts->cl[c].loaded, *pv = ts->prev[c];
     uint32_t low = ts->lows[c];
@@ -313,7 +313,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
         depot_note_thread_in(&ts->heap->depots[fresh->cls], fresh);
       }
       ts->emptied |= (uint64_t)1 << c;
-      if (!carried && !globals.sizeclass_table[c].seg && ts->fill[c] != 0 && fresh->count > ts->fill[c])
+      if (!carried && !sizeclass_table[c].seg && ts->fill[c] != 0 && fresh->count > ts->fill[c])
         tcache_refill_trim(ts, c, fresh, s);
       ts->mark[c] = tslot_allocs(ts, c);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
@@ -331,7 +331,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
     slab_block_index(sl, (uintptr_t)p, &i);
     tcache_mark_used(sl, (uintptr_t)p, i);
   }
-  tslot_count(ts, (int64_t)globals.sizeclass_table[c].size);
+  tslot_count(ts, (int64_t)sizeclass_table[c].size);
   /* Publish for the peak only when the depot was involved: swaps between
    * the two magazines stay free of shared writes. */
   if (publish) tcache_publish(tc, ts->heap);

@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
+#include "base/sizeclass.h"
 #include "base/ticks.h"
 #include "pool/record.h"
 #include "tcache/tcache_internal.h"
@@ -158,7 +158,7 @@ int tcache_free_to_limbo(void *p, slab *sl, cudaStream_t s) {
     }
     bsize = b != NULL ? b->size : 0;
   } else {
-    bsize = globals.sizeclass_table[c].size;
+    bsize = sizeclass_table[c].size;
     if (tc->check && !tcache_mark_free(sl, (uintptr_t)p, bi))
       rc = error_set(MAGPIE_ERR_DOUBLE_FREE, "magpie_free_async(%p): block already free (double free)", p);
     else if (heap_limbo_block(h, c, p, HEAP_SYNC_EVERY_DEVICE) != MAGPIE_OK)
@@ -199,7 +199,7 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   /* A class block of a large segment (pool/large.h) is freed as a block
    * of its class. */
   unsigned c = large_block_class(sl, (uintptr_t)p);
-  size_t bsize = c == SLAB_LARGE ? sl->bsize : globals.sizeclass_table[c].size;
+  size_t bsize = c == SLAB_LARGE ? sl->bsize : sizeclass_table[c].size;
   uint64_t id = 0;
   int idrc = tc->ops->stream_id(s, &id);
   if (idrc == MAGPIE_ERR_CAPTURE)
@@ -244,7 +244,7 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
     int pv_empty = magazine_is_real(pv) && pv->count == 0;
     /* Class blocks: the full magazine leaves at once (no second one is
      * kept), so a thread holds at most one magazine of the class. */
-    int one = globals.sizeclass_table[c].seg && magazine_is_real(ts->cl[c].loaded);
+    int one = sizeclass_table[c].seg && magazine_is_real(ts->cl[c].loaded);
     if (pv_empty && !one) {
       ts->prev[c] = ts->cl[c].loaded;
       ts->cl[c].loaded = pv;

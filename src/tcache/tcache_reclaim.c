@@ -3,7 +3,7 @@
  * are asked and waited for (bounded); a retired stream's slots are sealed;
  * a thread's own magazines are flushed.
  *
- * Lock order: tcache_list_lock alone (tcache.c). */
+ * Lock order: tcache_st.list_lock alone (tcache.c). */
 #include "tcache/tcache.h"
 
 #include <linux/membarrier.h>
@@ -14,7 +14,6 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
 #include "base/ticks.h"
 #include "pool/record.h"

@@ -3,7 +3,7 @@
  * large block a slot keeps, a slot's magazines handed out (sealed or to
  * limbo), retiring and recycling slots.
  *
- * Lock order: tcache_list_lock alone (tcache.c); the rest is the owning
+ * Lock order: tcache_st.list_lock alone (tcache.c); the rest is the owning
  * thread's. */
 #include "tcache/tcache.h"
 
@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "base/error.h"
-#include "base/globals.h"
 #include "base/meta.h"
+#include "base/sizeclass.h"
 #include "base/ticks.h"
 #include "pool/record.h"
 #include "tcache/tcache_internal.h"
@@ -78,7 +78,7 @@ void tcache_slot_index(tcache *tc, const tslot *ts) {
  * "Magazines grow only after a run of frees"). Many allocations since the
  * last exchange bring it back toward the start. */
 uint32_t tcache_next_cap(tslot *ts, unsigned c) {
-  const sizeclass_info *ci = &globals.sizeclass_table[c];
+  const sizeclass_info *ci = &sizeclass_table[c];
   uint64_t now = tslot_allocs(ts, c);
   uint32_t cap = ts->cap[c];
   if (now == ts->mark[c]) {
@@ -252,7 +252,7 @@ size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on) {
  * allocation anyway, so this adds no event. */
 void tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
   for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++) {
-    if (!globals.sizeclass_table[c].seg) continue;
+    if (!sizeclass_table[c].seg) continue;
     uint64_t round_trip = ts->round_trip;
     ts->round_trip |= (uint64_t)1 << c; /* for a seal of a full outbox too */
     if (tcache_class_to_outbox(ts, c, &s) == 0) ts->round_trip = round_trip;
@@ -364,7 +364,7 @@ static tslot *tcache_slot_new(tcache *tc, cudaStream_t s, uint64_t id, heap *h) 
   while (reset != 0) {
     unsigned c = (unsigned)__builtin_ctzll(reset);
     reset &= reset - 1;
-    ts->cap[c] = (uint8_t)globals.sizeclass_table[c].mag_cap;
+    ts->cap[c] = (uint8_t)sizeclass_table[c].mag_cap;
     ts->mark[c] = tslot_allocs(ts, c);
     ts->run[c] = 0;
   }

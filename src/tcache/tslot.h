@@ -77,7 +77,7 @@ typedef struct tslot {
    * and the allocation counts. Side by side, so that a class whose lines
    * went out of the cache (a thread taking turns on several streams) costs
    * one miss here. Counts: owner-written (relaxed load + store); read by
-   * statistics under tcache_list_lock; folded into the heap when the slot
+   * statistics under tcache_st.list_lock; folded into the heap when the slot
    * retires. */
   tclass cl[SIZECLASS_COUNT];
   magazine *prev[SIZECLASS_COUNT];
@@ -186,7 +186,7 @@ typedef struct tcache {
   /* Two bits; any bit set sends the owner's fast paths (tcache_enter) to
    * the slow path, so the fast paths read one word.
    * TCACHE_CLAIMED: a reclaimer decides and possibly takes this cache's
-   * magazines. Set (fetch_or, acq_rel, under tcache_list_lock: it acquires
+   * magazines. Set (fetch_or, acq_rel, under tcache_st.list_lock: it acquires
    * the previous reclaimer's release) only while clear; cleared (fetch_and,
    * release) by that reclaimer when done, pairing with the owner's acquire
    * loads in tcache_enter and tcache_enter_slow, which come after the owner
@@ -218,17 +218,17 @@ typedef struct tcache {
   unsigned next_evict;
   /* Bytes handed out minus freed by this thread, per device. Written by the
    * owner only (relaxed load + store); read (relaxed) by statistics under
-   * tcache_list_lock. */
+   * tcache_st.list_lock. */
   _Atomic int64_t live[HEAP_MAX_DEVICES];
   /* Bytes of the large block this thread keeps (tcache.kept), per device:
    * freed, not in use. Written by whoever owns the cache (the owner, or a
    * reclaimer while the owner is out: tcache_empty_heap), relaxed load +
-   * store; read (relaxed) by statistics under tcache_list_lock. A counter
+   * store; read (relaxed) by statistics under tcache_st.list_lock. A counter
    * in the heap took two locked read-modify-writes per pair of a kept
    * block's allocation and free. */
   _Atomic int64_t kept_bytes[HEAP_MAX_DEVICES];
   int64_t published[HEAP_MAX_DEVICES]; /* owner only */
-  struct tcache *lnext, *lprev;        /* under tcache_list_lock */
+  struct tcache *lnext, *lprev;        /* under tcache_st.list_lock */
   /* Per slot, so that the slow paths find a slot without touching every
    * slot's lines: the id and handle of an alloc-capable slot, 0 and
    * UINTPTR_MAX for any other. Owner only; after the fast paths' fields,
