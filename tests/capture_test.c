@@ -17,6 +17,7 @@
 
 #include "magpie.h"
 #include "magpie_sim.h"
+#include "tests/turns.h"
 
 #define KiB ((size_t)1 << 10)
 #define MiB ((size_t)1 << 20)
@@ -338,33 +339,14 @@ static void test_shared_pool(void **state) {
 
 /* The per-thread handle names another stream in each thread: two threads
  * capturing on it at once, each into its own pool, must each get their
- * own pool's blocks. The steps run in turn (turn.c counts them): A
+ * own pool's blocks. The steps run in turn (tests/turns.h): A
  * announces and begins, then B, then A allocates, then B; a registration
  * resolved by the wrong thread would hand A's block to B's pool. */
-struct pt_turn {
-  pthread_mutex_t m;
-  pthread_cond_t c;
-  int step;
-};
-
-static void pt_wait_turn(struct pt_turn *t, int step) {
-  pthread_mutex_lock(&t->m);
-  while (t->step != step) pthread_cond_wait(&t->c, &t->m);
-  pthread_mutex_unlock(&t->m);
-}
-
-static void pt_next_turn(struct pt_turn *t) {
-  pthread_mutex_lock(&t->m);
-  t->step++;
-  pthread_cond_broadcast(&t->c);
-  pthread_mutex_unlock(&t->m);
-}
-
 struct pt_arg {
   uint64_t pool;
   size_t size;
   int first; /* 0: A's turns are 0 and 2; 1: B's are 1 and 3 */
-  struct pt_turn *turn;
+  turns *turn;
   void *p;
   int end_rc;
 };
@@ -372,16 +354,16 @@ struct pt_arg {
 static void *pt_capture_main(void *argp) {
   struct pt_arg *a = argp;
   cudaStream_t pt = MAGPIE_SIM_STREAM_PER_THREAD;
-  pt_wait_turn(a->turn, a->first);
+  turn_wait(a->turn, a->first);
   assert_int_equal(magpie_capture_begin(a->pool, pt), MAGPIE_OK);
   assert_int_equal(magpie_sim_stream_begin_capture(pt, MAGPIE_SIM_CAPTURE_THREAD_LOCAL), MAGPIE_OK);
-  pt_next_turn(a->turn);
-  pt_wait_turn(a->turn, 2 + a->first);
+  turn_next(a->turn);
+  turn_wait(a->turn, 2 + a->first);
   a->p = magpie_malloc_async(a->size, pt);
   assert_non_null(a->p);
   assert_int_equal(magpie_free_async(a->p, pt), MAGPIE_OK);
-  pt_next_turn(a->turn);
-  pt_wait_turn(a->turn, 4);
+  turn_next(a->turn);
+  turn_wait(a->turn, 4);
   magpie_sim_graph g = NULL;
   a->end_rc = magpie_sim_stream_end_capture(pt, &g);
   if (g != NULL) assert_int_equal(magpie_sim_graph_destroy(g), MAGPIE_OK);
@@ -392,7 +374,7 @@ static void *pt_capture_main(void *argp) {
 static void test_per_thread_stream_pools(void **state) {
   (void)state;
   uint64_t v0 = magpie_sim_capture_violations();
-  struct pt_turn turn = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+  turns turn = TURNS_INIT;
   struct pt_arg a = {.pool = pool_new(), .size = 3 * MiB, .first = 0, .turn = &turn};
   struct pt_arg b = {.pool = pool_new(), .size = 5 * MiB, .first = 1, .turn = &turn};
   pthread_t ta, tb;

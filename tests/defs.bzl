@@ -51,7 +51,7 @@ def magpie_fuzz_targets(suffix, lib):
         linkopts = ["-fsanitize=fuzzer"],
         linkstatic = True,
         tags = ["manual"],
-        deps = [lib],
+        deps = [lib, "//tests:turns"],
     )
     native.cc_test(
         name = "alloc_fuzz_replay" + suffix + "_test",
@@ -65,7 +65,7 @@ def magpie_fuzz_targets(suffix, lib):
         data = native.glob(["corpus/*"]),
         linkopts = ["-lpthread"],
         linkstatic = True,
-        deps = [lib],
+        deps = [lib, "//tests:turns"],
     )
 
 def magpie_expected_failure_test(name, define, test_srcs, pattern, args = [], env = {}, size = "small"):

@@ -48,6 +48,7 @@
 
 #include "magpie.h"
 #include "magpie_sim.h"
+#include "tests/turns.h"
 
 /* magpie_trim comes with the memory-pressure work; call it once it exists. */
 #pragma weak magpie_trim
@@ -269,46 +270,31 @@ typedef struct pt_side {
   int bad;
 } pt_side;
 
-static pthread_mutex_t pt_m = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pt_c = PTHREAD_COND_INITIALIZER;
-static int pt_step;
-
-static void pt_wait(int step) {
-  pthread_mutex_lock(&pt_m);
-  while (pt_step != step) pthread_cond_wait(&pt_c, &pt_m);
-  pthread_mutex_unlock(&pt_m);
-}
-
-static void pt_next(void) {
-  pthread_mutex_lock(&pt_m);
-  pt_step++;
-  pthread_cond_broadcast(&pt_c);
-  pthread_mutex_unlock(&pt_m);
-}
+static turns pt_turns = TURNS_INIT;
 
 static void *pt_side_main(void *arg) {
   pt_side *x = arg;
   cudaStream_t s = MAGPIE_SIM_STREAM_PER_THREAD;
   void *p[4] = {0};
-  pt_wait(x->first);
+  turn_wait(&pt_turns, x->first);
   x->bad |= magpie_capture_begin(x->pool, s) != MAGPIE_OK;
   x->bad |= magpie_sim_stream_begin_capture(s, MAGPIE_SIM_CAPTURE_THREAD_LOCAL) != MAGPIE_OK;
-  pt_next();
-  pt_wait(2 + x->first);
+  turn_next(&pt_turns);
+  turn_wait(&pt_turns, 2 + x->first);
   for (int i = 0; i < x->n; i++) {
     p[i] = magpie_malloc_async(x->sizes[i], s);
     x->bad |= p[i] == NULL;
     if (p[i] != NULL) x->got += magpie_usable_size(p[i]);
   }
-  pt_next();
-  pt_wait(4 + x->first);
+  turn_next(&pt_turns);
+  turn_wait(&pt_turns, 4 + x->first);
   magpie_sim_graph g = NULL;
   x->bad |= magpie_sim_stream_end_capture(s, &g) != MAGPIE_OK;
   if (g != NULL) x->bad |= magpie_sim_graph_destroy(g) != MAGPIE_OK;
   x->bad |= magpie_capture_end(x->pool, s) != MAGPIE_OK;
   x->bad |= magpie_graph_pool_bytes(x->pool) != x->got; /* checked before B may free its own */
-  pt_next();
-  pt_wait(6);
+  turn_next(&pt_turns);
+  turn_wait(&pt_turns, 6);
   for (int i = 0; i < x->n; i++)
     if (p[i] != NULL) x->bad |= magpie_free_async(p[i], s) != MAGPIE_OK;
   x->bad |= magpie_sim_stream_synchronize(s) != MAGPIE_OK;
@@ -322,7 +308,7 @@ static void per_thread_captures(const uint8_t *arg) {
     x[t].n = 1 + arg[t] % 4;
     for (int i = 0; i < x[t].n; i++) x[t].sizes[i] = pick_size(arg[2 + t], (uint8_t)(arg[4] + 37 * i + 101 * t));
   }
-  pt_step = 0;
+  turn_reset(&pt_turns);
   pthread_t th[2];
   for (int t = 0; t < 2; t++)
     if (pthread_create(&th[t], NULL, pt_side_main, &x[t]) != 0) fuzz_fail("thread create");

@@ -34,6 +34,7 @@
 
 #include "gpu_util.h"
 #include "magpie.h"
+#include "tests/turns.h"
 
 #define KiB ((size_t)1 << 10)
 #define MiB ((size_t)1 << 20)
@@ -254,22 +255,7 @@ struct pt_side {
   int failed;
 };
 
-static pthread_mutex_t pt_m = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pt_c = PTHREAD_COND_INITIALIZER;
-static int pt_step;
-
-static void pt_wait(int step) {
-  pthread_mutex_lock(&pt_m);
-  while (pt_step != step) pthread_cond_wait(&pt_c, &pt_m);
-  pthread_mutex_unlock(&pt_m);
-}
-
-static void pt_next(void) {
-  pthread_mutex_lock(&pt_m);
-  pt_step++;
-  pthread_cond_broadcast(&pt_c);
-  pthread_mutex_unlock(&pt_m);
-}
+static turns pt_turns = TURNS_INIT;
 
 /* In turn: A announces and begins, B does, A allocates and fills, B does,
  * A ends, B ends (a registration resolved by the wrong thread would give
@@ -278,20 +264,20 @@ static void *pt_side_main(void *arg) {
   struct pt_side *x = arg;
   CUstream pt = CU_STREAM_PER_THREAD;
   x->failed = gpu_env_bind(&env) != CUDA_SUCCESS;
-  pt_wait(x->first);
+  turn_wait(&pt_turns, x->first);
   x->failed |= magpie_capture_begin(x->pool, (cudaStream_t)pt) != MAGPIE_OK;
   x->failed |= cudrv.stream_begin_capture(pt, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) != CUDA_SUCCESS;
-  pt_next();
-  pt_wait(2 + x->first);
+  turn_next(&pt_turns);
+  turn_wait(&pt_turns, 2 + x->first);
   x->p = magpie_malloc_async(x->size, (cudaStream_t)pt);
   x->failed |= x->p == NULL;
   if (x->p != NULL) x->failed |= gpu_fill_u32(&env, pt, (CUdeviceptr)x->p, x->size / 4, x->seed) != CUDA_SUCCESS;
-  pt_next();
-  pt_wait(4 + x->first);
+  turn_next(&pt_turns);
+  turn_wait(&pt_turns, 4 + x->first);
   x->end = cudrv.stream_end_capture(pt, &x->graph);
   x->failed |= magpie_capture_end(x->pool, (cudaStream_t)pt) != MAGPIE_OK;
   x->pool_bytes = magpie_graph_pool_bytes(x->pool);
-  pt_next();
+  turn_next(&pt_turns);
   return NULL;
 }
 
@@ -299,7 +285,7 @@ static void test_per_thread_stream_captures(void **state) {
   (void)state;
   struct pt_side x[2] = {{.size = 3 * MiB, .first = 0, .seed = 0xA0000000u},
                          {.size = 5 * MiB, .first = 1, .seed = 0xB0000000u}};
-  pt_step = 0;
+  turn_reset(&pt_turns);
   pthread_t th[2];
   for (int t = 0; t < 2; t++) {
     assert_int_equal(magpie_graph_pool_create(0, &x[t].pool), MAGPIE_OK);
