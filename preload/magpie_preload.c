@@ -9,11 +9,13 @@
  *            cudaStreamDestroy, cudaStreamBeginCapture, cudaStreamEndCapture
  *            (+ _ptsz)
  *            cudaMemPoolGetAttribute, cudaMemPoolSetAttribute,
- *            cudaMemPoolTrimTo
+ *            cudaMemPoolTrimTo, cudaDeviceEnablePeerAccess,
+ *            cudaMemPoolSetAccess
  *   driver   cuMemAlloc_v2, cuMemFree_v2, cuMemAllocAsync, cuMemFreeAsync
  *            (+ _ptsz), cuStreamDestroy_v2, cuStreamBeginCapture_v2,
  *            cuStreamEndCapture (+ _ptsz), cuMemPoolGetAttribute,
- *            cuMemPoolSetAttribute, cuMemPoolTrimTo; cuda.h maps cuMemAlloc,
+ *            cuMemPoolSetAttribute, cuMemPoolTrimTo, cuCtxEnablePeerAccess,
+ *            cuMemPoolSetAccess; cuda.h maps cuMemAlloc,
  *            cuMemFree and cuStreamDestroy to the _v2 names
  *
  * Semantics:
@@ -53,6 +55,17 @@
  *     device's default pool: the usage figures include magpie's, resets
  *     and trims reach magpie too (see "The default memory pool's figures"
  *     below).
+ *   - Peer access: cudaDeviceEnablePeerAccess / cuCtxEnablePeerAccess (the
+ *     current device may now access the peer's memory), and
+ *     cudaMemPoolSetAccess / cuMemPoolSetAccess on a device's default pool
+ *     (read or read-write for another device), grant magpie's mappings of
+ *     the memory's device to the accessing device too, present and future
+ *     (magpie_device_enable_peer_access). If magpie cannot, the call fails
+ *     with cudaErrorPeerAccessUnsupported (217). cudaMemPoolGetAccess is not
+ *     interposed: the pool answers what was set. Access once granted stays:
+ *     the disable calls and a pool's access set back to none reach CUDA
+ *     only, and magpie's mappings stay accessible to the peer (magpie
+ *     cannot take access back from mappings a peer may be using).
  *
  * Not interposed: a statically linked CUDA runtime (nvcc's default,
  * -cudart static: its cudaMalloc is inside the program), entry points
@@ -133,6 +146,11 @@ static struct {
   CUresult (*cu_pool_get)(void *, int, void *);
   CUresult (*cu_pool_set)(void *, int, void *);
   CUresult (*cu_pool_trim)(void *, size_t);
+  cudaError_t (*cuda_enable_peer)(int, unsigned);
+  CUresult (*cu_ctx_enable_peer)(CUcontext, unsigned);
+  cudaError_t (*cuda_pool_set_access)(void *, const void *, size_t);
+  CUresult (*cu_pool_set_access)(void *, const void *, size_t);
+  CUresult (*cu_device_count)(int *);
   int usable; /* magpie initialised on the CUDA backend */
 } real;
 
@@ -198,6 +216,10 @@ static void preload_init(void) {
   real.cu_pool_set = preload_sym(drv, "cuMemPoolSetAttribute");
   real.cu_pool_trim = preload_sym(drv, "cuMemPoolTrimTo");
   real.cuda_default_pool = preload_sym(rt, "cudaDeviceGetDefaultMemPool");
+  real.cuda_enable_peer = preload_sym(rt, "cudaDeviceEnablePeerAccess");
+  real.cu_ctx_enable_peer = preload_sym(drv, "cuCtxEnablePeerAccess");
+  real.cuda_pool_set_access = preload_sym(rt, "cudaMemPoolSetAccess");
+  real.cu_pool_set_access = preload_sym(drv, "cuMemPoolSetAccess");
   /* Not interposed: straight from the driver. */
   if (drv != NULL) {
     real.cu_ctx_get_device = dlsym(drv, "cuCtxGetDevice");
@@ -208,6 +230,7 @@ static void preload_init(void) {
     real.cu_stream_create = dlsym(drv, "cuStreamCreate");
     real.cu_default_pool = dlsym(drv, "cuDeviceGetDefaultMemPool");
     real.cu_is_capturing = dlsym(drv, "cuStreamIsCapturing");
+    real.cu_device_count = dlsym(drv, "cuDeviceGetCount");
   }
   real.usable = drv != NULL && real.cu_ctx_get_device && real.cu_primary_retain && real.cu_ctx_push &&
                 real.cu_ctx_pop && real.cu_ctx_synchronize && real.cu_stream_create && real.cu_is_capturing &&
@@ -689,4 +712,82 @@ PRELOAD_API CUresult cuMemPoolTrimTo(void *pool, size_t keep) {
   pthread_once(&preload_once, preload_init);
   if (real.cu_pool_trim == NULL) return PRELOAD_UNKNOWN;
   return preload_pool_trim(pool, keep, real.cu_pool_trim(pool, keep));
+}
+
+/* ---- Peer access (see the top) ---- */
+
+#define PRELOAD_PEER_UNSUPPORTED 217 /* cudaErrorPeerAccessUnsupported, CUDA_ERROR_PEER_ACCESS_UNSUPPORTED */
+#define PRELOAD_PEER_ALREADY 704     /* cudaErrorPeerAccessAlreadyEnabled, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED */
+#define PRELOAD_LOCATION_DEVICE 1    /* cudaMemLocationTypeDevice, CU_MEM_LOCATION_TYPE_DEVICE */
+
+/* cudaMemAccessDesc and CUmemAccessDesc: a location (type, id) and flags
+ * (0: none, 1: read, 3: read-write). */
+typedef struct preload_access_desc {
+  int type;
+  int id;
+  int flags;
+} preload_access_desc;
+
+/* rc: the real call's answer. Where it granted accessor access to owner's
+ * memory (or it was granted already), magpie's mappings of owner are
+ * granted to accessor too. */
+static int preload_grant(int rc, int owner, int accessor) {
+  if ((rc != PRELOAD_OK && rc != PRELOAD_PEER_ALREADY) || !preload_usable()) return rc;
+  if (owner < 0 || accessor < 0 || owner == accessor) return rc;
+  if (magpie_device_enable_peer_access(owner, accessor) != MAGPIE_OK) return PRELOAD_PEER_UNSUPPORTED;
+  return rc;
+}
+
+PRELOAD_API cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cuda_enable_peer == NULL) return PRELOAD_UNKNOWN;
+  int rc = real.cuda_enable_peer(peer, flags);
+  int cur = -1;
+  if (real.cuda_get_device == NULL || real.cuda_get_device(&cur) != PRELOAD_OK) return rc;
+  return preload_grant(rc, peer, cur);
+}
+
+PRELOAD_API CUresult cuCtxEnablePeerAccess(CUcontext peer_ctx, unsigned flags) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cu_ctx_enable_peer == NULL) return PRELOAD_UNKNOWN;
+  int rc = real.cu_ctx_enable_peer(peer_ctx, flags);
+  if (!preload_usable()) return rc;
+  int cur = -1, owner = -1;
+  CUcontext popped = NULL;
+  if (real.cu_ctx_get_device(&cur) != PRELOAD_OK || real.cu_ctx_push(peer_ctx) != PRELOAD_OK) return rc;
+  if (real.cu_ctx_get_device(&owner) != PRELOAD_OK) owner = -1;
+  real.cu_ctx_pop(&popped);
+  return preload_grant(rc, owner, cur);
+}
+
+/* The device whose default pool is pool, asking every device's (a pool's
+ * access is set before it serves anything, so the devices magpie holds
+ * memory on do not suffice here); -1 if none. */
+static int preload_pool_owner(void *pool) {
+  int dev = preload_pool_device(pool), n = 0;
+  if (dev >= 0 || real.cu_device_count == NULL || real.cu_device_count(&n) != PRELOAD_OK) return dev;
+  for (int d = 0; dev < 0 && d < n && d < MAGPIE_MAX_DEVICES; d++)
+    if (preload_default_pool(d) == pool) dev = d;
+  return dev;
+}
+
+static int preload_pool_access(void *pool, const void *descs, size_t count, int rc) {
+  if (rc != PRELOAD_OK || descs == NULL || !preload_usable()) return rc;
+  int owner = preload_pool_owner(pool);
+  const preload_access_desc *d = descs;
+  for (size_t i = 0; owner >= 0 && i < count && rc == PRELOAD_OK; i++)
+    if (d[i].type == PRELOAD_LOCATION_DEVICE && d[i].flags != 0) rc = preload_grant(rc, owner, d[i].id);
+  return rc;
+}
+
+PRELOAD_API cudaError_t cudaMemPoolSetAccess(void *pool, const void *descs, size_t count) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cuda_pool_set_access == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_access(pool, descs, count, real.cuda_pool_set_access(pool, descs, count));
+}
+
+PRELOAD_API CUresult cuMemPoolSetAccess(void *pool, const void *descs, size_t count) {
+  pthread_once(&preload_once, preload_init);
+  if (real.cu_pool_set_access == NULL) return PRELOAD_UNKNOWN;
+  return preload_pool_access(pool, descs, count, real.cu_pool_set_access(pool, descs, count));
 }

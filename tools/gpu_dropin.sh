@@ -16,7 +16,7 @@ set -uo pipefail
 if [[ ${1:-} == build ]]; then
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
-  "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog || exit 1
+  "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog //tests:preload_peer || exit 1
   cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
     "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" \
     "$root/tests/gpu/torch_multi_gpu_test.py" "$root/tests/gpu/verdicts.py" "$bundle/"
@@ -51,6 +51,10 @@ echo "### preload_prog (plain)"
 timeout 60 "$B/bin/preload_prog" || status=1
 echo "### preload_prog (LD_PRELOAD)"
 PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_prog" || status=1
+echo "### preload_peer (plain)"
+timeout 60 "$B/bin/preload_peer" || status=1
+echo "### preload_peer (LD_PRELOAD)"
+PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_peer" || status=1
 echo "### torch_test"
 timeout 200 python3 "$B/torch_test.py" || status=1
 echo "### torch_memory_api"
