@@ -80,7 +80,7 @@ def gpu_test(name, srcs, deps = []):
         linkopts = ["-lpthread"],
     )
 
-def cuda_program(name, src, out):
+def cuda_program(name, src, out, hdrs = []):
     """An ordinary CUDA program built by nvcc against the *shared* runtime
     (libcudart.so, found at run time in the toolkit's lib64 or the bundle's
     lib/), as a program that LD_PRELOAD can interpose on. Build the output
@@ -89,13 +89,13 @@ def cuda_program(name, src, out):
         return
     native.genrule(
         name = name,
-        srcs = [src],
+        srcs = [src] + hdrs,
         outs = [out],
         cmd = " ".join([
             NVCC,
             "-O2 -std=c++17 -cudart shared",
             "-gencode arch=compute_90,code=[sm_90,compute_90]",
-            "-o $@ $<",
+            "-o $@ $(location " + src + ")",
             "-L" + CUDA_HOME + "/lib64/stubs -lcuda -ldl -lpthread",
             "-Xlinker -rpath=" + CUDA_HOME + "/lib64",
         ]),

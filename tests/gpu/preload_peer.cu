@@ -22,14 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(2);                                                                               \
-    }                                                                                        \
-  } while (0)
+#include "cuda_check.h"
 
 static const size_t N = (size_t)1 << 20; // words per block (4 MiB)
 

@@ -35,14 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      exit(2);                                                                               \
-    }                                                                                        \
-  } while (0)
+#include "cuda_check.h"
+
 #define CHECK_DRV(call)                                                                \
   do {                                                                                 \
     CUresult r_ = (call);                                                              \
