@@ -186,6 +186,11 @@ typedef struct backend_ops {
   backend_observer *observer;
 } backend_ops;
 
+/* The per-thread default stream's handle (CUDA's cudaStreamPerThread,
+ * CU_STREAM_PER_THREAD; the simulated device's too): another stream in
+ * every thread. */
+#define BACKEND_STREAM_PER_THREAD ((cudaStream_t)0x2)
+
 /* The capture state (BACKEND_CAPTURE_*) of handle s through ops, with
  * *id the capture's id while one is active (else 0): NONE for the legacy
  * handles 0 and 1 (they cannot capture, and must not be asked during

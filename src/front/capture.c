@@ -49,12 +49,10 @@ static struct capture_state {
     .lock = PTHREAD_MUTEX_INITIALIZER,
 };
 
-#define CAPTURE_PER_THREAD ((cudaStream_t)0x2)
-
 /* Does registration r name the calling thread's view of its handle? Every
  * handle but the per-thread one names the same stream in every thread. */
 static int capture_reg_mine(const capture_reg *r) {
-  return r->stream != CAPTURE_PER_THREAD || pthread_equal(r->owner, pthread_self());
+  return r->stream != BACKEND_STREAM_PER_THREAD || pthread_equal(r->owner, pthread_self());
 }
 
 /* Pool ids carry their device: (device + 1) << 48 | a serial number. */

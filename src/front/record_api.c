@@ -47,7 +47,7 @@ MAGPIE_API int magpie_record_stream(void *ptr, cudaStream_t stream) {
   /* A graph pool's block: the pool's rules decide its reuse (pool/gpool.h);
    * no entry is kept for it. */
   if (graph) return MAGPIE_OK;
-  if ((uintptr_t)stream == 2)
+  if (stream == BACKEND_STREAM_PER_THREAD)
     return error_set(MAGPIE_ERR_INVALID_STREAM,
                      "magpie_record_stream(%p): the per-thread default stream handle "
                      "names another stream in every thread; pass a stream created by the application",

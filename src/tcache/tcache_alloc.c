@@ -151,7 +151,7 @@ void tcache_capture_error(cudaStream_t s, size_t size) {
  * set: refused. */
 static int tcache_capture_refused(tcache *tc, cudaStream_t s, size_t size) {
   uint64_t cid;
-  if (tcache_st.up.capture_announced() || !tcache_special_handle(s) ||
+  if (!tcache_special_handle(s) || tcache_st.up.capture_announced() ||
       backend_capture_state(tc->ops, s, &cid) == BACKEND_CAPTURE_NONE)
     return 0;
   tcache_capture_error(s, size);
