@@ -20,6 +20,23 @@
 
 static void set_device(int d) { assert_int_equal(magpie_sim_set_device(d), MAGPIE_OK); }
 
+/* A stream on each device (*s0 on device 0, *s1 on device 1); device 0
+ * current after. */
+static void streams_create(cudaStream_t *s0, cudaStream_t *s1) {
+  set_device(0);
+  assert_non_null(*s0 = magpie_sim_stream_create());
+  set_device(1);
+  assert_non_null(*s1 = magpie_sim_stream_create());
+  set_device(0);
+}
+
+static void streams_destroy(cudaStream_t s0, cudaStream_t s1) {
+  set_device(1);
+  assert_int_equal(magpie_sim_stream_destroy(s1), MAGPIE_OK);
+  set_device(0);
+  assert_int_equal(magpie_sim_stream_destroy(s0), MAGPIE_OK);
+}
+
 /* The free on s1, in a thread of its own that then exits (its cache goes
  * to limbo at exit), or in the calling thread followed by magpie_trim. */
 struct xfree {
@@ -39,11 +56,8 @@ enum give_back { GIVE_TRIM, GIVE_THREAD_EXIT };
  * freed there, then given back as `how` says, then device-0 allocations. */
 static void run_cross_device_case(size_t size, enum give_back how) {
   uint64_t v0 = magpie_sim_check_violations();
-  set_device(0);
-  cudaStream_t s0 = magpie_sim_stream_create();
-  set_device(1);
-  cudaStream_t s1 = magpie_sim_stream_create();
-  set_device(0);
+  cudaStream_t s0, s1;
+  streams_create(&s0, &s1);
   void *p = magpie_malloc_async(size, s0);
   assert_non_null(p);
   assert_int_equal(magpie_sim_stream_synchronize(s0), MAGPIE_OK);
@@ -82,10 +96,7 @@ static void run_cross_device_case(size_t size, enum give_back how) {
   assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
   gated_fini(&g);
   assert_int_equal(magpie_sim_check_violations(), v0);
-  set_device(1);
-  assert_int_equal(magpie_sim_stream_destroy(s1), MAGPIE_OK);
-  set_device(0);
-  assert_int_equal(magpie_sim_stream_destroy(s0), MAGPIE_OK);
+  streams_destroy(s0, s1);
 }
 
 static void test_small_block_cross_device_free_then_trim(void **state) {
@@ -119,11 +130,8 @@ static void test_large_block_cross_device_free_then_exit(void **state) {
 static void test_graph_pool_block_freed_on_other_device_then_released(void **state) {
   (void)state;
   uint64_t v0 = magpie_sim_check_violations();
-  set_device(0);
-  cudaStream_t s0 = magpie_sim_stream_create();
-  set_device(1);
-  cudaStream_t s1 = magpie_sim_stream_create();
-  set_device(0);
+  cudaStream_t s0, s1;
+  streams_create(&s0, &s1);
   uint64_t pool = 0;
   assert_int_equal(magpie_graph_pool_create(0, &pool), MAGPIE_OK);
   size_t size = 3 * MiB;
@@ -152,10 +160,7 @@ static void test_graph_pool_block_freed_on_other_device_then_released(void **sta
   assert_true(g.opened);
   assert_int_equal(magpie_sim_stream_synchronize(s1), MAGPIE_OK);
   gated_fini(&g);
-  set_device(1);
-  assert_int_equal(magpie_sim_stream_destroy(s1), MAGPIE_OK);
-  set_device(0);
-  assert_int_equal(magpie_sim_stream_destroy(s0), MAGPIE_OK);
+  streams_destroy(s0, s1);
 }
 
 int main(void) {

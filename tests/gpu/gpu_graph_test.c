@@ -365,13 +365,7 @@ static void run_recorded_capture_case(size_t size, int on_capturing) {
   /* Announced before the kernel: an announcement waits for a device
    * synchronisation of the maintenance thread under way. */
   assert_int_equal(magpie_capture_begin(pool, (cudaStream_t)o), MAGPIE_OK);
-  atomic_store(hw.flag, 0);
-  atomic_store(hw.status, 0);
-  GPU_CHECK(gpu_hold(&env, o, hw.dev_flag, (CUdeviceptr)(uintptr_t)p, size / 8, 0x5eedull, 20ull * 1000000000ull,
-                     hw.dev_status));
-  uint64_t deadline = gpu_now_ns() + 10ull * 1000000000ull;
-  while (atomic_load(hw.status) != 3)
-    if (gpu_now_ns() > deadline) fail_msg("the hold kernel did not start within 10 s");
+  GPU_CHECK(gpu_hold_started(&env, o, &hw, p, size, 20ull * 1000000000ull));
   assert_int_equal(magpie_record_stream(p, (cudaStream_t)o), MAGPIE_OK);
   GPU_CHECK(cudrv.stream_begin_capture(o, CU_STREAM_CAPTURE_MODE_GLOBAL));
   int rc = magpie_free_async(p, (cudaStream_t)(on_capturing ? o : a));

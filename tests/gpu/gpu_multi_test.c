@@ -324,14 +324,8 @@ static void test_free_on_other_device_stream(void **state) {
   void *p = magpie_malloc_async(SMALL, s0);
   assert_non_null(p);
   GPU_CHECK(cudrv.stream_synchronize(s0));
-  atomic_store(words.flag, 0);
-  atomic_store(words.status, 0);
   GPU_CHECK(gpu_env_bind(&env[1]));
-  GPU_CHECK(gpu_hold(&env[1], s1, words.dev_flag, (CUdeviceptr)(uintptr_t)p, SMALL / 8, 0x5eedull,
-                     20ull * 1000 * 1000 * 1000, words.dev_status));
-  uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
-  while (atomic_load(words.status) != 3)
-    if (gpu_now_ns() > deadline) fail_msg("the hold kernel on device 1 did not start within 10 s");
+  GPU_CHECK(gpu_hold_started(&env[1], s1, &words, p, SMALL, 20ull * 1000 * 1000 * 1000));
   int rc = magpie_free_async(p, s1);
   printf("free of a device-0 block on a device-1 stream: %d (%s)\n", rc, magpie_error_string(rc));
   assert_int_equal(rc, MAGPIE_OK);
@@ -392,14 +386,8 @@ static void run_cross_device_give_back(size_t size, int give_back) {
   void *p = magpie_malloc_async(size, s0);
   assert_non_null(p);
   GPU_CHECK(cudrv.stream_synchronize(s0));
-  atomic_store(words.flag, 0);
-  atomic_store(words.status, 0);
   GPU_CHECK(gpu_env_bind(&env[1]));
-  GPU_CHECK(gpu_hold(&env[1], s1, words.dev_flag, (CUdeviceptr)(uintptr_t)p, size / 8, 0x5eedull,
-                     20ull * 1000 * 1000 * 1000, words.dev_status));
-  uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
-  while (atomic_load(words.status) != 3)
-    if (gpu_now_ns() > deadline) fail_msg("the hold kernel on device 1 did not start within 10 s");
+  GPU_CHECK(gpu_hold_started(&env[1], s1, &words, p, size, 20ull * 1000 * 1000 * 1000));
   pthread_t rel;
   assert_int_equal(pthread_create(&rel, NULL, release_later, NULL), 0);
   uint64_t t0 = gpu_now_ns();

@@ -24,17 +24,14 @@
 #include "tests/gpu/gpu_util.h"
 
 static gpu_env env;
+static gpu_host_words hw;
 static _Atomic int *host_flag, *host_status;
-static CUdeviceptr dev_flag, dev_status;
 
 static int group_setup(void **state) {
   (void)state;
-  gpu_host_words w;
-  if (gpu_magpie_setup(&env, &w) != 0) return -1;
-  host_flag = w.flag;
-  host_status = w.status;
-  dev_flag = w.dev_flag;
-  dev_status = w.dev_status;
+  if (gpu_magpie_setup(&env, &hw) != 0) return -1;
+  host_flag = hw.flag;
+  host_status = hw.status;
   return 0;
 }
 
@@ -47,12 +44,7 @@ static uint64_t hold_timeout_ns(void) {
 static int under_sanitizer(void) { return getenv("MAGPIE_GPU_UNDER_SANITIZER") != NULL; }
 
 static void hold_start_for(CUstream s, void *block, size_t bytes, uint64_t timeout_ns) {
-  atomic_store(host_flag, 0);
-  atomic_store(host_status, 0);
-  GPU_CHECK(gpu_hold(&env, s, dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, 0x5eedull, timeout_ns, dev_status));
-  uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
-  while (atomic_load(host_status) != 3)
-    if (gpu_now_ns() > deadline) fail_msg("the hold kernel did not start within 10 s");
+  GPU_CHECK(gpu_hold_started(&env, s, &hw, block, bytes, timeout_ns));
 }
 
 static void hold_start(CUstream s, void *block, size_t bytes) { hold_start_for(s, block, bytes, hold_timeout_ns()); }

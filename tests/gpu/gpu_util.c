@@ -1,6 +1,7 @@
 /* Helpers shared by the GPU tests (see gpu_util.h). */
 #include "tests/gpu/gpu_util.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -162,4 +163,17 @@ int gpu_magpie_start(gpu_env *env, gpu_host_words *w, size_t limit) {
   w->dev_status = w->dev_flag + 256;
   w->dev_bad = w->dev_flag + 512;
   return 0;
+}
+
+CUresult gpu_hold_started(const gpu_env *env, CUstream s, const gpu_host_words *w, void *block, size_t bytes,
+                          uint64_t timeout_ns) {
+  atomic_store(w->flag, 0);
+  atomic_store(w->status, 0);
+  CUresult r =
+      gpu_hold(env, s, w->dev_flag, (CUdeviceptr)(uintptr_t)block, bytes / 8, 0x5eedull, timeout_ns, w->dev_status);
+  if (r != CUDA_SUCCESS) return r;
+  uint64_t deadline = gpu_now_ns() + 10ull * 1000 * 1000 * 1000;
+  while (atomic_load(w->status) != 3)
+    if (gpu_now_ns() > deadline) return CUDA_ERROR_NOT_READY;
+  return CUDA_SUCCESS;
 }

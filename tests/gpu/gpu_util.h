@@ -85,4 +85,12 @@ int gpu_magpie_start(gpu_env *env, gpu_host_words *w, size_t limit);
 /* Monotonic wall clock, nanoseconds. */
 uint64_t gpu_now_ns(void);
 
+/* gpu_hold on the bytes at block (stamped with a fixed tag, for at most
+ * timeout_ns) with w's flag cleared and status reset first, then waits (at
+ * most 10 s) until the kernel runs (status 3): CUDA_SUCCESS once it runs,
+ * the launch's error, or CUDA_ERROR_NOT_READY if it did not start in time.
+ * Set *w->flag to let it end. */
+CUresult gpu_hold_started(const gpu_env *env, CUstream s, const gpu_host_words *w, void *block, size_t bytes,
+                          uint64_t timeout_ns);
+
 #endif /* MAGPIE_TESTS_GPU_UTIL_H */
