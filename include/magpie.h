@@ -168,7 +168,7 @@ typedef struct magpie_stats {
   size_t large_free_bytes;    /* mapped large-segment bytes free for any stream */
   size_t overhead_bytes;      /* slab tails no block fits in, alignment */
   size_t large_mapped_bytes;  /* part of reserved in large segments */
-  size_t limit_bytes;         /* the cap in force (0: none) */
+  size_t limit_bytes;         /* the cap in force (0: none; below 2 MiB: no mapping) */
   uint64_t large_segment_count;
   uint64_t slabs_released;       /* slabs given back to the driver */
   uint64_t large_bytes_unmapped; /* large-segment bytes given back */
@@ -218,6 +218,15 @@ MAGPIE_API int magpie_trim(int device, size_t keep_bytes);
  * mapped memory gives cached memory back first (the out-of-memory ladder)
  * and fails with MAGPIE_ERR_OUT_OF_MEMORY if it still would pass the cap. */
 MAGPIE_API int magpie_set_limit(int device, size_t bytes);
+/* The same cap as a fraction of the device's total memory, as PyTorch's
+ * set_per_process_memory_fraction sets it: fraction in [0, 1]; 0 refuses
+ * every mapping (only memory already mapped serves), 1 is the whole
+ * device. A fraction outside [0, 1] changes nothing
+ * (MAGPIE_ERR_INVALID_ARGUMENT). */
+MAGPIE_API int magpie_set_limit_fraction(int device, double fraction);
+/* How many devices the active backend has (initialising from the
+ * environment if needed); -1 with the error set if it cannot be asked. */
+MAGPIE_API int magpie_device_count(void);
 
 /* Every segment, slab and block of the device with its state, as JSON
  * (format: src/front/snapshot.c and docs/configuration.md). */
@@ -406,11 +415,12 @@ MAGPIE_API const char *magpie_error_string(int code);
 MAGPIE_API void *magpie_torch_malloc(ssize_t size, int device, cudaStream_t stream);
 MAGPIE_API void magpie_torch_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 /* The pluggable allocator's other hooks (set_record_stream_fn,
- * set_reset_fn, set_memory_fraction_fn; magpie.torch.use() sets them):
- * Tensor.record_stream -> magpie_record_stream; torch.cuda.empty_cache ->
- * magpie_trim(d, 0) on every device; set_per_process_memory_fraction(f, d)
- * -> a limit of f times device d's memory (f outside [0, 1] changes
- * nothing). They return nothing: errors are in magpie_last_error. */
+ * set_reset_fn, set_memory_fraction_fn; magpie.torch.use() sets them),
+ * adapters over the functions above: Tensor.record_stream ->
+ * magpie_record_stream; torch.cuda.empty_cache -> magpie_trim(d, 0) on
+ * every device; set_per_process_memory_fraction(f, d) ->
+ * magpie_set_limit_fraction(d, f). They return nothing: errors are in
+ * magpie_last_error. */
 MAGPIE_API void magpie_torch_record_stream(void *ptr, cudaStream_t stream);
 MAGPIE_API void magpie_torch_empty_cache(void);
 MAGPIE_API void magpie_torch_set_memory_fraction(double fraction, int device);

@@ -150,6 +150,36 @@ static void test_set_limit_and_reset_peaks(void **state) {
   assert_true(st.reserved_bytes <= 16 * MiB);
   assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
 
+  /* The cap as a fraction of the device, as PyTorch's memory fraction sets
+   * it through its hook: 0 refuses every mapping (what is mapped still
+   * serves), 1 is the whole device, anything else is refused. */
+  assert_int_equal(magpie_device_count(), 1);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_int_equal(magpie_set_limit_fraction(0, 1.5), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_non_null(strstr(magpie_last_error_message(), "[0, 1]"));
+  assert_int_equal(magpie_set_limit_fraction(1, 0.5), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.limit_bytes, 16 * MiB);
+  magpie_torch_set_memory_fraction(0.0, 0);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.limit_bytes > 0 && st.limit_bytes < MiB);
+  assert_null(magpie_malloc_async(20 * MiB, s));
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_OUT_OF_MEMORY);
+  magpie_torch_set_memory_fraction(-0.5, 0); /* refused: the cap stays */
+  assert_int_equal(magpie_last_error(), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.limit_bytes > 0 && st.limit_bytes < MiB);
+  assert_int_equal(magpie_set_limit_fraction(0, 0.25), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_int_equal(st.limit_bytes, 128 * MiB); /* a quarter of MAGPIE_SIM_MEMORY */
+  void *r = magpie_malloc_async(20 * MiB, s);
+  if (r == NULL) fail_msg("20 MiB under a quarter of the device: %s", magpie_last_error_message());
+  assert_int_equal(magpie_free_async(r, s), MAGPIE_OK);
+  magpie_sim_stream_synchronize(s);
+  magpie_torch_empty_cache(); /* every device: gives back what is cached */
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  if (st.reserved_bytes >= 20 * MiB) fail_msg("%zu bytes reserved after empty_cache", st.reserved_bytes);
+
   assert_int_equal(magpie_set_limit(0, 0), MAGPIE_OK); /* none */
   assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
   assert_int_equal(st.limit_bytes, 0);

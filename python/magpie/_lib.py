@@ -112,6 +112,8 @@ _OPTIONAL = {
     "magpie_trim": ([ctypes.c_int, ctypes.c_size_t], ctypes.c_int),
     "magpie_stats_reset_peaks": ([ctypes.c_int], ctypes.c_int),
     "magpie_set_limit": ([ctypes.c_int, ctypes.c_size_t], ctypes.c_int),
+    "magpie_set_limit_fraction": ([ctypes.c_int, ctypes.c_double], ctypes.c_int),
+    "magpie_device_count": ([], ctypes.c_int),
     "magpie_snapshot_json": ([ctypes.c_int, ctypes.c_void_p], ctypes.c_int),
     "magpie_block_info": ([ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
     "magpie_ipc_export": ([ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(IpcHandle)], ctypes.c_int),

@@ -20,7 +20,7 @@ hooks that PyTorch calls when they are set:
                                     enqueued on s before its free completed)
   torch.cuda.empty_cache()       -> magpie_trim of every device, keeping 0
   torch.cuda.set_per_process_memory_fraction(f, d)
-                                 -> magpie_set_limit(d, f x device memory)
+                                 -> magpie_set_limit_fraction(d, f)
 and answers PyTorch's memory API from magpie's statistics (PyTorch's
 pluggable allocator raises on them): memory_allocated, max_memory_allocated,
 memory_reserved, max_memory_reserved, memory_stats, memory_stats_as_nested_dict,
