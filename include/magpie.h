@@ -335,6 +335,22 @@ MAGPIE_API void *magpie_graph_pool_malloc_async(uint64_t pool, size_t size, cuda
 MAGPIE_API int magpie_graph_pool_release(uint64_t pool);
 /* Bytes pool holds, in use or free (0 for an unknown pool). */
 MAGPIE_API size_t magpie_graph_pool_bytes(uint64_t pool);
+/* Give back the pool's free blocks that no capture was ever handed (as
+ * PyTorch's empty_cache of a MemPool): they return to magpie as a released
+ * pool's do, after a device synchronisation. Blocks a capture was handed
+ * stay until the pool is released, for its graphs replay into them.
+ * MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released pool. */
+MAGPIE_API int magpie_graph_pool_trim(uint64_t pool);
+/* A block a graph pool holds (magpie_graph_pool_blocks). */
+typedef struct magpie_pool_block {
+  void *ptr;
+  size_t size;
+  int in_use; /* handed out and not freed */
+} magpie_pool_block;
+/* Up to cap of the pool's blocks into out; *count: how many it holds (ask
+ * with cap 0 first to size out). MAGPIE_ERR_INVALID_ARGUMENT for an unknown
+ * pool (one released and emptied is unknown). */
+MAGPIE_API int magpie_graph_pool_blocks(uint64_t pool, magpie_pool_block *out, size_t cap, size_t *count);
 
 /* ---- Sharing blocks with other processes (IPC) ----
  * magpie_ipc_export(ptr, flags, &h) makes a handle for the block at ptr (a

@@ -395,6 +395,73 @@ static void test_per_thread_stream_pools(void **state) {
   assert_int_equal(magpie_graph_pool_release(b.pool), MAGPIE_OK);
 }
 
+/* ---- a pool used outside captures, as PyTorch's MemPool ---- */
+
+static size_t pool_blocks(uint64_t pool, magpie_pool_block *out, size_t cap, size_t *in_use) {
+  size_t n = 0;
+  assert_int_equal(magpie_graph_pool_blocks(pool, out, cap, &n), MAGPIE_OK);
+  *in_use = 0;
+  for (size_t i = 0; i < n && i < cap; i++) *in_use += out[i].in_use != 0;
+  return n;
+}
+
+/* magpie_graph_pool_blocks lists what the pool holds; magpie_graph_pool_trim
+ * gives back its free blocks that no capture was handed and keeps a block a
+ * graph was handed (its replays write there) until the pool is released. */
+static void test_pool_trim_and_blocks(void **state) {
+  (void)state;
+  uint64_t v0 = magpie_sim_capture_violations();
+  cudaStream_t s = magpie_sim_stream_create();
+  uint64_t pool = pool_new();
+  void *a = magpie_graph_pool_malloc_async(pool, 3 * MiB, s);
+  void *b = magpie_graph_pool_malloc_async(pool, 1 * MiB, s);
+  void *c = magpie_graph_pool_malloc_async(pool, 100 * KiB, s);
+  assert_true(a != NULL && b != NULL && c != NULL);
+  magpie_pool_block blk[8];
+  size_t used = 0;
+  assert_int_equal(pool_blocks(pool, blk, 8, &used), 3);
+  assert_int_equal(used, 3);
+  size_t total = 0;
+  assert_int_equal(magpie_graph_pool_blocks(pool, NULL, 0, &total), MAGPIE_OK);
+  assert_int_equal(total, 3);
+  assert_int_equal(magpie_graph_pool_blocks(pool, NULL, 4, &total), MAGPIE_ERR_INVALID_ARGUMENT);
+
+  /* A block handed to a capture, freed after it. */
+  cudaStream_t cs = magpie_sim_stream_create();
+  capture_begin(cs, pool, MAGPIE_SIM_CAPTURE_GLOBAL);
+  void *g = magpie_malloc_async(2 * MiB, cs);
+  assert_non_null(g);
+  magpie_sim_graph graph = capture_end(cs, pool);
+  assert_int_equal(magpie_free_async(g, cs), MAGPIE_OK);
+
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(pool_blocks(pool, blk, 8, &used), 4);
+  assert_int_equal(used, 1);
+  size_t before = magpie_graph_pool_bytes(pool);
+  assert_int_equal(magpie_graph_pool_trim(pool), MAGPIE_OK);
+  assert_int_equal(pool_blocks(pool, blk, 8, &used), 2); /* b (in use) and the graph's block */
+  assert_int_equal(used, 1);
+  for (size_t i = 0; i < 2; i++) assert_true(blk[i].ptr == b || (blk[i].ptr == g && !blk[i].in_use));
+  assert_true(magpie_graph_pool_bytes(pool) < before);
+
+  /* The graph still replays into its block: nobody else is handed it. */
+  void *x = magpie_malloc_async(2 * MiB, s);
+  assert_non_null(x);
+  assert_true(!overlaps(x, 2 * MiB, g, 2 * MiB));
+  assert_int_equal(magpie_free_async(x, s), MAGPIE_OK);
+
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
+  magpie_sim_graph_destroy(graph);
+  assert_int_equal(magpie_graph_pool_release(pool), MAGPIE_OK);
+  assert_int_equal(magpie_graph_pool_trim(pool), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_graph_pool_trim(777), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_graph_pool_blocks(pool, blk, 8, &total), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_sim_capture_violations(), v0);
+  magpie_sim_stream_destroy(cs);
+  magpie_sim_stream_destroy(s);
+}
+
 /* ---- what is refused, and why ---- */
 
 static void test_refusals(void **state) {
@@ -451,6 +518,7 @@ int main(void) {
       cmocka_unit_test(test_capture_and_replay),      cmocka_unit_test(test_maintenance_waits_for_capture),
       cmocka_unit_test(test_threads_during_capture),  cmocka_unit_test(test_shared_pool),
       cmocka_unit_test(test_per_thread_stream_pools), cmocka_unit_test(test_refusals),
+      cmocka_unit_test(test_pool_trim_and_blocks),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

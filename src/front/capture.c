@@ -149,7 +149,7 @@ static void *capture_pool_alloc(uint64_t pool, size_t size, cudaStream_t stream,
               (unsigned long long)pool, h->device, magpie_error_string(rc));
     return NULL;
   }
-  rc = gpool_add(&h->graphs, pool, p, bsize);
+  rc = gpool_add(&h->graphs, pool, p, bsize, id);
   if (rc != MAGPIE_OK) {
     heap_graph_retire(h, p, bsize, h->device);
     error_set(rc, "%s: graph pool %#llx was released meanwhile, or host memory ran out", fn, (unsigned long long)pool);
@@ -345,4 +345,39 @@ MAGPIE_API size_t magpie_graph_pool_bytes(uint64_t pool) {
   int dev = capture_pool_device(pool);
   heap *h = dev >= 0 ? heap_peek(dev) : NULL;
   return h != NULL ? gpool_pool_bytes(&h->graphs, pool) : 0;
+}
+
+MAGPIE_API int magpie_graph_pool_trim(uint64_t pool) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  heap *h = capture_pool_heap(pool, "magpie_graph_pool_trim");
+  if (h == NULL) return magpie_last_error();
+  gpool_retired *retired = NULL;
+  rc = gpool_trim(&h->graphs, pool, &retired);
+  if (rc != MAGPIE_OK)
+    return error_set(rc, "magpie_graph_pool_trim: graph pool %#llx was released (or never made)",
+                     (unsigned long long)pool);
+  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
+  gpool_retired_free(retired);
+  return MAGPIE_OK;
+}
+
+MAGPIE_API int magpie_graph_pool_blocks(uint64_t pool, magpie_pool_block *out, size_t cap, size_t *count) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  if (count == NULL || (out == NULL && cap > 0))
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
+                     "magpie_graph_pool_blocks: count is NULL, or out is NULL with cap %zu", cap);
+  heap *h = capture_pool_heap(pool, "magpie_graph_pool_blocks");
+  if (h == NULL) return magpie_last_error();
+  gpool_info *tmp = cap > 0 ? meta_alloc(cap * sizeof *tmp) : NULL;
+  if (cap > 0 && tmp == NULL) return error_set(MAGPIE_ERR_OUT_OF_MEMORY, "magpie_graph_pool_blocks: no host memory");
+  rc = gpool_blocks(&h->graphs, pool, tmp, cap, count);
+  for (size_t i = 0; rc == MAGPIE_OK && i < cap && i < *count; i++)
+    out[i] = (magpie_pool_block){(void *)tmp[i].base, tmp[i].size, tmp[i].used};
+  meta_free(tmp);
+  if (rc != MAGPIE_OK)
+    return error_set(rc, "magpie_graph_pool_blocks: no graph pool %#llx (never made, or released and empty)",
+                     (unsigned long long)pool);
+  return MAGPIE_OK;
 }

@@ -187,6 +187,7 @@ int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_
   int rc = GPOOL_NONE;
   if (best != NULL) {
     best->used = 1;
+    best->captured |= capture != 0;
     if (best->ticket.rec != NULL) epoch_ticket_release(&best->ticket);
     best->ticket = (epoch_ticket){0};
     g->used_bytes += best->size;
@@ -200,12 +201,13 @@ int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_
   return rc;
 }
 
-int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size) {
+int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size, uint64_t capture) {
   gblock *b = meta_alloc(sizeof *b);
   if (b == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
   b->base = p;
   b->size = size;
   b->used = 1;
+  b->captured = capture != 0;
   pthread_mutex_lock(&s->lock);
   gpool *g = gpool_find(s, id);
   int rc = g == NULL || g->released ? MAGPIE_ERR_INVALID_ARGUMENT : gpool_hash_grow(s);
@@ -292,4 +294,29 @@ size_t gpool_pool_bytes(gpool_set *s, uint64_t id) {
   size_t n = g != NULL ? g->bytes : 0;
   pthread_mutex_unlock(&s->lock);
   return n;
+}
+
+int gpool_trim(gpool_set *s, uint64_t id, gpool_retired **retired) {
+  *retired = NULL;
+  pthread_mutex_lock(&s->lock);
+  gpool *g = gpool_find(s, id);
+  int rc = g == NULL || g->released ? MAGPIE_ERR_INVALID_ARGUMENT : MAGPIE_OK;
+  for (gblock *b = rc == MAGPIE_OK ? g->blocks : NULL, *next; b != NULL; b = next) {
+    next = b->pnext;
+    if (!b->used && !b->captured && gpool_retire(s, b, retired) != MAGPIE_OK) break; /* host OOM: kept */
+  }
+  MAGPIE_ASSERT(gpool_consistent(s));
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+int gpool_blocks(gpool_set *s, uint64_t id, gpool_info *out, size_t cap, size_t *count) {
+  pthread_mutex_lock(&s->lock);
+  gpool *g = gpool_find(s, id);
+  size_t n = 0;
+  for (gblock *b = g != NULL ? g->blocks : NULL; b != NULL; b = b->pnext, n++)
+    if (n < cap) out[n] = (gpool_info){b->base, b->size, b->used};
+  pthread_mutex_unlock(&s->lock);
+  *count = n;
+  return g != NULL ? MAGPIE_OK : MAGPIE_ERR_INVALID_ARGUMENT;
 }

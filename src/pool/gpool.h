@@ -52,6 +52,7 @@ typedef struct gblock {
   size_t size; /* the large block's size */
   struct gpool *pool;
   int used;
+  int captured; /* handed to a capture once: a graph may use it until the pool is released */
   /* A free block's origin: the capture of its free (0: outside any) and
    * the freeing stream's id; during a capture, the pool's quiet count at
    * the free (gpool.quiet); outside, the free's ticket (rec NULL: ready). */
@@ -109,9 +110,10 @@ int gpool_capture(gpool_set *s, uint64_t id, int delta);
 #define GPOOL_NONE 1
 int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_t stream, uintptr_t *out,
                size_t *bsize);
-/* A new block [p, p+size) of pool id, handed out. MAGPIE_ERR_INVALID_ARGUMENT
- * when the pool is gone or released (the caller retires the block). */
-int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size);
+/* A new block [p, p+size) of pool id, handed out (to capture; 0: none).
+ * MAGPIE_ERR_INVALID_ARGUMENT when the pool is gone or released (the caller
+ * retires the block). */
+int gpool_add(gpool_set *s, uint64_t id, uintptr_t p, size_t size, uint64_t capture);
 /* Free block p: during capture `capture` (0: outside any) on stream id
  * `stream` of device dev (-1: unknown, as on a capturing stream), with the
  * free's ticket t (taken over on success; NULL or t->rec NULL: ready). A
@@ -125,6 +127,20 @@ int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, int
  * MAGPIE_ERR_INVALID_ARGUMENT if unknown or released already. */
 int gpool_release(gpool_set *s, uint64_t id, gpool_retired **retired);
 void gpool_retired_free(gpool_retired *r);
+/* The free blocks of pool id that no capture was ever handed leave it
+ * (*retired), as at its release; the others stay, for a graph may replay
+ * into them until the pool is released. MAGPIE_ERR_INVALID_ARGUMENT if
+ * unknown or released. */
+int gpool_trim(gpool_set *s, uint64_t id, gpool_retired **retired);
+/* A block of a pool as gpool_blocks lists it. */
+typedef struct gpool_info {
+  uintptr_t base;
+  size_t size;
+  int used;
+} gpool_info;
+/* Up to cap of pool id's blocks into out (newest first); *count: how many
+ * it holds. MAGPIE_ERR_INVALID_ARGUMENT if unknown. */
+int gpool_blocks(gpool_set *s, uint64_t id, gpool_info *out, size_t cap, size_t *count);
 /* Bytes held by pool id (0 if unknown), for tests and statistics. */
 size_t gpool_pool_bytes(gpool_set *s, uint64_t id);
 
