@@ -19,7 +19,9 @@ if [[ ${1:-} == build ]]; then
   "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog //tests:preload_peer || exit 1
   cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
     "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" \
-    "$root/tests/gpu/torch_multi_gpu_test.py" "$root/tests/gpu/verdicts.py" "$bundle/"
+    "$root/tests/gpu/torch_multi_gpu_test.py" "$root/tests/gpu/verdicts.py" "$root/tests/gpu/torch_mempool_test.py" \
+    "$bundle/"
+  gcc -shared -fPIC -O2 -Wall "$root/tests/gpu/mempool_alloc.c" -o "$bundle/bin/libmempool_alloc.so" -ldl || exit 1
   mkdir -p "$bundle/python"
   cp -r "$root/python/magpie" "$bundle/python/"
   # Beside the package, as the installed wheel has it: magpie.torch's native
@@ -59,6 +61,8 @@ echo "### torch_test"
 timeout 200 python3 "$B/torch_test.py" || status=1
 echo "### torch_memory_api"
 timeout 300 python3 "$B/torch_memory_api.py" || status=1
+echo "### torch_mempool_test"
+MEMPOOL_ALLOC_LIB=$B/bin/libmempool_alloc.so timeout 300 python3 "$B/torch_mempool_test.py" "${OUT:-$B}" || status=1
 echo "### torch_graph_test"
 timeout 400 python3 "$B/torch_graph_test.py" --variants pytorch,magpie || status=1
 echo "### torch_ipc_test"

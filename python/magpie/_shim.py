@@ -25,6 +25,7 @@ from . import _lib
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRC = os.path.join(_HERE, "torch_shim.cpp")
 _NATIVE = os.path.join(_HERE, "torch_native.cpp")
+_NATIVE_HEADERS = ("torch_history.h", "torch_pools.h")  # included by torch_native.cpp
 
 
 def _header_dir():
@@ -96,6 +97,9 @@ def build(torch, source=_SRC):
     if header_dir is not None:
         with open(os.path.join(header_dir, "magpie.h"), "rb") as f:
             src += f.read()  # the struct layouts it compiles against
+        for h in _NATIVE_HEADERS:
+            with open(os.path.join(_HERE, h), "rb") as f:
+                src += f.read()
     tag = hashlib.sha256(src + " ".join(flags).encode()).hexdigest()[:16]
     version = str(getattr(torch, "__version__", "unknown")).replace("/", "_").replace("+", "_")
     name = os.path.splitext(os.path.basename(source))[0]
@@ -155,7 +159,7 @@ def install_native(torch):
              "magpie_torch_record_stream", "magpie_torch_empty_cache", "magpie_torch_set_memory_fraction",
              "magpie_graph_pool_create", "magpie_capture_begin", "magpie_capture_end",
              "magpie_graph_pool_malloc_async", "magpie_graph_pool_release", "magpie_stats_get",
-             "magpie_stats_reset_peaks")
+             "magpie_stats_reset_peaks", "magpie_graph_pool_trim", "magpie_graph_pool_blocks")
     fns = (ctypes.c_void_p * len(names))(*[ctypes.cast(getattr(l, n), ctypes.c_void_p).value for n in names])
     native.magpie_torch_native_error.restype = ctypes.c_char_p
     rc = native.magpie_torch_native_install(fns)

@@ -29,6 +29,11 @@ memory_snapshot and torch.cuda.memory._snapshot. It does so by replacing the
 torch._C functions those Python functions call, so every caller of
 torch.cuda's API sees magpie's figures whenever it imported them.
 
+torch.cuda.MemPool (magpie's blocks, or a custom allocator's) under
+use_mem_pool, and memory history (_record_memory_history, whose trace and
+frames _snapshot returns beside magpie's segments), work with magpie's own
+allocator: torch_pools.h and torch_history.h say how.
+
 CUDA graphs (torch.cuda.graph, shared pools through pool=...,
 torch.cuda.graph_pool_handle, torch.cuda.make_graphed_callables, graph
 deletion) work with magpie's own allocator (kind() == "native"): PyTorch's
@@ -241,14 +246,23 @@ _SNAP_STATE = {
 }
 
 
-def torch_snapshot(device_count):
+def torch_snapshot(device_count, native=None, args=()):
     """torch.cuda.memory._snapshot's answer: PyTorch's "segments" (one per
     magpie slab or large segment, blocks in address order, magpie's states
     mapped to PyTorch's: in use -> active_allocated, waiting on a stream ->
     active_pending_free, anything cached -> inactive) so that
-    torch.cuda.memory_snapshot and PyTorch's memory_viz tools read it, no
-    traces, and magpie's own snapshot of every device under "magpie"
-    (tools/snapshot_png.py draws one)."""
+    torch.cuda.memory_snapshot and PyTorch's memory_viz tools read it, and
+    magpie's own snapshot of every device under "magpie" (tools/snapshot_png.py
+    draws one; its block states show each layer: a thread's magazine, the
+    depot, pending on a stream, limbo).
+
+    native: PyTorch's own torch._C._cuda_memorySnapshot, under magpie's
+    native allocator (torch_native.cpp), called with args (a pool id, or
+    None). It brings the trace of _record_memory_history with its frames,
+    each pool's blocks as segments of that pool (segment_pool_id; a pool's
+    block leaves the magpie segment it was carved from), and the frames of
+    live allocations, which are put on their blocks. With a pool id, only
+    that pool's segments (MemPool.snapshot())."""
     from . import snapshot as _snapshot
 
     segments, own = [], []
@@ -257,12 +271,45 @@ def torch_snapshot(device_count):
         own.append(snap)
         for seg in snap["segments"]:
             segments.append(_torch_segment(d, snap.get("granule", 0), seg))
-    return {
+    out = {
         "segments": segments,
         "device_traces": [[] for _ in range(device_count)],
         "allocator_settings": {},
         "magpie": own,
     }
+    if native is None:
+        return out
+    t = native(*args)
+    frames, pooled = {}, []
+    for seg in t["segments"]:
+        if tuple(seg["segment_pool_id"]) == (0, 0):
+            for b in seg["blocks"]:
+                frames[(seg["device"], b["address"])] = b.get("frames", [])
+        else:
+            pooled.append(seg)
+    for seg in pooled:
+        for b in seg["blocks"]:
+            b["frames"] = frames.get((seg["device"], b["address"]), [])
+        seg["segment_type"] = "large"
+    pool_id = args[0] if args else None
+    if pool_id is not None and tuple(pool_id) != (0, 0):
+        out["segments"] = pooled
+    else:
+        taken = {(s["device"], s["address"]) for s in pooled}
+        for seg in segments:
+            kept = [b for b in seg["blocks"] if (seg["device"], b["address"]) not in taken]
+            seg["total_size"] -= sum(b["size"] for b in seg["blocks"]) - sum(b["size"] for b in kept)
+            seg["blocks"] = kept
+            seg["allocated_size"] = sum(b["size"] for b in kept if b["state"] == "active_allocated")
+            seg["active_size"] = seg["allocated_size"] + sum(
+                b["size"] for b in kept if b["state"] == "active_pending_free")
+            seg["requested_size"] = seg["allocated_size"]
+            for b in kept:
+                b["frames"] = frames.get((seg["device"], b["address"]), [])
+        out["segments"] = [s for s in segments if s["blocks"]] + pooled
+    out["device_traces"] = t.get("device_traces", out["device_traces"])
+    out["allocator_settings"] = t.get("allocator_settings", {})
+    return out
 
 
 def _torch_segment(device, granule, seg):
@@ -324,4 +371,5 @@ def patch_memory_api(torch):
     C._cuda_memoryStats = lambda device: nested_stats(device)
     C._cuda_resetPeakMemoryStats = lambda device: reset_peaks(device)
     C._cuda_resetAccumulatedMemoryStats = lambda device: reset_accumulated(device)
-    C._cuda_memorySnapshot = lambda *args: torch_snapshot(torch.cuda.device_count())
+    native = C._cuda_memorySnapshot if _kind == "native" else None
+    C._cuda_memorySnapshot = lambda *args: torch_snapshot(torch.cuda.device_count(), native, args)

@@ -21,16 +21,10 @@
 //     lock;
 //   an allocation magpie cannot serve throws c10::OutOfMemoryError with
 //     magpie's message (torch.cuda.OutOfMemoryError in Python);
-//   CUDA graphs (torch.cuda.graph, shared pools, make_graphed_callables):
-//     PyTorch announces a capture with beginAllocateToPool(device, pool id,
-//     filter) before cudaStreamBeginCapture and ends it with
-//     endAllocateToPool after cudaStreamEndCapture; the filter tells which
-//     streams belong to the capture. Each PyTorch pool id maps to one magpie
-//     graph pool (magpie.h, "CUDA graphs"), counted like PyTorch's own: one
-//     use per capture begun into it, dropped by releasePool (a graph's
-//     reset); at 0 the magpie pool is released. While a capture is
-//     announced, allocations on streams its filter accepts come from its
-//     pool; the check costs nothing while none is.
+//   CUDA graphs (torch.cuda.graph, shared pools, make_graphed_callables)
+//     and torch.cuda.MemPool: torch_pools.h;
+//   memory history (torch.cuda.memory._record_memory_history) and the
+//     snapshot's traces, pools and frames: torch_history.h and snapshot().
 // magpie's functions arrive as pointers (magpie_torch_native_install), from
 // the libmagpie.so Python loaded.
 #include <c10/cuda/CUDAFunctions.h>
@@ -42,6 +36,8 @@
 #include <dlfcn.h>
 
 #include "magpie.h" /* magpie_stats; the functions come from fn[] below */
+#include "torch_history.h"
+#include "torch_pools.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/types.h>
@@ -74,9 +70,15 @@ struct MagpieFns {
   int (*graph_pool_release)(uint64_t);
   int (*stats_get)(int, magpie_stats *);
   int (*stats_reset_peaks)(int);
+  int (*graph_pool_trim)(uint64_t);
+  int (*graph_pool_blocks)(uint64_t, magpie_pool_block *, size_t, size_t *);
 };
 
 MagpieFns fns;
+magpie_torch::PoolFns pool_fns;
+magpie_torch::Pools pools(&pool_fns);
+magpie_torch::History history;
+using magpie_torch::PoolId;
 
 // The current device. PyTorch asks the runtime (cudaGetDevice), which takes
 // a lock of its own: measured on the H100 (CUDA 13.0), cudaGetDevice gave
@@ -138,10 +140,10 @@ OomObservers oom_observers;
 // Out of memory reads as PyTorch's ("CUDA out of memory. Tried to allocate
 // ... GPU d has a total capacity of ... of which ... is free."), magpie's
 // account of where the device's bytes are following.
-void *magpie_checked(void *p, size_t size) {
+void *magpie_checked(void *p, size_t size, cudaStream_t stream, bool custom) {
   if (p != nullptr) return p;
-  int code = fns.last_error();
-  const char *message = fns.last_message();
+  int code = custom ? 0 : fns.last_error();
+  const char *message = custom ? "the pool's allocator returned no memory" : fns.last_message();
   if (message == nullptr) message = "(no message)";
   char what[1536];
   if ((code == kOutOfMemory || code == kTooLarge) && size >= (size_t)1 << 60) {
@@ -157,6 +159,7 @@ void *magpie_checked(void *p, size_t size) {
     magpie_stats st;
     if (fns.stats_get(device, &st) == 0) in_use = st.in_use_bytes;
     oom_observers.notify(device, in_use, total_bytes, free_bytes);
+    history.oom(device, size, free_bytes, stream);
     char want[32], total[32], avail[32];
     format_size(want, sizeof want, size);
     format_size(total, sizeof total, total_bytes);
@@ -174,103 +177,58 @@ void *magpie_checked(void *p, size_t size) {
   return nullptr;
 }
 
-// PyTorch's pools and the captures allocating into them.
-class Graphs {
- public:
-  // A block for stream from the pool of the capture stream belongs to, or
-  // nullptr (with *routed false) if none claims it. No lock while no
-  // capture is announced.
-  void *alloc(size_t size, cudaStream_t stream, bool *routed) {
-    *routed = false;
-    if (active_count_.load(std::memory_order_acquire) == 0) return nullptr;
-    std::vector<Active> active;
-    {
-      std::lock_guard<std::mutex> g(lock_);
-      active = active_;
-    }
-    for (const Active &a : active) {
-      if (!a.filter(stream)) continue;
-      *routed = true;
-      return magpie_checked(fns.graph_pool_malloc(a.pool, size, stream), size);
-    }
-    return nullptr;
-  }
-
-  void begin(c10::DeviceIndex device, c10::cuda::MempoolId_t id, std::function<bool(cudaStream_t)> filter) {
-    std::lock_guard<std::mutex> g(lock_);
-    auto it = pools_.find(id);
-    if (it == pools_.end()) {
-      uint64_t pool = 0;
-      TORCH_CHECK(fns.graph_pool_create(device, &pool) == 0,
-                  "magpie: cannot create a graph pool: ", fns.last_message());
-      it = pools_.emplace(id, Pool{pool, 0}).first;
-    }
-    TORCH_CHECK(fns.capture_begin(it->second.pool, nullptr) == 0, "magpie: ", fns.last_message());
-    it->second.uses++;
-    active_.push_back(Active{id, it->second.pool, std::move(filter)});
-    active_count_.store(active_.size(), std::memory_order_release);
-  }
-
-  void end(c10::cuda::MempoolId_t id) {
-    std::lock_guard<std::mutex> g(lock_);
-    for (auto a = active_.begin(); a != active_.end(); ++a) {
-      if (a->id != id) continue;
-      fns.capture_end(a->pool, nullptr);
-      active_.erase(a);
-      break;
-    }
-    active_count_.store(active_.size(), std::memory_order_release);
-  }
-
-  void release(c10::cuda::MempoolId_t id) {
-    std::lock_guard<std::mutex> g(lock_);
-    auto it = pools_.find(id);
-    if (it == pools_.end() || --it->second.uses > 0) return;
-    fns.graph_pool_release(it->second.pool);
-    pools_.erase(it);
-  }
-
- private:
-  struct Pool {
-    uint64_t pool;
-    int uses;
-  };
-  struct Active {
-    c10::cuda::MempoolId_t id;
-    uint64_t pool;
-    std::function<bool(cudaStream_t)> filter;
-  };
-  std::mutex lock_;
-  std::map<c10::cuda::MempoolId_t, Pool> pools_;
-  std::vector<Active> active_;
-  std::atomic<size_t> active_count_{0};
+// A block for stream: from the pool an announcement routes it to, else
+// magpie's; an allocation magpie cannot serve for memory may come from a
+// pool made with use_on_oom. Throws when there is none.
+struct Served {
+  void *ptr;
+  PoolId pool;
+  bool custom; // a custom allocator's pool's block (torch_pools.h)
 };
 
-Graphs graphs;
-
-void *magpie_alloc(size_t size, cudaStream_t stream) {
-  bool routed;
-  void *p = graphs.alloc(size, stream, &routed);
-  if (routed) return p;
-  return magpie_checked(fns.malloc_async(size, stream), size);
+Served magpie_alloc(size_t size, cudaStream_t stream, int device) {
+  Served s{nullptr, {0, 0}, false};
+  bool routed = false;
+  s.ptr = pools.alloc(size, stream, &routed, &s.pool, &s.custom);
+  if (!routed) {
+    s.ptr = fns.malloc_async(size, stream);
+    if (s.ptr == nullptr && fns.last_error() == kOutOfMemory) {
+      s.ptr = pools.alloc_on_oom(device, size, stream, &s.pool, &s.custom);
+      if (s.ptr == nullptr) s.custom = false; /* magpie's error stands */
+    }
+  }
+  magpie_checked(s.ptr, size, stream, s.custom);
+  history.alloc(device, s.ptr, size, stream, s.pool);
+  return s;
 }
 
-// A tensor's block and the stream it was allocated on (and is freed on).
+void magpie_release(void *ptr, size_t size, int device, cudaStream_t stream, PoolId pool, bool custom) {
+  history.free(device, ptr, size, stream, pool);
+  if (!custom || !pools.free_custom(ptr)) fns.free_async(ptr, stream);
+}
+
+// A tensor's block and what its free needs: the stream it was allocated on
+// (PyTorch frees on it) and, for the history, its size, device and pool.
 struct Block {
   void *ptr;
   cudaStream_t stream;
+  size_t size;
+  int device;
+  PoolId pool;
+  bool custom;
 };
 
 void delete_block(void *ctx) {
   Block *b = static_cast<Block *>(ctx);
-  fns.free_async(b->ptr, b->stream);
+  magpie_release(b->ptr, b->size, b->device, b->stream, b->pool, b->custom);
   delete b;
 }
 
 class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
   MagpieAllocator()
-      : CUDAPluggableAllocator([](size_t size, int, cudaStream_t stream) { return magpie_alloc(size, stream); },
+      : CUDAPluggableAllocator(
+            [](size_t size, int device, cudaStream_t stream) { return magpie_alloc(size, stream, device).ptr; },
                                [](void *ptr, size_t, int, cudaStream_t stream) { fns.free_async(ptr, stream); }) {
     set_record_stream_fn(fns.record_stream);
     set_reset_fn(fns.empty_cache);
@@ -281,8 +239,9 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   c10::DataPtr allocate(size_t size) override {
     c10::DeviceIndex device = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    void *p = magpie_alloc(size, stream);
-    return {p, new Block{p, stream}, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    Served s = magpie_alloc(size, stream, device);
+    return {s.ptr, new Block{s.ptr, stream, size, device, s.pool, s.custom}, &delete_block,
+            c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   void *raw_alloc(size_t nbytes) override {
@@ -290,35 +249,96 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   }
 
   void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
-    void *p = magpie_alloc(nbytes, stream);
-    Shard &s = shard(p);
+    int device = current_device();
+    Served a = magpie_alloc(nbytes, stream, device);
+    Shard &s = shard(a.ptr);
     std::lock_guard<std::mutex> g(s.lock);
-    s.streams[p] = stream;
-    return p;
+    s.blocks[a.ptr] = Block{a.ptr, stream, nbytes, device, a.pool, a.custom};
+    return a.ptr;
   }
 
   void raw_delete(void *ptr) override {
     if (ptr == nullptr) return;
-    cudaStream_t stream;
+    Block b;
     {
       Shard &s = shard(ptr);
       std::lock_guard<std::mutex> g(s.lock);
-      auto it = s.streams.find(ptr);
-      TORCH_CHECK(it != s.streams.end(), "magpie: raw_delete of a pointer not allocated here");
-      stream = it->second;
-      s.streams.erase(it);
+      auto it = s.blocks.find(ptr);
+      TORCH_CHECK(it != s.blocks.end(), "magpie: raw_delete of a pointer not allocated here");
+      b = it->second;
+      s.blocks.erase(it);
     }
-    fns.free_async(ptr, stream);
+    magpie_release(b.ptr, b.size, b.device, b.stream, b.pool, b.custom);
   }
 
+  // Pools: torch_pools.h.
   void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
                            std::function<bool(cudaStream_t)> filter) override {
-    graphs.begin(device, mempool_id, std::move(filter));
+    pools.begin(device, mempool_id, std::move(filter));
   }
 
-  void endAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { graphs.end(mempool_id); }
+  void endAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { pools.end(mempool_id); }
 
-  void releasePool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { graphs.release(mempool_id); }
+  void releasePool(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override { pools.release(mempool_id); }
+
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t mempool_id,
+                          std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    pools.create_or_incref(device, mempool_id, std::move(allocator));
+  }
+
+  int getPoolUseCount(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id) override {
+    return pools.use_count(mempool_id);
+  }
+
+  void setUseOnOOM(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id, bool use_on_oom) override {
+    pools.set_use_on_oom(mempool_id, use_on_oom);
+  }
+
+  // magpie never splits a pool's block (each is one large block).
+  void setNoSplit(c10::DeviceIndex, c10::cuda::MempoolId_t) override {}
+
+  // torch.cuda.empty_cache() ({0, 0}: every device's cached memory and the
+  // pools no longer used) or a MemPool's ({0, 0} is no pool's id).
+  void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
+    if (mempool_id.first == 0 && mempool_id.second == 0) fns.empty_cache();
+    pools.empty_cache(mempool_id);
+  }
+
+  // Memory history: torch_history.h.
+  bool isHistoryEnabled() override { return history.on(); }
+
+  void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
+                     bool clearHistory, const std::vector<std::string> &skip_actions) override {
+    history.configure(enabled, context_recorder, alloc_trace_max_entries, when, clearHistory, skip_actions);
+  }
+
+  // torch.cuda.memory._snapshot's C++ half (magpie.torch adds magpie's
+  // segments): the traces, each pool's blocks as segments of that pool
+  // (mempool_id's only, unless {0, 0}), and the frames of live allocations
+  // recorded with their context as segments of pool {0, 0}.
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool_id,
+                                                          bool include_traces) override {
+    c10::cuda::CUDACachingAllocator::SnapshotInfo out;
+    history.snapshot(out, c10::cuda::device_count(), mempool_id, include_traces);
+    for (const magpie_torch::PoolBlock &b : pools.blocks(mempool_id)) {
+      c10::cuda::CUDACachingAllocator::SegmentInfo seg;
+      seg.device = static_cast<c10::DeviceIndex>(b.device);
+      seg.address = reinterpret_cast<size_t>(b.ptr);
+      seg.total_size = b.size;
+      seg.requested_size = seg.allocated_size = seg.active_size = b.used ? b.size : 0;
+      seg.stream = b.stream;
+      seg.is_large = true;
+      seg.owner_private_pool_id = b.pool;
+      c10::CachingDeviceAllocator::BlockInfo blk;
+      blk.size = b.size;
+      blk.requested_size = b.used ? b.size : 0;
+      blk.allocated = blk.active = b.used;
+      seg.blocks.push_back(std::move(blk));
+      out.segments.push_back(std::move(seg));
+    }
+    return out;
+  }
 
   // torch.cuda.get_per_process_memory_fraction: the fraction last set on
   // the device (1 before any), which magpie holds as its limit.
@@ -384,7 +404,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
  private:
   struct Shard {
     std::mutex lock;
-    std::unordered_map<void *, cudaStream_t> streams;
+    std::unordered_map<void *, Block> blocks;
   };
   std::array<Shard, 64> shards_;
   static constexpr int kDevices = 64;
@@ -404,14 +424,15 @@ extern "C" {
 // magpie_torch_record_stream, magpie_torch_empty_cache,
 // magpie_torch_set_memory_fraction, magpie_graph_pool_create,
 // magpie_capture_begin, magpie_capture_end, magpie_graph_pool_malloc_async,
-// magpie_graph_pool_release, magpie_stats_get, magpie_stats_reset_peaks. 0; -1 if one is
+// magpie_graph_pool_release, magpie_stats_get, magpie_stats_reset_peaks,
+// magpie_graph_pool_trim, magpie_graph_pool_blocks. 0; -1 if one is
 // missing; -2 if PyTorch
 // refused (e.g. its allocator was already in use), with the reason in
 // magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  for (int i = 0; i < 14; i++)
+  for (int i = 0; i < 16; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
   fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);
@@ -427,6 +448,10 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.graph_pool_release = reinterpret_cast<int (*)(uint64_t)>(fn[11]);
   fns.stats_get = reinterpret_cast<int (*)(int, magpie_stats *)>(fn[12]);
   fns.stats_reset_peaks = reinterpret_cast<int (*)(int)>(fn[13]);
+  fns.graph_pool_trim = reinterpret_cast<int (*)(uint64_t)>(fn[14]);
+  fns.graph_pool_blocks = reinterpret_cast<int (*)(uint64_t, magpie_pool_block *, size_t, size_t *)>(fn[15]);
+  pool_fns = magpie_torch::PoolFns{fns.graph_pool_create, fns.capture_begin, fns.capture_end,  fns.graph_pool_malloc,
+                                   fns.graph_pool_release, fns.graph_pool_trim, fns.graph_pool_blocks, fns.last_message};
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));

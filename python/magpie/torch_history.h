@@ -1,0 +1,190 @@
+// Memory history for torch_native.cpp (torch.cuda.memory._record_memory_history,
+// torch.cuda.memory._snapshot): the trace of allocations and frees PyTorch's
+// memory_viz draws, with the Python and C++ frames PyTorch's context
+// recorder gathers. Included by torch_native.cpp only.
+//
+// What is recorded, in PyTorch's actions:
+//   alloc           each tensor or raw allocation magpie served
+//   free_requested  its free, and at once
+//   free_completed  the same free: magpie's frees are stream-ordered, so
+//                   from then on the block is magpie's to reuse for work
+//                   ordered after the free (a recorded stream delays reuse
+//                   inside magpie, not the free)
+//   oom             an allocation that failed for memory (addr: the device's
+//                   free bytes)
+//   snapshot        each snapshot taken while recording
+// segment_alloc / segment_free are not recorded: magpie maps and unmaps
+// device memory below the allocator interface (slabs and large segments,
+// shared by all of a device's threads and streams); the snapshot's segments
+// show what is mapped now.
+//
+// Cost while not recording: one relaxed load per allocation and free.
+// While recording, one lock per event, plus the context recorder (PyTorch's
+// own allocator takes its device lock for the same work).
+#ifndef MAGPIE_TORCH_HISTORY_H
+#define MAGPIE_TORCH_HISTORY_H
+
+#include <c10/cuda/CUDACachingAllocator.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace magpie_torch {
+
+namespace CCA = c10::cuda::CUDACachingAllocator;
+using TraceEntry = c10::CachingDeviceAllocator::TraceEntry;
+
+class History {
+ public:
+  bool on() const { return on_.load(std::memory_order_relaxed); }
+
+  // PyTorch's recordHistory. when NEVER (or !enabled) stops recording and
+  // forgets the live allocations' contexts; the trace stays until cleared.
+  void configure(bool enabled, CCA::CreateContextFn recorder, size_t max_entries, CCA::RecordContext when,
+                 bool clear, const std::vector<std::string> &skip_actions) {
+    std::lock_guard<std::mutex> g(lock_);
+    bool record = enabled && when != CCA::RecordContext::NEVER;
+    recorder_ = record ? recorder : nullptr;
+    when_ = record ? when : CCA::RecordContext::NEVER;
+    max_ = max_entries > 0 ? max_entries : 1;
+    for (bool &s : skip_) s = false;
+    for (const std::string &a : skip_actions) skip_[static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(a))] = true;
+    if (clear || !record) {
+      for (Ring &r : rings_) r = Ring{};
+    }
+    if (!record) live_.clear();
+    on_.store(record, std::memory_order_relaxed);
+  }
+
+  void alloc(int device, void *p, size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
+    if (!on()) return;
+    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::STATE);
+    std::lock_guard<std::mutex> g(lock_);
+    if (when_ == CCA::RecordContext::NEVER) return;
+    live_[p] = Live{device, size, stream, pool, ctx};
+    push(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(p), size, stream, pool,
+         when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
+  }
+
+  void free(int device, void *p, size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
+    if (!on()) return;
+    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::ALL);
+    std::lock_guard<std::mutex> g(lock_);
+    if (when_ == CCA::RecordContext::NEVER) return;
+    live_.erase(p);
+    push(TraceEntry::FREE_REQUESTED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
+    push(TraceEntry::FREE_COMPLETED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
+  }
+
+  void oom(int device, size_t size, size_t device_free, cudaStream_t stream) {
+    if (!on()) return;
+    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::ALLOC);
+    std::lock_guard<std::mutex> g(lock_);
+    push(TraceEntry::OOM, device, device_free, size, stream, {0, 0}, ctx);
+  }
+
+  // Into out: each device's trace (traces) and, as one segment per live
+  // allocation recorded with its context (segment pool id {0, 0}, which no
+  // pool has), the frames of the live allocations of pool (all: {0, 0});
+  // magpie.torch puts those frames on the blocks of magpie's segments.
+  void snapshot(CCA::SnapshotInfo &out, int devices, c10::cuda::MempoolId_t pool, bool traces) {
+    out.device_traces.assign(devices > 0 ? devices : 0, {});
+    if (!on() && rings_empty()) return;
+    std::lock_guard<std::mutex> g(lock_);
+    for (int d = 0; d < devices && d < kDevices; d++) {
+      if (when_ != CCA::RecordContext::NEVER) push(TraceEntry::SNAPSHOT, d, 0, 0, nullptr, {0, 0}, nullptr);
+      if (!traces) continue;
+      Ring &r = rings_[d];
+      size_t n = r.entries.size();
+      for (size_t i = 0; i < n; i++) out.device_traces[d].push_back(r.entries[(r.next + i) % n]);
+    }
+    bool all = pool.first == 0 && pool.second == 0;
+    for (const auto &kv : live_) {
+      const Live &l = kv.second;
+      if (l.ctx == nullptr || (!all && l.pool != pool)) continue;
+      CCA::SegmentInfo seg;
+      seg.device = static_cast<c10::DeviceIndex>(l.device);
+      seg.address = reinterpret_cast<size_t>(kv.first);
+      seg.total_size = seg.requested_size = seg.allocated_size = seg.active_size = l.size;
+      seg.stream = l.stream;
+      seg.context_when_allocated = l.ctx;
+      c10::CachingDeviceAllocator::BlockInfo b;
+      b.size = b.requested_size = l.size;
+      b.allocated = b.active = true;
+      b.context_when_allocated = l.ctx;
+      seg.blocks.push_back(std::move(b));
+      out.segments.push_back(std::move(seg));
+    }
+  }
+
+ private:
+  static constexpr int kDevices = 64;
+  struct Live {
+    int device;
+    size_t size;
+    cudaStream_t stream;
+    c10::cuda::MempoolId_t pool;
+    std::shared_ptr<c10::GatheredContext> ctx;
+  };
+  // The last max_ entries of a device, oldest at next once full.
+  struct Ring {
+    std::vector<TraceEntry> entries;
+    size_t next = 0;
+  };
+
+  // The caller's frames if recording asks for them at level need; gathered
+  // outside the lock (the recorder may take the GIL).
+  std::shared_ptr<c10::GatheredContext> gather(CCA::RecordContext need) {
+    CCA::CreateContextFn rec;
+    CCA::RecordContext when;
+    {
+      std::lock_guard<std::mutex> g(lock_);
+      rec = recorder_;
+      when = when_;
+    }
+    return rec != nullptr && when >= need ? rec() : nullptr;
+  }
+
+  bool rings_empty() {
+    std::lock_guard<std::mutex> g(lock_);
+    for (const Ring &r : rings_)
+      if (!r.entries.empty()) return false;
+    return true;
+  }
+
+  // Called with lock_ held.
+  void push(TraceEntry::Action action, int device, size_t addr, size_t size, cudaStream_t stream,
+            c10::cuda::MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx) {
+    if (device < 0 || device >= kDevices || skip_[static_cast<int>(action)]) return;
+    int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                     std::chrono::system_clock::now().time_since_epoch())
+                     .count();
+    TraceEntry e(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool, 0, std::move(ctx));
+    e.time_.t_ = static_cast<time_t>(us);
+    Ring &r = rings_[device];
+    if (r.entries.size() < max_) {
+      r.entries.push_back(std::move(e));
+    } else {
+      r.entries[r.next] = std::move(e);
+      r.next = (r.next + 1) % r.entries.size();
+    }
+  }
+
+  std::atomic<bool> on_{false};
+  std::mutex lock_;
+  CCA::CreateContextFn recorder_ = nullptr;
+  CCA::RecordContext when_ = CCA::RecordContext::NEVER;
+  size_t max_ = 1;
+  bool skip_[16] = {};
+  Ring rings_[kDevices];
+  std::unordered_map<void *, Live> live_;
+};
+
+} // namespace magpie_torch
+
+#endif // MAGPIE_TORCH_HISTORY_H
