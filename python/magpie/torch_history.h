@@ -13,6 +13,8 @@
 //   oom             an allocation that failed for memory (addr: the device's
 //                   free bytes)
 //   snapshot        each snapshot taken while recording
+// Each entry carries the user metadata set last (_set_memory_metadata) and
+// the innermost torch.compile region ("N/A" outside any).
 // segment_alloc / segment_free are not recorded: magpie maps and unmaps
 // device memory below the allocator interface (slabs and large segments,
 // shared by all of a device's threads and streams); the snapshot's segments
@@ -43,29 +45,53 @@ class History {
  public:
   bool on() const { return on_.load(std::memory_order_relaxed); }
 
-  // PyTorch's recordHistory. when NEVER (or !enabled) stops recording and
-  // forgets the live allocations' contexts; the trace stays until cleared.
+  // PyTorch's recordHistory: enabled records the trace, with the
+  // recorder's frames as when asks (NEVER: none; STATE: the live
+  // allocations'; ALLOC: also each alloc entry's; ALL: also each free's).
+  // !enabled stops recording and forgets the live allocations; the trace
+  // stays until cleared.
   void configure(bool enabled, CCA::CreateContextFn recorder, size_t max_entries, CCA::RecordContext when,
                  bool clear, const std::vector<std::string> &skip_actions) {
     std::lock_guard<std::mutex> g(lock_);
-    bool record = enabled && when != CCA::RecordContext::NEVER;
-    recorder_ = record ? recorder : nullptr;
-    when_ = record ? when : CCA::RecordContext::NEVER;
+    recorder_ = enabled ? recorder : nullptr;
+    when_ = enabled ? when : CCA::RecordContext::NEVER;
     max_ = max_entries > 0 ? max_entries : 1;
     for (bool &s : skip_) s = false;
-    for (const std::string &a : skip_actions) skip_[static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(a))] = true;
-    if (clear || !record) {
+    for (const std::string &a : skip_actions)
+      skip_[static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(a))] = true;
+    if (clear) {
       for (Ring &r : rings_) r = Ring{};
     }
-    if (!record) live_.clear();
-    on_.store(record, std::memory_order_relaxed);
+    if (!enabled) live_.clear();
+    recording_ = enabled;
+    on_.store(enabled, std::memory_order_relaxed);
+  }
+
+  // torch.cuda.memory._set_memory_metadata: put on every entry from now.
+  void set_user_metadata(const std::string &m) {
+    std::lock_guard<std::mutex> g(lock_);
+    user_metadata_ = m;
+  }
+  std::string user_metadata() {
+    std::lock_guard<std::mutex> g(lock_);
+    return user_metadata_;
+  }
+  // torch.compile's regions (compile_context=True): the innermost names
+  // each entry, "N/A" outside any.
+  void push_compile_context(const std::string &c) {
+    std::lock_guard<std::mutex> g(lock_);
+    compile_contexts_.push_back(c);
+  }
+  void pop_compile_context() {
+    std::lock_guard<std::mutex> g(lock_);
+    if (!compile_contexts_.empty()) compile_contexts_.pop_back();
   }
 
   void alloc(int device, void *p, size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
     if (!on()) return;
     std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::STATE);
     std::lock_guard<std::mutex> g(lock_);
-    if (when_ == CCA::RecordContext::NEVER) return;
+    if (!recording_) return;
     live_[p] = Live{device, size, stream, pool, ctx};
     push(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(p), size, stream, pool,
          when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
@@ -75,7 +101,7 @@ class History {
     if (!on()) return;
     std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::ALL);
     std::lock_guard<std::mutex> g(lock_);
-    if (when_ == CCA::RecordContext::NEVER) return;
+    if (!recording_) return;
     live_.erase(p);
     push(TraceEntry::FREE_REQUESTED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
     push(TraceEntry::FREE_COMPLETED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
@@ -85,19 +111,19 @@ class History {
     if (!on()) return;
     std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::ALLOC);
     std::lock_guard<std::mutex> g(lock_);
-    push(TraceEntry::OOM, device, device_free, size, stream, {0, 0}, ctx);
+    if (recording_) push(TraceEntry::OOM, device, device_free, size, stream, {0, 0}, ctx);
   }
 
   // Into out: each device's trace (traces) and, as one segment per live
-  // allocation recorded with its context (segment pool id {0, 0}, which no
-  // pool has), the frames of the live allocations of pool (all: {0, 0});
-  // magpie.torch puts those frames on the blocks of magpie's segments.
+  // allocation recorded (segment pool id {0, 0}, which no pool has), the
+  // live allocations of pool (all: {0, 0}) with their frames; magpie.torch
+  // puts those frames on the blocks of magpie's segments.
   void snapshot(CCA::SnapshotInfo &out, int devices, c10::cuda::MempoolId_t pool, bool traces) {
     out.device_traces.assign(devices > 0 ? devices : 0, {});
-    if (!on() && rings_empty()) return;
+    if (!on() && rings_empty() && live_empty()) return;
     std::lock_guard<std::mutex> g(lock_);
     for (int d = 0; d < devices && d < kDevices; d++) {
-      if (when_ != CCA::RecordContext::NEVER) push(TraceEntry::SNAPSHOT, d, 0, 0, nullptr, {0, 0}, nullptr);
+      if (recording_) push(TraceEntry::SNAPSHOT, d, 0, 0, nullptr, {0, 0}, nullptr);
       if (!traces) continue;
       Ring &r = rings_[d];
       size_t n = r.entries.size();
@@ -106,7 +132,7 @@ class History {
     bool all = pool.first == 0 && pool.second == 0;
     for (const auto &kv : live_) {
       const Live &l = kv.second;
-      if (l.ctx == nullptr || (!all && l.pool != pool)) continue;
+      if (!all && l.pool != pool) continue;
       CCA::SegmentInfo seg;
       seg.device = static_cast<c10::DeviceIndex>(l.device);
       seg.address = reinterpret_cast<size_t>(kv.first);
@@ -150,6 +176,11 @@ class History {
     return rec != nullptr && when >= need ? rec() : nullptr;
   }
 
+  bool live_empty() {
+    std::lock_guard<std::mutex> g(lock_);
+    return live_.empty();
+  }
+
   bool rings_empty() {
     std::lock_guard<std::mutex> g(lock_);
     for (const Ring &r : rings_)
@@ -164,7 +195,8 @@ class History {
     int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
                      std::chrono::system_clock::now().time_since_epoch())
                      .count();
-    TraceEntry e(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool, 0, std::move(ctx));
+    TraceEntry e(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool, 0, std::move(ctx),
+                 compile_contexts_.empty() ? "N/A" : compile_contexts_.back(), user_metadata_);
     e.time_.t_ = static_cast<time_t>(us);
     Ring &r = rings_[device];
     if (r.entries.size() < max_) {
@@ -175,8 +207,11 @@ class History {
     }
   }
 
-  std::atomic<bool> on_{false};
+  std::atomic<bool> on_{false}; // recording_, read without the lock
   std::mutex lock_;
+  bool recording_ = false;
+  std::string user_metadata_;
+  std::vector<std::string> compile_contexts_;
   CCA::CreateContextFn recorder_ = nullptr;
   CCA::RecordContext when_ = CCA::RecordContext::NEVER;
   size_t max_ = 1;

@@ -177,6 +177,21 @@ void *magpie_checked(void *p, size_t size, cudaStream_t stream, bool custom) {
   return nullptr;
 }
 
+// torch.profiler(profile_memory=True) hears of each allocation and free, as
+// from PyTorch's allocator, with magpie's device totals; one thread-local
+// check while no profiler listens.
+void report_to_profiler(void *ptr, int64_t size, int device) {
+  if (!c10::memoryProfilingEnabled()) return;
+  magpie_stats st;
+  size_t in_use = 0, reserved = 0;
+  if (fns.stats_get(device, &st) == 0) {
+    in_use = st.in_use_bytes;
+    reserved = st.reserved_bytes;
+  }
+  c10::reportMemoryUsageToProfiler(ptr, size, in_use, reserved,
+                                   c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
 // A block for stream: from the pool an announcement routes it to, else
 // magpie's; an allocation magpie cannot serve for memory may come from a
 // pool made with use_on_oom. Throws when there is none.
@@ -197,13 +212,17 @@ Served magpie_alloc(size_t size, cudaStream_t stream, int device) {
       if (s.ptr == nullptr) s.custom = false; /* magpie's error stands */
     }
   }
+  if (s.ptr == nullptr && size == 0 && s.custom) return s; /* no memory asked: none given, as PyTorch's */
   magpie_checked(s.ptr, size, stream, s.custom);
   history.alloc(device, s.ptr, size, stream, s.pool);
+  report_to_profiler(s.ptr, static_cast<int64_t>(size), device);
   return s;
 }
 
 void magpie_release(void *ptr, size_t size, int device, cudaStream_t stream, PoolId pool, bool custom) {
+  if (ptr == nullptr) return;
   history.free(device, ptr, size, stream, pool);
+  report_to_profiler(ptr, -static_cast<int64_t>(size), device);
   if (!custom || !pools.free_custom(ptr)) fns.free_async(ptr, stream);
 }
 
@@ -306,6 +325,10 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   // Memory history: torch_history.h.
   bool isHistoryEnabled() override { return history.on(); }
+  void setUserMetadata(const std::string &metadata) override { history.set_user_metadata(metadata); }
+  std::string getUserMetadata() override { return history.user_metadata(); }
+  void pushCompileContext(std::string &md) override { history.push_compile_context(md); }
+  void popCompileContext() override { history.pop_compile_context(); }
 
   void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
