@@ -50,8 +50,8 @@ class History {
   // allocations'; ALLOC: also each alloc entry's; ALL: also each free's).
   // !enabled stops recording and forgets the live allocations; the trace
   // stays until cleared.
-  void configure(bool enabled, CCA::CreateContextFn recorder, size_t max_entries, CCA::RecordContext when,
-                 bool clear, const std::vector<std::string> &skip_actions) {
+  void configure(bool enabled, CCA::CreateContextFn recorder, size_t max_entries, CCA::RecordContext when, bool clear,
+                 const std::vector<std::string> &skip_actions) {
     std::lock_guard<std::mutex> g(lock_);
     recorder_ = enabled ? recorder : nullptr;
     when_ = enabled ? when : CCA::RecordContext::NEVER;
@@ -192,9 +192,9 @@ class History {
   void push(TraceEntry::Action action, int device, size_t addr, size_t size, cudaStream_t stream,
             c10::cuda::MempoolId_t pool, std::shared_ptr<c10::GatheredContext> ctx) {
     if (device < 0 || device >= kDevices || skip_[static_cast<int>(action)]) return;
-    int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
-                     std::chrono::system_clock::now().time_since_epoch())
-                     .count();
+    int64_t us =
+        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     TraceEntry e(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool, 0, std::move(ctx),
                  compile_contexts_.empty() ? "N/A" : compile_contexts_.back(), user_metadata_);
     e.time_.t_ = static_cast<time_t>(us);

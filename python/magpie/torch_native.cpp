@@ -248,7 +248,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   MagpieAllocator()
       : CUDAPluggableAllocator(
             [](size_t size, int device, cudaStream_t stream) { return magpie_alloc(size, stream, device).ptr; },
-                               [](void *ptr, size_t, int, cudaStream_t stream) { fns.free_async(ptr, stream); }) {
+            [](void *ptr, size_t, int, cudaStream_t stream) { fns.free_async(ptr, stream); }) {
     set_record_stream_fn(fns.record_stream);
     set_reset_fn(fns.empty_cache);
     set_memory_fraction_fn(fns.memory_fraction);
@@ -341,7 +341,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // (mempool_id's only, unless {0, 0}), and the frames of live allocations
   // recorded with their context as segments of pool {0, 0}.
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool_id,
-                                                          bool include_traces) override {
+                                                         bool include_traces) override {
     c10::cuda::CUDACachingAllocator::SnapshotInfo out;
     history.snapshot(out, c10::cuda::device_count(), mempool_id, include_traces);
     for (const magpie_torch::PoolBlock &b : pools.blocks(mempool_id)) {
@@ -473,8 +473,9 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.stats_reset_peaks = reinterpret_cast<int (*)(int)>(fn[13]);
   fns.graph_pool_trim = reinterpret_cast<int (*)(uint64_t)>(fn[14]);
   fns.graph_pool_blocks = reinterpret_cast<int (*)(uint64_t, magpie_pool_block *, size_t, size_t *)>(fn[15]);
-  pool_fns = magpie_torch::PoolFns{fns.graph_pool_create, fns.capture_begin, fns.capture_end,  fns.graph_pool_malloc,
-                                   fns.graph_pool_release, fns.graph_pool_trim, fns.graph_pool_blocks, fns.last_message};
+  pool_fns =
+      magpie_torch::PoolFns{fns.graph_pool_create,  fns.capture_begin,   fns.capture_end,       fns.graph_pool_malloc,
+                            fns.graph_pool_release, fns.graph_pool_trim, fns.graph_pool_blocks, fns.last_message};
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));

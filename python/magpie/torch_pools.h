@@ -189,8 +189,7 @@ class Pools {
   void begin(c10::DeviceIndex device, PoolId id, std::function<bool(cudaStream_t)> filter) {
     std::lock_guard<std::mutex> g(lock_);
     Pool &p = find_or_make(device, id, nullptr);
-    if (p.custom == nullptr)
-      TORCH_CHECK(fns_->capture_begin(p.magpie, nullptr) == 0, "magpie: ", fns_->last_message());
+    if (p.custom == nullptr) TORCH_CHECK(fns_->capture_begin(p.magpie, nullptr) == 0, "magpie: ", fns_->last_message());
     p.uses++;
     active_.push_back(Active{id, std::move(filter)});
     active_count_.store(active_.size(), std::memory_order_release);
@@ -256,8 +255,8 @@ class Pools {
       if (!all && kv.first != id) continue;
       Pool &p = kv.second;
       if (p.custom != nullptr) {
-        for (auto &b : p.custom_blocks) out.push_back(PoolBlock{kv.first, p.device, b.first, b.second.size, b.second.used,
-                                                                b.second.stream});
+        for (auto &b : p.custom_blocks)
+          out.push_back(PoolBlock{kv.first, p.device, b.first, b.second.size, b.second.used, b.second.stream});
         continue;
       }
       size_t n = 0;
