@@ -12,7 +12,6 @@
 //                   inside magpie, not the free)
 //   oom             an allocation that failed for memory (addr: the device's
 //                   free bytes)
-//   snapshot        each snapshot taken while recording
 // Each entry carries the user metadata set last (_set_memory_metadata) and
 // the innermost torch.compile region ("N/A" outside any).
 // segment_alloc / segment_free are not recorded: magpie maps and unmaps
@@ -48,8 +47,8 @@ class History {
   // PyTorch's recordHistory: enabled records the trace, with the
   // recorder's frames as when asks (NEVER: none; STATE: the live
   // allocations'; ALLOC: also each alloc entry's; ALL: also each free's).
-  // !enabled stops recording and forgets the live allocations; the trace
-  // stays until cleared.
+  // !enabled stops recording and forgets the trace and the live
+  // allocations, as PyTorch's allocator does.
   void configure(bool enabled, CCA::CreateContextFn recorder, size_t max_entries, CCA::RecordContext when, bool clear,
                  const std::vector<std::string> &skip_actions) {
     std::lock_guard<std::mutex> g(lock_);
@@ -59,7 +58,7 @@ class History {
     for (bool &s : skip_) s = false;
     for (const std::string &a : skip_actions)
       skip_[static_cast<int>(c10::CachingDeviceAllocator::parseTraceEntryAction(a))] = true;
-    if (clear) {
+    if (clear || !enabled) {
       for (Ring &r : rings_) r = Ring{};
     }
     if (!enabled) live_.clear();
@@ -123,7 +122,6 @@ class History {
     if (!on() && rings_empty() && live_empty()) return;
     std::lock_guard<std::mutex> g(lock_);
     for (int d = 0; d < devices && d < kDevices; d++) {
-      if (recording_) push(TraceEntry::SNAPSHOT, d, 0, 0, nullptr, {0, 0}, nullptr);
       if (!traces) continue;
       Ring &r = rings_[d];
       size_t n = r.entries.size();
