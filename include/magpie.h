@@ -401,17 +401,56 @@ MAGPIE_API int magpie_ipc_revoke(const magpie_ipc_handle *h);
  * is gone or refused (block freed, handle revoked, corrupted), or its device
  * is not visible here. Importing the same handle twice maps it twice. */
 MAGPIE_API int magpie_ipc_import(const magpie_ipc_handle *h, void **ptr, size_t *size);
-/* ptr: an address magpie_ipc_import returned. MAGPIE_ERR_INVALID_POINTER
- * for any other. */
+/* ptr: an address magpie_ipc_import or magpie_ipc_import_compact
+ * returned. MAGPIE_ERR_INVALID_POINTER for any other. */
 MAGPIE_API int magpie_ipc_close(void *ptr, cudaStream_t stream);
+
+/* The compact handle: the same export in 64 bytes, the size of CUDA's
+ * cudaIpcMemHandle_t and CUipcMemHandle, for channels made for those (the
+ * LD_PRELOAD library carries magpie's exports in them: cudaIpcGetMemHandle
+ * of a magpie block gives one, and cudaIpcOpenMemHandle tells it from a
+ * CUDA handle with magpie_ipc_is_compact). It carries what an import
+ * cannot do without (the exporting process and its server, the export,
+ * the 128-bit secret); the block's device and size come from the exporter
+ * when it is imported. Same guarantees and lifetime as the 128-byte
+ * handle: magpie_ipc_export_compact and magpie_ipc_export of one block
+ * name one export (revoke it with the 128-byte form), and
+ * magpie_ipc_import_compact maps it as magpie_ipc_import does; close it
+ * with magpie_ipc_close. */
+#define MAGPIE_IPC_COMPACT_SIZE 64
+typedef struct magpie_ipc_compact {
+  unsigned char bytes[MAGPIE_IPC_COMPACT_SIZE];
+} magpie_ipc_compact;
+/* As magpie_ipc_export, into the compact form. */
+MAGPIE_API int magpie_ipc_export_compact(void *ptr, unsigned flags, magpie_ipc_compact *out);
+/* 1 if the MAGPIE_IPC_COMPACT_SIZE bytes at bytes are a compact handle
+ * magpie made (its tag, and a check of its other bytes, which a CUDA
+ * handle would have to match by chance), 0 if not (NULL included). Reads
+ * the bytes only: no set-up, no error state. */
+MAGPIE_API int magpie_ipc_is_compact(const void *bytes);
+/* As magpie_ipc_import. peer: -1, or a device of this process whose
+ * kernels must reach the memory too besides the devices allowed to reach
+ * the block's device (magpie_device_enable_peer_access), as
+ * cudaIpcOpenMemHandle's cudaIpcMemLazyEnablePeerAccess lets the current
+ * device reach memory of another; MAGPIE_ERR_NO_PEER_ACCESS when it cannot.
+ * MAGPIE_ERR_INVALID_ARGUMENT for bytes that are not a compact handle. */
+MAGPIE_API int magpie_ipc_import_compact(const magpie_ipc_compact *h, int peer, void **ptr, size_t *size);
 
 /* ---- Peer access ----
  * Every mapping of device's memory, present and future, small and large,
  * becomes readable and writable by kernels on peer (like
- * cudaMemPoolSetAccess on a pool). Rights are never taken back.
+ * cudaMemPoolSetAccess on a pool), until magpie_device_disable_peer_access.
  * MAGPIE_ERR_NO_PEER_ACCESS when the hardware cannot connect the two;
  * MAGPIE_ERR_INVALID_ARGUMENT for an unknown device or device == peer. */
 MAGPIE_API int magpie_device_enable_peer_access(int device, int peer);
+/* Takes the rights back (like cudaMemPoolSetAccess to none, or
+ * cudaDeviceDisablePeerAccess): every mapping of device's memory stops
+ * being accessible from peer, and later mappings are not granted it. The
+ * caller makes sure no work of peer still touches device's memory: a
+ * kernel that touches it afterwards faults, as with CUDA. Imports already
+ * made (magpie_ipc_import) keep the rights they were mapped with, as they
+ * do when access is enabled. MAGPIE_OK when access was not enabled. */
+MAGPIE_API int magpie_device_disable_peer_access(int device, int peer);
 /* *can: 1 if magpie_device_enable_peer_access(device, peer) can succeed. */
 MAGPIE_API int magpie_device_can_access_peer(int device, int peer, int *can);
 

@@ -45,8 +45,10 @@
  * accessible to that device's work only, until peer access is granted
  * (magpie_device_enable_peer_access; in the device table, map's and
  * import_map's peers, set_access and, for plain allocations without VMM,
- * peer_enable). Every pair of devices can be connected, as on an NVLink
- * machine, unless magpie_sim_set_peer_capable says otherwise (a PCIe
+ * peer_enable), and again once it is taken back
+ * (magpie_device_disable_peer_access; revoke_access, peer_disable). Every
+ * pair of devices can be connected, as on an NVLink machine, unless
+ * magpie_sim_set_peer_capable says otherwise (a PCIe
  * machine without peer-to-peer); a grant to a device that cannot be
  * connected fails with MAGPIE_ERR_NO_PEER_ACCESS. Since a simulated kernel
  * is host code that could touch any address, the rights are enforced where

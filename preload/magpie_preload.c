@@ -1,8 +1,11 @@
 /* libmagpie_preload.so: magpie under unmodified CUDA programs, with
  * LD_PRELOAD.
  *
- * Interposed (the program must link the CUDA runtime as a shared library,
- * libcudart.so, or call the driver's exported symbols):
+ * Interposed by name (a program linking the shared runtime, libcudart.so,
+ * or calling the driver's exported symbols; a runtime linked into the
+ * program or a library, nvcc's default -cudart static, gets the driver
+ * functions below from its lookup, dlsym and cuGetProcAddress, which
+ * preload_procaddr.c interposes):
  *
  *   runtime  cudaMalloc, cudaFree, cudaMallocAsync, cudaFreeAsync
  *            (+ the _ptsz forms used under --default-stream per-thread),
@@ -17,6 +20,9 @@
  *            cuMemPoolSetAttribute, cuMemPoolTrimTo, cuCtxEnablePeerAccess,
  *            cuMemPoolSetAccess; cuda.h maps cuMemAlloc,
  *            cuMemFree and cuStreamDestroy to the _v2 names
+ *   and, in preload_ipc.c, legacy CUDA IPC (cudaIpcGetMemHandle,
+ *   cudaIpcOpenMemHandle, cudaIpcCloseMemHandle, cuIpc*), the disables of
+ *   peer access and cudaMemPoolExportPointer / cuMemPoolExportPointer
  *
  * Semantics:
  *   - cudaMallocAsync(p, n, s) / cudaFreeAsync(p, s): magpie_malloc_async /
@@ -62,16 +68,16 @@
  *     the memory's device to the accessing device too, present and future
  *     (magpie_device_enable_peer_access). If magpie cannot, the call fails
  *     with cudaErrorPeerAccessUnsupported (217). cudaMemPoolGetAccess is not
- *     interposed: the pool answers what was set. Access once granted stays:
- *     the disable calls and a pool's access set back to none reach CUDA
- *     only, and magpie's mappings stay accessible to the peer (magpie
- *     cannot take access back from mappings a peer may be using).
+ *     interposed: the pool answers what was set. The disables
+ *     (cudaDeviceDisablePeerAccess, cuCtxDisablePeerAccess, a pool's access
+ *     set to none) take magpie's grant back once neither source of it
+ *     stands (preload_ipc.c).
  *
- * Not interposed: a statically linked CUDA runtime (nvcc's default,
- * -cudart static: its cudaMalloc is inside the program), entry points
- * fetched with cuGetProcAddress / cudaGetDriverEntryPoint (the shared
- * runtime reaches the driver this way, so its own driver calls never reach
- * these wrappers, which is what keeps cudaMalloc from being served twice),
+ * Not interposed: the shared runtime's own lookups of driver functions,
+ * cudaGetDriverEntryPoint under it included (they stay the driver's, which
+ * keeps cudaMalloc from being served twice), a static runtime that
+ * preload_procaddr.c cannot reach (not on x86-64, in a program linked
+ * statically against libc, with a driver older than 12.0: docs/preload.md),
  * cudaMallocFromPoolAsync, cudaMallocPitch/3D/arrays, managed and host
  * memory. Driver-API programs must allocate in the device's primary context
  * (magpie's events and mappings live there).
@@ -88,6 +94,7 @@
 #include <stdatomic.h>
 
 #include "magpie.h"
+#include "preload/preload_ipc.h"
 
 #define PRELOAD_API __attribute__((visibility("default")))
 
@@ -155,6 +162,9 @@ static struct {
 } real;
 
 static pthread_once_t preload_once = PTHREAD_ONCE_INIT;
+/* The driver and the loaded runtime, as preload_init found them (written
+ * once under preload_once, which orders them before every reader). */
+static void *preload_drv, *preload_rt;
 static pthread_mutex_t preload_lock = PTHREAD_MUTEX_INITIALIZER;
 /* Private stream per device: created once under preload_lock, published
  * with release, read with acquire. */
@@ -186,6 +196,8 @@ static void preload_init(void) {
   void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   void *rt = NULL;
   dl_iterate_phdr(preload_find_cudart, &rt);
+  preload_drv = drv;
+  preload_rt = rt;
   real.cuda_malloc = preload_sym(rt, "cudaMalloc");
   real.cuda_free = preload_sym(rt, "cudaFree");
   real.cuda_malloc_async = preload_sym(rt, "cudaMallocAsync");
@@ -237,9 +249,19 @@ static void preload_init(void) {
                 magpie_active_backend() == MAGPIE_BACKEND_CUDA;
 }
 
-static int preload_usable(void) {
+int preload_usable(void) {
   pthread_once(&preload_once, preload_init);
   return real.usable;
+}
+
+void *preload_runtime_sym(const char *name) {
+  pthread_once(&preload_once, preload_init);
+  return preload_sym(preload_rt, name);
+}
+
+void *preload_driver_sym(const char *name) {
+  pthread_once(&preload_once, preload_init);
+  return preload_sym(preload_drv, name);
 }
 
 /* The device's private stream (created in its primary context, never given
@@ -299,8 +321,9 @@ static int preload_device_synchronize(int dev) {
  * (magpie.h: announce, then begin; a begin that fails takes it back),
  * decremented at the end; read (relaxed) by the allocation paths, which
  * then ask whether their stream captures. A capture begun elsewhere (a
- * statically linked runtime) is not seen: magpie's own slow-path checks
- * still refuse to record events on its stream. */
+ * runtime whose lookups stay the driver's: docs/preload.md) is not seen:
+ * magpie's own slow-path checks still refuse to record events on its
+ * stream. */
 static _Atomic int preload_captures;
 /* The announcement's pool (empty: capturing streams' requests go to the
  * real functions), one per device, made once under preload_lock. */
@@ -730,11 +753,13 @@ typedef struct preload_access_desc {
 
 /* rc: the real call's answer. Where it granted accessor access to owner's
  * memory (or it was granted already), magpie's mappings of owner are
- * granted to accessor too. */
-static int preload_grant(int rc, int owner, int accessor) {
+ * granted to accessor too, and the grant's source (PRELOAD_GRANT_*) is
+ * noted for the disables (preload_ipc.c). */
+static int preload_grant(int rc, int owner, int accessor, unsigned source) {
   if ((rc != PRELOAD_OK && rc != PRELOAD_PEER_ALREADY) || !preload_usable()) return rc;
   if (owner < 0 || accessor < 0 || owner == accessor) return rc;
   if (magpie_device_enable_peer_access(owner, accessor) != MAGPIE_OK) return PRELOAD_PEER_UNSUPPORTED;
+  preload_peer_granted(owner, accessor, source);
   return rc;
 }
 
@@ -744,7 +769,7 @@ PRELOAD_API cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
   int rc = real.cuda_enable_peer(peer, flags);
   int cur = -1;
   if (real.cuda_get_device == NULL || real.cuda_get_device(&cur) != PRELOAD_OK) return rc;
-  return preload_grant(rc, peer, cur);
+  return preload_grant(rc, peer, cur, PRELOAD_GRANT_CTX);
 }
 
 PRELOAD_API CUresult cuCtxEnablePeerAccess(CUcontext peer_ctx, unsigned flags) {
@@ -757,7 +782,7 @@ PRELOAD_API CUresult cuCtxEnablePeerAccess(CUcontext peer_ctx, unsigned flags) {
   if (real.cu_ctx_get_device(&cur) != PRELOAD_OK || real.cu_ctx_push(peer_ctx) != PRELOAD_OK) return rc;
   if (real.cu_ctx_get_device(&owner) != PRELOAD_OK) owner = -1;
   real.cu_ctx_pop(&popped);
-  return preload_grant(rc, owner, cur);
+  return preload_grant(rc, owner, cur, PRELOAD_GRANT_CTX);
 }
 
 /* The device whose default pool is pool, asking every device's (a pool's
@@ -776,7 +801,9 @@ static int preload_pool_access(void *pool, const void *descs, size_t count, int 
   int owner = preload_pool_owner(pool);
   const preload_access_desc *d = descs;
   for (size_t i = 0; owner >= 0 && i < count && rc == PRELOAD_OK; i++)
-    if (d[i].type == PRELOAD_LOCATION_DEVICE && d[i].flags != 0) rc = preload_grant(rc, owner, d[i].id);
+    if (d[i].type == PRELOAD_LOCATION_DEVICE)
+      rc = d[i].flags != 0 ? preload_grant(rc, owner, d[i].id, PRELOAD_GRANT_POOL)
+                           : preload_peer_revoke(rc, owner, d[i].id, PRELOAD_GRANT_POOL);
   return rc;
 }
 

@@ -110,8 +110,9 @@ static int backend_sim_mem_free(int device, uintptr_t ptr, size_t size) {
 }
 
 /* Peer access. can_access_peer is a query of the machine, not a memory
- * call: no capture rule. The grants change device memory's mappings, as
- * cuMemSetAccess and cuCtxEnablePeerAccess do: relaxed, like map. */
+ * call: no capture rule. The grants and revocations change device memory's
+ * mappings, as cuMemSetAccess and cuCtxEnablePeerAccess do: relaxed, like
+ * map. */
 static int backend_sim_can_access_peer(int device, int peer, int *can) {
   return sim_memory_can_access_peer(device, peer, can);
 }
@@ -125,11 +126,27 @@ static int backend_sim_set_access(int device, uintptr_t addr, size_t size, uint6
   return rc;
 }
 
+static int backend_sim_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+  int rc = backend_sim_need_vmm();
+  if (rc != MAGPIE_OK) return rc;
+  int mode = backend_sim_relaxed_begin();
+  rc = sim_memory_revoke_access(device, addr, size, peers);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
+
 /* Not tied to VMM: without it, this is how a peer reaches the plain
  * allocations. */
 static int backend_sim_peer_enable(int device, int peer) {
   int mode = backend_sim_relaxed_begin();
   int rc = sim_memory_peer_enable(device, peer);
+  backend_sim_relaxed_end(mode);
+  return rc;
+}
+
+static int backend_sim_peer_disable(int device, int peer) {
+  int mode = backend_sim_relaxed_begin();
+  int rc = sim_memory_peer_disable(device, peer);
   backend_sim_relaxed_end(mode);
   return rc;
 }
@@ -258,7 +275,9 @@ static const backend_ops backend_sim_ops = {
     .mem_free = backend_sim_mem_free,
     .can_access_peer = backend_sim_can_access_peer,
     .set_access = backend_sim_set_access,
+    .revoke_access = backend_sim_revoke_access,
     .peer_enable = backend_sim_peer_enable,
+    .peer_disable = backend_sim_peer_disable,
     .device_uuid = backend_sim_device_uuid,
     .export_fds = backend_sim_export_fds,
     .import_map = backend_sim_import_map,

@@ -267,14 +267,17 @@ int sim_memory_alloc(int device, size_t size, uintptr_t *out);
 int sim_memory_free(int device, uintptr_t ptr, size_t size);
 
 /* Access rights and sharing, as the device table's operations of the same
- * names (device/backend.h). set_access, peer_enable, export_fds and
- * import_map follow the capture rule of the calls above
+ * names (device/backend.h). set_access, revoke_access, peer_enable,
+ * peer_disable, export_fds and import_map follow the capture rule of the
+ * calls above
  * (sim_capture_unsafe_call). */
 int sim_memory_can_access_peer(int device, int peer, int *can);
 /* Whether device's memory can be opened to peer (magpie_sim_set_peer_capable). */
 int sim_memory_set_peer_capable(int device, int peer, int capable);
 int sim_memory_set_access(int device, uintptr_t addr, size_t size, uint64_t peers);
+int sim_memory_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers);
 int sim_memory_peer_enable(int device, int peer);
+int sim_memory_peer_disable(int device, int peer);
 int sim_memory_export_fds(int device, uintptr_t addr, size_t size, int *fds);
 int sim_memory_import_map(int device, uintptr_t addr, size_t size, const int *fds, uint64_t peers);
 /* magpie_sim_access_check and magpie_sim_launch_access, without the

@@ -27,8 +27,9 @@
  *
  * Access rights, as CUDA's: each mapped granule has a mask of the devices
  * whose kernels may touch it (its own device always; peers added by map,
- * import_map and set_access, never taken away), and each device a mask of
- * the peers its plain allocations are open to (peer_enable). Whether a
+ * import_map and set_access, taken away by revoke_access), and each device
+ * a mask of the peers its plain allocations are open to (peer_enable,
+ * peer_disable). Whether a
  * device's memory can be opened to a peer at all is a setting of the
  * simulated machine (magpie_sim_set_peer_capable; by default every pair
  * can, as on an NVLink system). magpie_sim_access_check and
@@ -36,7 +37,8 @@
  * checks the range a simulated kernel will touch, at enqueue.
  *
  * Every call that changes device memory (reserve, unreserve, map, unmap,
- * alloc, free, set_access, peer_enable, export, import) is one CUDA deems
+ * alloc, free, set_access, revoke_access, peer_enable, peer_disable,
+ * export, import) is one CUDA deems
  * potentially unsafe during a stream capture: each first asks
  * sim_capture_unsafe_call whether the calling thread's capture mode allows
  * it (sim_graph.c), so a device table that does not switch to the relaxed
@@ -98,7 +100,7 @@ struct sim_memory_device {
   pthread_mutex_t lock; /* guards regions, every region's fields, alloc_peers */
   struct sim_region *regions;
   /* Bit p: device p may access every allocation (alloc) of this device,
-   * present and future (peer_enable). Only ever gains bits. */
+   * present and future (peer_enable; peer_disable clears it). */
   uint64_t alloc_peers;
   /* Bytes mapped or allocated. Increased only under lock (a CAS bounded
    * by capacity), decreased by the thread that gave memory back; read
@@ -423,6 +425,20 @@ int sim_memory_peer_enable(int device, int peer) {
   return MAGPIE_OK;
 }
 
+/* Device's plain allocations stop being accessible from peer (rights
+ * granted before by peer_enable are taken back, as cuCtxDisablePeerAccess
+ * does); MAGPIE_OK if they were not. */
+int sim_memory_peer_disable(int device, int peer) {
+  struct sim_memory_device *d;
+  int rc = sim_memory_device_for(device, "disabling peer access", &d);
+  if (rc == MAGPIE_OK) rc = sim_memory_check_pair(device, peer);
+  if (rc != MAGPIE_OK) return rc;
+  pthread_mutex_lock(&d->lock);
+  d->alloc_peers &= ~((uint64_t)1 << peer);
+  pthread_mutex_unlock(&d->lock);
+  return MAGPIE_OK;
+}
+
 /* ---------------------------------------------------------------- shared granules */
 
 /* The failure (err, an errno) of a system call (what) making a descriptor
@@ -597,6 +613,29 @@ int sim_memory_set_access(int device, uintptr_t addr, size_t size, uint64_t peer
                   (unsigned long)addr, size, device);
   if (rc == MAGPIE_OK)
     for (size_t g = first; g < first + count; g++) r->access[g] |= peers;
+  pthread_mutex_unlock(&d->lock);
+  return rc;
+}
+
+/* The devices in peers lose access to the granules (cuMemSetAccess with
+ * PROT_NONE for them): a later access check from one of them is refused,
+ * as a GPU faults. The granules' own device cannot be in peers. */
+int sim_memory_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+  struct sim_memory_device *d;
+  struct sim_region *r;
+  size_t first, count;
+  int rc = sim_memory_lock_reserved(device, "taking access to device memory back", addr, size, &d, &r, &first, &count);
+  if (rc != MAGPIE_OK) return rc;
+  if ((peers >> device) & 1)
+    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "device %d's access to its own memory cannot be revoked", device);
+  else if (sim_device_count() < 64 && (peers >> sim_device_count()) != 0)
+    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "peer mask %#llx names a device that does not exist (%d simulated)",
+                  (unsigned long long)peers, sim_device_count());
+  if (rc == MAGPIE_OK && !sim_memory_all_mapped(r, first, count, 1))
+    rc = sim_fail(MAGPIE_ERR_INVALID_ARGUMENT, "%#lx+%zu is not (wholly) mapped on device %d: no access to revoke",
+                  (unsigned long)addr, size, device);
+  if (rc == MAGPIE_OK)
+    for (size_t g = first; g < first + count; g++) r->access[g] &= ~peers;
   pthread_mutex_unlock(&d->lock);
   return rc;
 }

@@ -117,6 +117,7 @@ _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
   X(CUDRV_ERROR_NOT_READY, CUDA_ERROR_NOT_READY)                                                   \
   X(CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED, CUDA_ERROR_PEER_ACCESS_UNSUPPORTED)                       \
   X(CUDRV_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)               \
+  X(CUDRV_ERROR_PEER_ACCESS_NOT_ENABLED, CUDA_ERROR_PEER_ACCESS_NOT_ENABLED)                       \
   X(CUDRV_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_CONTEXT_IS_DESTROYED)                             \
   X(CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED, CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)                 \
   X(CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)                 \
@@ -131,6 +132,7 @@ _Static_assert(sizeof(int) == sizeof(CUmemAccess_flags), "CUmemAccess_flags");
   X(CUDRV_MEM_HANDLE_TYPE_NONE, CU_MEM_HANDLE_TYPE_NONE)                                           \
   X(CUDRV_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)         \
   X(CUDRV_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_DEVICE)                                   \
+  X(CUDRV_MEM_ACCESS_FLAGS_PROT_NONE, CU_MEM_ACCESS_FLAGS_PROT_NONE)                               \
   X(CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)                     \
   X(CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM, CU_MEM_ALLOC_GRANULARITY_MINIMUM)                         \
   X(CUDRV_EVENT_DISABLE_TIMING, CU_EVENT_DISABLE_TIMING)                                           \
@@ -373,7 +375,9 @@ static void test_backend_without_driver(void **state) {
   int fd = 0;
   assert_int_not_equal(b->can_access_peer(0, 1, &n), MAGPIE_OK);
   assert_int_not_equal(b->set_access(0, 1 << 21, 1 << 21, 2), MAGPIE_OK);
+  assert_int_not_equal(b->revoke_access(0, 1 << 21, 1 << 21, 2), MAGPIE_OK);
   assert_int_not_equal(b->peer_enable(0, 1), MAGPIE_OK);
+  assert_int_not_equal(b->peer_disable(0, 1), MAGPIE_OK);
   assert_int_not_equal(b->device_uuid(0, uuid), MAGPIE_OK);
   assert_int_not_equal(b->export_fds(0, 1 << 21, 1 << 21, &fd), MAGPIE_OK);
   assert_int_not_equal(b->import_map(0, 1 << 21, 1 << 21, &fd, 0), MAGPIE_OK);

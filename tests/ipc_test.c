@@ -12,13 +12,20 @@
  * process while any process has it imported, or while an export made with
  * MAGPIE_IPC_HOLD waits for its first import; it is parked at its free as a
  * recorded block is (record_pending_bytes), and comes back once the last
- * hold is gone, whether by magpie_ipc_close or the importer's exit. */
+ * hold is gone, whether by magpie_ipc_close or the importer's exit.
+ *
+ * The compact handle (magpie_ipc_export_compact, the 64 bytes of a
+ * cudaIpcMemHandle_t) is the same export: the same checks run through it,
+ * and bytes that are not one (a CUDA handle's) are told apart. Peer access
+ * is granted and taken back on three simulated devices, while other threads
+ * map. */
 #include "tests/sim_test_util.h"
 
 #include "tests/ipc_hex.h"
 
 #include <fcntl.h>
 #include <stdio.h>
+#include <sys/random.h>
 
 #include "heap/heap.h"
 #include "ipc/ipc.h"
@@ -133,6 +140,38 @@ static int child_main(int argc, char **argv) {
     if (magpie_ipc_close(p, 0) != MAGPIE_OK) return 95;
     if (magpie_ipc_close(p, 0) != MAGPIE_ERR_INVALID_POINTER) return 96; /* closed already */
     return 0;
+  }
+  if (strcmp(argv[2], "check-compact") == 0 && argc == 7) {
+    magpie_ipc_compact c;
+    void *q = NULL;
+    size_t size = strtoull(argv[4], NULL, 0);
+    unsigned seed = (unsigned)atoi(argv[5]), reply = (unsigned)atoi(argv[6]);
+    if (compact_from_hex(argv[3], &c) != 0) return 91;
+    if (!magpie_ipc_is_compact(&c)) return 97;
+    if (magpie_ipc_import_compact(&c, -1, &p, &got) != MAGPIE_OK) {
+      fprintf(stderr, "child import: %s\n", magpie_last_error_message());
+      return 92;
+    }
+    if (got != size) return 93;
+    if (stamped(p, size, seed) != size) return 94;
+    /* Imported again: mapped again, the same memory. */
+    if (magpie_ipc_import_compact(&c, -1, &q, NULL) != MAGPIE_OK || q == p) return 98;
+    stamp(q, size, reply);
+    if (stamped(p, size, reply) != size) return 99;
+    if (magpie_ipc_close(q, 0) != MAGPIE_OK || magpie_ipc_close(p, 0) != MAGPIE_OK) return 95;
+    if (magpie_ipc_close(p, 0) != MAGPIE_ERR_INVALID_POINTER) return 96; /* closed already */
+    return 0;
+  }
+  if (strcmp(argv[2], "hold-compact") == 0 && argc == 4) {
+    magpie_ipc_compact c;
+    if (compact_from_hex(argv[3], &c) != 0) return 91;
+    if (magpie_ipc_import_compact(&c, -1, &p, &got) != MAGPIE_OK) return 92;
+    printf("imported\n");
+    fflush(stdout);
+    char line[8];
+    while (fgets(line, sizeof line, stdin) != NULL) {
+    }
+    _exit(0); /* dies holding the import */
   }
   if (strcmp(argv[2], "hold") == 0 && argc == 4) {
     if (from_hex(argv[3], &h) != 0) return 91;
@@ -392,6 +431,323 @@ static void test_peer_access(void **state) {
   assert_int_equal(magpie_free(later), MAGPIE_OK);
 }
 
+/* ------------------------------------------------------------ compact handles */
+
+/* Another process imports a small and a large block through the compact
+ * handle (twice: two mappings of one memory), sees the stamps and writes
+ * its own, which the exporter sees. */
+static void test_compact_two_processes(void **state) {
+  (void)state;
+  size_t sizes[] = {SMALL, LARGE};
+  for (int i = 0; i < 2; i++) {
+    void *p = magpie_malloc(sizes[i]);
+    assert_non_null(p);
+    stamp(p, sizes[i], 31 + i);
+    magpie_ipc_compact c, c2;
+    assert_int_equal(magpie_ipc_export_compact(p, 0, &c), MAGPIE_OK);
+    assert_int_equal(magpie_ipc_export_compact(p, 0, &c2), MAGPIE_OK);
+    assert_memory_equal(&c, &c2, sizeof c); /* exporting again: the same handle, as cudaIpcGetMemHandle */
+    assert_int_equal(magpie_ipc_is_compact(&c), 1);
+    char hex[IPC_COMPACT_HEX_LEN], size[32], seed[8], reply[8];
+    compact_to_hex(&c, hex);
+    snprintf(size, sizeof size, "%zu", sizes[i]);
+    snprintf(seed, sizeof seed, "%d", 31 + i);
+    snprintf(reply, sizeof reply, "%d", 130 + i);
+    const char *args[] = {"check-compact", hex, size, seed, reply, NULL};
+    child ch = spawn_child(args, 0, 0);
+    assert_int_equal(child_wait(&ch), 0);
+    assert_int_equal(stamped(p, sizes[i], 130 + i), sizes[i]);
+    assert_int_equal(magpie_free(p), MAGPIE_OK);
+    wait_unparked();
+  }
+}
+
+/* The compact and the long handle of a block name one export: an import
+ * of either holds the block, a held export is revoked through the long
+ * form, and a freed block refuses both. */
+static void test_compact_is_the_same_export(void **state) {
+  (void)state;
+  void *p = magpie_malloc(LARGE), *q = NULL;
+  stamp(p, LARGE, 41);
+  magpie_ipc_compact c;
+  magpie_ipc_handle h;
+  assert_int_equal(magpie_ipc_export_compact(p, 0, &c), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_export(p, 0, &h), MAGPIE_OK);
+  size_t n = 0;
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &q, &n), MAGPIE_OK);
+  assert_int_equal(n, LARGE);
+  assert_int_equal(stamped(q, LARGE, 41), LARGE);
+  assert_int_equal(magpie_free(p), MAGPIE_OK);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_true(parked() >= LARGE); /* the compact import holds it */
+  assert_int_equal(magpie_ipc_close(q, 0), MAGPIE_OK);
+  wait_unparked();
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &q, NULL), MAGPIE_ERR_IPC);
+  assert_int_equal(magpie_ipc_import(&h, &q, NULL), MAGPIE_ERR_IPC);
+
+  p = magpie_malloc(SMALL);
+  assert_int_equal(magpie_ipc_export_compact(p, MAGPIE_IPC_HOLD, &c), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_export(p, 0, &h), MAGPIE_OK); /* the long form of the held export */
+  assert_int_equal(magpie_free(p), MAGPIE_OK);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_true(parked() >= SMALL); /* held for its first import */
+  assert_int_equal(magpie_ipc_revoke(&h), MAGPIE_OK);
+  wait_unparked(); /* the compact export's hold was the long one's */
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &q, NULL), MAGPIE_ERR_IPC);
+
+  p = magpie_malloc(SMALL);
+  assert_int_equal(magpie_ipc_export_compact(p, 0, &c), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_export(p, 0, &h), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_revoke(&h), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &q, NULL), MAGPIE_ERR_IPC);
+  assert_non_null(strstr(magpie_last_error_message(), "revoked"));
+  assert_int_equal(magpie_ipc_export_compact(NULL, 0, &c), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_ipc_export_compact(p, 0x80, &c), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_ipc_export_compact(p, 0, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_free(p), MAGPIE_OK);
+  wait_unparked();
+}
+
+/* Bytes that are not a compact handle (a CUDA handle's, a long handle's
+ * first 64, noise) are told apart without any side effect; a compact
+ * handle of another version, or with a wrong secret, is magpie's and is
+ * refused as such. */
+static void test_compact_told_apart(void **state) {
+  (void)state;
+  magpie_ipc_compact c, bad;
+  magpie_ipc_handle h;
+  void *q = (void *)1;
+  assert_int_equal(magpie_ipc_is_compact(NULL), 0);
+  memset(&bad, 0, sizeof bad);
+  assert_int_equal(magpie_ipc_is_compact(&bad), 0);
+  memset(&bad, 0xab, sizeof bad);
+  assert_int_equal(magpie_ipc_is_compact(&bad), 0);
+  assert_int_equal(magpie_ipc_import_compact(&bad, -1, &q, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_null(q);
+  assert_non_null(strstr(magpie_last_error_message(), "not a magpie compact IPC handle"));
+  assert_int_equal(magpie_ipc_import_compact(NULL, -1, &q, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  /* Noise, and noise behind magpie's tag (a CUDA handle that happened to
+   * start with it): the check tells them apart. */
+  for (int i = 0; i < 1000; i++) {
+    assert_int_equal(getrandom(&bad, sizeof bad, 0), (ssize_t)sizeof bad);
+    assert_int_equal(magpie_ipc_is_compact(&bad), 0);
+    memcpy(bad.bytes, IPC_COMPACT_TAG, IPC_COMPACT_TAG_LEN);
+    bad.bytes[IPC_COMPACT_TAG_LEN] = IPC_VERSION;
+    assert_int_equal(magpie_ipc_is_compact(&bad), 0);
+  }
+  void *p = magpie_malloc(SMALL);
+  stamp(p, SMALL, 43);
+  assert_int_equal(magpie_ipc_export(p, 0, &h), MAGPIE_OK);
+  memcpy(&bad, h.bytes, sizeof bad); /* the long handle's first 64 bytes */
+  assert_int_equal(magpie_ipc_is_compact(&bad), 0);
+  assert_int_equal(magpie_ipc_export_compact(p, 0, &c), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_is_compact(&c), 1);
+  /* One bit changed anywhere: no longer a compact handle. */
+  for (size_t i = 0; i < sizeof c.bytes; i++) {
+    bad = c;
+    bad.bytes[i] ^= 0x10;
+    if (magpie_ipc_is_compact(&bad)) fail_msg("byte %zu changed, still a compact handle", i);
+  }
+  /* Another version, properly checked: magpie's, and refused as such. */
+  ipc_compact_wire w;
+  memcpy(&w, c.bytes, sizeof w);
+  w.version = IPC_VERSION + 1;
+  w.check = ipc_compact_check(&w);
+  memcpy(bad.bytes, &w, sizeof w);
+  assert_int_equal(magpie_ipc_is_compact(&bad), 1);
+  assert_int_equal(magpie_ipc_import_compact(&bad, -1, &q, NULL), MAGPIE_ERR_IPC);
+  assert_non_null(strstr(magpie_last_error_message(), "version"));
+  /* A wrong secret, properly checked: no such export. */
+  memcpy(&w, c.bytes, sizeof w);
+  w.secret[0] ^= 1;
+  w.check = ipc_compact_check(&w);
+  memcpy(bad.bytes, &w, sizeof w);
+  assert_int_equal(magpie_ipc_import_compact(&bad, -1, &q, NULL), MAGPIE_ERR_IPC);
+  assert_non_null(strstr(magpie_last_error_message(), "no such export"));
+  assert_int_equal(magpie_ipc_import_compact(&c, -5, &q, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, NULL, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  /* The real one still works. */
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &q, NULL), MAGPIE_OK);
+  assert_int_equal(stamped(q, SMALL, 43), SMALL);
+  assert_int_equal(magpie_ipc_close(q, 0), MAGPIE_OK);
+  assert_int_equal(magpie_free(p), MAGPIE_OK);
+  wait_unparked();
+}
+
+/* An importer that dies holding a compact import gives its hold back. */
+static void test_compact_importer_dies(void **state) {
+  (void)state;
+  void *p = magpie_malloc(LARGE);
+  magpie_ipc_compact c;
+  assert_int_equal(magpie_ipc_export_compact(p, 0, &c), MAGPIE_OK);
+  char hex[IPC_COMPACT_HEX_LEN], line[32];
+  compact_to_hex(&c, hex);
+  const char *args[] = {"hold-compact", hex, NULL};
+  child ch = spawn_child(args, 1, 1);
+  assert_non_null(fgets(line, sizeof line, ch.out));
+  assert_string_equal(line, "imported\n");
+  assert_int_equal(magpie_free(p), MAGPIE_OK);
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_true(parked() >= LARGE); /* the child holds it */
+  assert_int_equal(child_wait(&ch), 0);
+  wait_unparked();
+}
+
+/* The importer's extra device (cudaIpcMemLazyEnablePeerAccess): the
+ * import of device 0's block is accessible from it, and from no other
+ * device; a device that cannot be connected, or does not exist, is
+ * refused. */
+static void test_compact_peer(void **state) {
+  (void)state;
+  void *p = magpie_malloc(LARGE), *q = NULL, *r = NULL;
+  magpie_ipc_compact c;
+  assert_int_equal(magpie_ipc_export_compact(p, 0, &c), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_import_compact(&c, 1, &q, NULL), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(0, q, LARGE), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, q, LARGE), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(2, q, LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &r, NULL), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, r, LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_ipc_close(r, 0), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_import_compact(&c, 0, &r, NULL), MAGPIE_OK); /* its own device: nothing more */
+  assert_int_equal(magpie_sim_access_check(1, r, LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_ipc_close(r, 0), MAGPIE_OK);
+  assert_int_equal(magpie_sim_set_peer_capable(0, 2, 0), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_import_compact(&c, 2, &r, NULL), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_null(r);
+  assert_int_equal(magpie_sim_set_peer_capable(0, 2, 1), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_import_compact(&c, 99, &r, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_ipc_close(q, 0), MAGPIE_OK);
+  assert_int_equal(magpie_free(p), MAGPIE_OK);
+  wait_unparked(); /* the refused imports hold nothing */
+}
+
+/* ------------------------------------------------------------ peer revocation */
+
+/* Taken back: device 0's mappings, present (small and large) and future,
+ * stop being accessible from device 1, and a device-1 kernel on them is
+ * refused, as a GPU faults; granted again, they are accessible again.
+ * An import made while granted keeps its rights. */
+static void test_peer_revoke(void **state) {
+  (void)state;
+  assert_int_equal(magpie_device_disable_peer_access(0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_device_disable_peer_access(0, 99), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_device_disable_peer_access(0, 2), MAGPIE_OK); /* never granted: nothing to do */
+  assert_int_equal(magpie_device_enable_peer_access(0, 1), MAGPIE_OK);
+  void *small = magpie_malloc(SMALL), *large = magpie_malloc(LARGE), *q = NULL;
+  assert_int_equal(magpie_sim_access_check(1, small, SMALL), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, large, LARGE), MAGPIE_OK);
+  magpie_ipc_compact c;
+  assert_int_equal(magpie_ipc_export_compact(large, 0, &c), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_import_compact(&c, -1, &q, NULL), MAGPIE_OK); /* mapped for device 0's peers */
+  assert_int_equal(magpie_sim_access_check(1, q, LARGE), MAGPIE_OK);
+
+  assert_int_equal(magpie_device_disable_peer_access(0, 1), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, small, SMALL), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_sim_access_check(1, large, LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_sim_access_check(0, large, LARGE), MAGPIE_OK); /* its own device always */
+  void *later = magpie_malloc(5 * LARGE);                                /* maps anew */
+  assert_non_null(later);
+  assert_int_equal(magpie_sim_access_check(1, later, 5 * LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_sim_access_check(1, q, LARGE), MAGPIE_OK); /* the import keeps its rights */
+  assert_int_equal(magpie_sim_set_device(1), MAGPIE_OK);
+  cudaStream_t s1 = magpie_sim_stream_create();
+  assert_int_equal(magpie_sim_set_device(0), MAGPIE_OK);
+  int ran = 0;
+  assert_int_equal(magpie_sim_launch_access(s1, set_flag, &ran, large, LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_device_disable_peer_access(0, 1), MAGPIE_OK); /* again: nothing changes */
+
+  assert_int_equal(magpie_device_enable_peer_access(0, 1), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, small, SMALL), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, later, 5 * LARGE), MAGPIE_OK);
+  assert_int_equal(magpie_sim_launch_access(s1, set_flag, &ran, large, LARGE), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_synchronize(s1), MAGPIE_OK);
+  assert_int_equal(ran, 1);
+  assert_int_equal(magpie_sim_stream_destroy(s1), MAGPIE_OK);
+  assert_int_equal(magpie_device_disable_peer_access(0, 1), MAGPIE_OK);
+  assert_int_equal(magpie_ipc_close(q, 0), MAGPIE_OK);
+  assert_int_equal(magpie_free(small), MAGPIE_OK);
+  assert_int_equal(magpie_free(large), MAGPIE_OK);
+  assert_int_equal(magpie_free(later), MAGPIE_OK);
+  wait_unparked();
+}
+
+/* Threads that keep mapping and unmapping device 0's memory while access
+ * is granted and taken back: once the last change returned, every
+ * mapping has the rights it says, whichever the mappers saw (a mapping
+ * made during a change is corrected under the region's peer lock). */
+typedef struct mapper {
+  atomic_int *stop;
+  void *kept[4];
+  int failed;
+} mapper;
+
+static void *mapper_main(void *arg) {
+  mapper *m = arg;
+  for (unsigned i = 0; !atomic_load(m->stop); i++) {
+    size_t n = LARGE + (size_t)(i % 7) * 2 * MiB;
+    void *p = magpie_malloc(n);
+    if (p == NULL) {
+      m->failed = 1;
+      break;
+    }
+    if (m->kept[i % 4] != NULL && magpie_free(m->kept[i % 4]) != MAGPIE_OK) m->failed = 1;
+    m->kept[i % 4] = p;
+    if (i % 8 == 0) magpie_trim(0, 0); /* unmapped: the next allocations map */
+  }
+  return NULL;
+}
+
+static void test_peer_toggle_while_mapping(void **state) {
+  (void)state;
+  atomic_int stop = 0;
+  mapper m[2] = {{.stop = &stop}, {.stop = &stop}};
+  pthread_t t[2];
+  for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&t[i], NULL, mapper_main, &m[i]), 0);
+  for (int round = 0; round < 200; round++) {
+    assert_int_equal(magpie_device_enable_peer_access(0, 1), MAGPIE_OK);
+    assert_int_equal(magpie_device_disable_peer_access(0, 1), MAGPIE_OK);
+  }
+  atomic_store(&stop, 1);
+  for (int i = 0; i < 2; i++) assert_int_equal(pthread_join(t[i], NULL), 0);
+  for (int i = 0; i < 2; i++) {
+    assert_int_equal(m[i].failed, 0);
+    for (int k = 0; k < 4; k++)
+      if (m[i].kept[k] != NULL)
+        assert_int_equal(magpie_sim_access_check(1, m[i].kept[k], LARGE), MAGPIE_ERR_NO_PEER_ACCESS);
+  }
+  assert_int_equal(magpie_device_enable_peer_access(0, 1), MAGPIE_OK);
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < 4; k++)
+      if (m[i].kept[k] != NULL) assert_int_equal(magpie_sim_access_check(1, m[i].kept[k], LARGE), MAGPIE_OK);
+  assert_int_equal(magpie_device_disable_peer_access(0, 1), MAGPIE_OK);
+  for (int i = 0; i < 2; i++)
+    for (int k = 0; k < 4; k++)
+      if (m[i].kept[k] != NULL) assert_int_equal(magpie_free(m[i].kept[k]), MAGPIE_OK);
+}
+
+/* Without virtual memory management (MAGPIE_SIM_VMM=0, in a child): the
+ * plain allocations are opened to the peer and closed again. */
+static void test_peer_revoke_fallback(void **state) {
+  (void)state;
+  const char *args[] = {"peer-novmm", NULL};
+  child c = spawn_child(args, 0, 0);
+  assert_int_equal(child_wait(&c), 0);
+}
+
+static int peer_novmm_main(void) {
+  void *p = magpie_malloc(LARGE);
+  if (p == NULL) return 92;
+  if (magpie_sim_access_check(1, p, LARGE) != MAGPIE_ERR_NO_PEER_ACCESS) return 93;
+  if (magpie_device_enable_peer_access(0, 1) != MAGPIE_OK) return 94;
+  if (magpie_sim_access_check(1, p, LARGE) != MAGPIE_OK) return 95;
+  if (magpie_device_disable_peer_access(0, 1) != MAGPIE_OK) return 96;
+  if (magpie_sim_access_check(1, p, LARGE) != MAGPIE_ERR_NO_PEER_ACCESS) return 97;
+  void *later = magpie_malloc(3 * LARGE);
+  if (later == NULL || magpie_sim_access_check(1, later, 3 * LARGE) != MAGPIE_ERR_NO_PEER_ACCESS) return 98;
+  return magpie_free(p) == MAGPIE_OK && magpie_free(later) == MAGPIE_OK ? 0 : 99;
+}
+
 /* MAGPIE_CONF=ipc=0: memory is not exportable, and export says why. */
 static void test_ipc_off(void **state) {
   (void)state;
@@ -416,6 +772,10 @@ int main(int argc, char **argv) {
     setenv("MAGPIE_CONF", "ipc=0", 1);
     return ipc_off_main();
   }
+  if (argc > 2 && strcmp(argv[1], "--ipc-child") == 0 && strcmp(argv[2], "peer-novmm") == 0) {
+    setenv("MAGPIE_SIM_VMM", "0", 1);
+    return peer_novmm_main();
+  }
   if (argc > 1 && strcmp(argv[1], "--ipc-child") == 0) return child_main(argc, argv);
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_self_import),
@@ -426,6 +786,14 @@ int main(int argc, char **argv) {
       cmocka_unit_test(test_exporter_dies),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_peer_access),
+      cmocka_unit_test(test_peer_revoke),
+      cmocka_unit_test(test_peer_toggle_while_mapping),
+      cmocka_unit_test(test_peer_revoke_fallback),
+      cmocka_unit_test(test_compact_two_processes),
+      cmocka_unit_test(test_compact_is_the_same_export),
+      cmocka_unit_test(test_compact_told_apart),
+      cmocka_unit_test(test_compact_importer_dies),
+      cmocka_unit_test(test_compact_peer),
       cmocka_unit_test(test_ipc_off),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

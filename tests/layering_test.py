@@ -4,7 +4,8 @@
 include cycle joins two modules. The build already rejects an upward
 include (a layer's headers are not on a lower layer's include path); this
 also catches cycles inside one layer. The simulator includes only the
-device interface; the preload library only the public header.
+device interface; the preload library only the public header (and its
+own files' headers).
 
 Prints one line per violation and ends with "N passed, N failed" over the
 checks."""
@@ -67,10 +68,14 @@ def main(root):
                 checks += 1
                 if not (inc.startswith("device/") or inc.startswith("sim/") or inc in ("magpie.h", "magpie_sim.h")):
                     failures.append("sim/%s includes %s: the simulator sees only the device interface" % (name, inc))
-    for inc in includes("preload/magpie_preload.c"):
-        checks += 1
-        if inc != "magpie.h":
-            failures.append("preload/magpie_preload.c includes %s: the preload library sees magpie.h only" % inc)
+    # The preload library's files (those in the runfiles): magpie.h and the
+    # headers they share among themselves.
+    preload = sorted(n for n in os.listdir("preload") if n.endswith((".c", ".h")))
+    for name in preload:
+        for inc in includes(os.path.join("preload", name)):
+            checks += 1
+            if inc != "magpie.h" and not (inc.startswith("preload/") and inc[len("preload/"):] in preload):
+                failures.append("preload/%s includes %s: the preload library sees magpie.h only" % (name, inc))
     for f in failures:
         print(f)
     print("%d passed, %d failed" % (checks - len(failures), len(failures)))

@@ -16,7 +16,8 @@ children (this file with --child ROLE) that import them:
               revoke, of a garbage handle, a revoke by another process, and
               of a handle whose exporter exited (whose earlier import stays
               readable): each fails with magpie's error and reason
-  peer        two simulated devices: can_access_peer / enable_peer_access
+  peer        two simulated devices: can_access_peer / enable_peer_access /
+              disable_peer_access
 Prints one line per check; exits nonzero at the first failure.
 """
 import ctypes
@@ -161,12 +162,16 @@ def child_peer(_):
     assert magpie.can_access_peer(0, 1) is True
     assert magpie.can_access_peer(1, 0) is True
     magpie.enable_peer_access(0, 1)
-    magpie.enable_peer_access(0, 1)  # again: rights are never taken back, nor refused
+    magpie.enable_peer_access(0, 1)  # again: nothing changes, nothing refused
     magpie.enable_peer_access(1, 0)
     expect_error(lambda: magpie.enable_peer_access(0, 0), MAGPIE_ERR_INVALID_ARGUMENT, "its own memory")
     expect_error(lambda: magpie.can_access_peer(1, 1), MAGPIE_ERR_INVALID_ARGUMENT)
     expect_error(lambda: magpie.enable_peer_access(0, 2), MAGPIE_ERR_INVALID_ARGUMENT)
     # Memory mapped after the grant is covered too: an allocation works.
+    free(alloc(LARGE))
+    magpie.disable_peer_access(0, 1)
+    magpie.disable_peer_access(0, 1)  # again: nothing to take back
+    expect_error(lambda: magpie.disable_peer_access(0, 0), MAGPIE_ERR_INVALID_ARGUMENT, "its own memory")
     free(alloc(LARGE))
     print("child: peer access on two simulated devices")
 

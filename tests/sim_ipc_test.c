@@ -75,7 +75,9 @@ static void test_table_version(void **state) {
   const backend_ops *ops = table();
   assert_non_null(ops->can_access_peer);
   assert_non_null(ops->set_access);
+  assert_non_null(ops->revoke_access);
   assert_non_null(ops->peer_enable);
+  assert_non_null(ops->peer_disable);
   assert_non_null(ops->device_uuid);
   assert_non_null(ops->export_fds);
   assert_non_null(ops->import_map);
@@ -513,6 +515,31 @@ static void test_access_rights_vmm(void **state) {
   assert_int_equal(ops->set_access(0, a + 2 * GRAN, GRAN, 1u << 1), MAGPIE_OK);
   assert_int_equal(magpie_sim_access_check(1, p, 3 * GRAN), MAGPIE_OK);
 
+  /* Taken back from one granule: refused there only, and a kernel of
+   * device 1 over it is refused at enqueue, as a GPU faults. */
+  assert_int_equal(ops->revoke_access(0, a + GRAN, GRAN, 1u << 1), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, p, GRAN), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, (void *)(a + GRAN), GRAN), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_sim_access_check(1, (void *)(a + 2 * GRAN), GRAN), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(0, p, 3 * GRAN), MAGPIE_OK);
+  atomic_store(&ran, 0);
+  assert_int_equal(magpie_sim_launch_access(s1, set_flag_atomic, &ran, p, 3 * GRAN), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_sim_stream_synchronize(s1), MAGPIE_OK);
+  assert_int_equal(atomic_load(&ran), 0);
+  /* Over all three; again is no change. Its own device's access cannot be
+   * taken; the range must be mapped; the devices must exist. */
+  assert_int_equal(ops->revoke_access(0, a, 3 * GRAN, 1u << 1), MAGPIE_OK);
+  assert_int_equal(ops->revoke_access(0, a, 3 * GRAN, 1u << 1), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, (void *)(a + 2 * GRAN), GRAN), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(ops->revoke_access(0, a, GRAN, 1u << 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  detail_says("its own memory cannot be revoked");
+  assert_int_equal(magpie_sim_access_check(0, p, 3 * GRAN), MAGPIE_OK);
+  assert_int_equal(ops->revoke_access(0, a, 4 * GRAN, 1u << 1), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(ops->revoke_access(0, a, GRAN, 1u << 5), MAGPIE_ERR_INVALID_ARGUMENT);
+  /* Granted again. */
+  assert_int_equal(ops->set_access(0, a, 3 * GRAN, 1u << 1), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, p, 3 * GRAN), MAGPIE_OK);
+
   assert_int_equal(ops->unmap(1, b, GRAN), MAGPIE_OK);
   assert_int_equal(ops->unreserve(1, b, GRAN), MAGPIE_OK);
   assert_int_equal(ops->unmap(0, a, 3 * GRAN), MAGPIE_OK);
@@ -526,9 +553,9 @@ static void test_access_rights_vmm(void **state) {
 }
 
 /* Without VMM: plain allocations, opened to a peer per device, present and
- * future. Leaves device 0's allocations open to device 1 (rights are never
- * taken back); runs before the capture rule's test, which opens device 1's
- * to device 0. */
+ * future, and closed again. Leaves device 0's allocations open to device 1;
+ * runs before the capture rule's test, which opens device 1's to device 0
+ * and closes them again. */
 static void test_access_rights_fallback(void **state) {
   (void)state;
   const backend_ops *ops = table();
@@ -566,6 +593,18 @@ static void test_access_rights_fallback(void **state) {
   assert_int_equal(magpie_sim_launch_access(s1, set_flag_atomic, &ran, (void *)after, 3 * GRAN), MAGPIE_OK);
   assert_int_equal(magpie_sim_stream_synchronize(s1), MAGPIE_OK);
   assert_int_equal(atomic_load(&ran), 1);
+  /* Disabled: every allocation of device 0, present and future, is closed
+   * to device 1 again; disabling twice is no change. */
+  assert_int_equal(ops->peer_disable(0, 1), MAGPIE_OK);
+  assert_int_equal(ops->peer_disable(0, 1), MAGPIE_OK);
+  assert_int_equal(ops->peer_disable(0, 0), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_sim_access_check(1, (void *)before, GRAN), MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(magpie_sim_access_check(1, (void *)after, 3 * GRAN), MAGPIE_ERR_NO_PEER_ACCESS);
+  atomic_store(&ran, 0);
+  assert_int_equal(magpie_sim_launch_access(s1, set_flag_atomic, &ran, (void *)after, 3 * GRAN),
+                   MAGPIE_ERR_NO_PEER_ACCESS);
+  assert_int_equal(ops->peer_enable(0, 1), MAGPIE_OK);
+  assert_int_equal(magpie_sim_access_check(1, (void *)after, 3 * GRAN), MAGPIE_OK);
   magpie_sim_stream_destroy(s1);
   assert_int_equal(ops->mem_free(0, before, GRAN), MAGPIE_OK);
   assert_int_equal(ops->mem_free(0, after, 3 * GRAN), MAGPIE_OK);
@@ -587,11 +626,24 @@ static void *beginner_main(void *arg) {
   return NULL;
 }
 
-enum new_op { NEW_MAP_EXPORTABLE, NEW_SET_ACCESS, NEW_PEER_ENABLE, NEW_EXPORT, NEW_IMPORT, NEW_COUNT };
+enum new_op {
+  NEW_MAP_EXPORTABLE,
+  NEW_SET_ACCESS,
+  NEW_REVOKE_ACCESS,
+  NEW_PEER_ENABLE,
+  NEW_PEER_DISABLE,
+  NEW_EXPORT,
+  NEW_IMPORT,
+  NEW_COUNT
+};
 
 static const char *const new_op_says[NEW_COUNT] = {
-    [NEW_MAP_EXPORTABLE] = "mapping device memory", [NEW_SET_ACCESS] = "changing access to device memory",
-    [NEW_PEER_ENABLE] = "enabling peer access",     [NEW_EXPORT] = "exporting device memory",
+    [NEW_MAP_EXPORTABLE] = "mapping device memory",
+    [NEW_SET_ACCESS] = "changing access to device memory",
+    [NEW_REVOKE_ACCESS] = "taking access to device memory back",
+    [NEW_PEER_ENABLE] = "enabling peer access",
+    [NEW_PEER_DISABLE] = "disabling peer access",
+    [NEW_EXPORT] = "exporting device memory",
     [NEW_IMPORT] = "importing device memory",
 };
 
@@ -609,7 +661,11 @@ static int new_call(enum new_op op, uintptr_t a, int through_table) {
   case NEW_SET_ACCESS:
     rc = through_table ? ops->set_access(0, a, GRAN, 0) : sim_memory_set_access(0, a, GRAN, 0);
     break;
+  case NEW_REVOKE_ACCESS:
+    rc = through_table ? ops->revoke_access(0, a, GRAN, 1u << 1) : sim_memory_revoke_access(0, a, GRAN, 1u << 1);
+    break;
   case NEW_PEER_ENABLE: rc = through_table ? ops->peer_enable(1, 0) : sim_memory_peer_enable(1, 0); break;
+  case NEW_PEER_DISABLE: rc = through_table ? ops->peer_disable(1, 0) : sim_memory_peer_disable(1, 0); break;
   case NEW_EXPORT:
     rc = through_table ? ops->export_fds(0, a, GRAN, &fd) : sim_memory_export_fds(0, a, GRAN, &fd);
     if (rc == MAGPIE_OK) close(fd);

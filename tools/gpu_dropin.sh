@@ -7,8 +7,9 @@
 #
 #   tools/gpu_dropin.sh build        here: builds the bundle (.gpu_bundle/, or
 #                                    $MAGPIE_GPU_BUNDLE) with libmagpie.so,
-#                                    libmagpie_preload.so, preload_prog, the
-#                                    Python package and the Python tests
+#                                    libmagpie_preload.so, preload_prog,
+#                                    preload_peer, preload_ipc, preload_static,
+#                                    the Python package and the Python tests
 #   bash .gpu_bundle/dropin.sh [ARGS]  there: runs everything, prints verdicts
 #                                    (ARGS go to run.sh, e.g. --only NAME)
 set -uo pipefail
@@ -16,7 +17,8 @@ set -uo pipefail
 if [[ ${1:-} == build ]]; then
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   bundle="$root/${MAGPIE_GPU_BUNDLE:-.gpu_bundle}"
-  "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog //tests:preload_peer || exit 1
+  "$root/tools/gpu_suite.sh" build //:libmagpie.so //:libmagpie_preload.so //tests:preload_prog //tests:preload_peer \
+    //tests:preload_ipc //tests:preload_static || exit 1
   cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
     "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" \
     "$root/tests/gpu/torch_multi_gpu_test.py" "$root/tests/gpu/verdicts.py" "$root/tests/gpu/torch_mempool_test.py" \
@@ -57,6 +59,14 @@ echo "### preload_peer (plain)"
 timeout 60 "$B/bin/preload_peer" || status=1
 echo "### preload_peer (LD_PRELOAD)"
 PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_peer" || status=1
+echo "### preload_static (plain; nvcc's default -cudart static)"
+timeout 60 "$B/bin/preload_static" || status=1
+echo "### preload_static (LD_PRELOAD)"
+PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_static" || status=1
+echo "### preload_ipc (plain)"
+timeout 120 "$B/bin/preload_ipc" || status=1
+echo "### preload_ipc (LD_PRELOAD)"
+PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 120 "$B/bin/preload_ipc" || status=1
 echo "### torch_test"
 timeout 200 python3 "$B/torch_test.py" || status=1
 echo "### torch_memory_api"

@@ -11,7 +11,7 @@ memory, from Python.
 magpie.ipc shares blocks with other processes (magpie.torch.use() routes
 CUDA tensors sent through torch.multiprocessing to it: magpie.torch_ipc);
 magpie.enable_peer_access and magpie.can_access_peer open a device's memory
-to another device's kernels.
+to another device's kernels (magpie.disable_peer_access closes it again).
 
 The shared library is found through $MAGPIE_LIB, next to this package, or
 the repository's bazel-bin (bazel build //:libmagpie.so). Under
@@ -114,11 +114,19 @@ def stream_retire(stream):
 
 def enable_peer_access(device, peer):
     """magpie_device_enable_peer_access: every mapping of device's memory,
-    present and future, becomes readable and writable by kernels on peer.
-    Rights are never taken back. MagpieError with MAGPIE_ERR_NO_PEER_ACCESS
+    present and future, becomes readable and writable by kernels on peer,
+    until disable_peer_access. MagpieError with MAGPIE_ERR_NO_PEER_ACCESS
     (14) where the hardware cannot connect the two, MAGPIE_ERR_INVALID_ARGUMENT
     (7) for an unknown device or device == peer."""
     _check(_need("magpie_device_enable_peer_access")(device, peer))
+
+
+def disable_peer_access(device, peer):
+    """magpie_device_disable_peer_access: the rights enable_peer_access gave
+    are taken back from every mapping of device's memory, present and
+    future; no work of peer may still use that memory. Nothing happens if
+    they were not given."""
+    _check(_need("magpie_device_disable_peer_access")(device, peer))
 
 
 def can_access_peer(device, peer):

@@ -124,6 +124,7 @@ _OPTIONAL = {
     ),
     "magpie_ipc_close": ([ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int),
     "magpie_device_enable_peer_access": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
+    "magpie_device_disable_peer_access": ([ctypes.c_int, ctypes.c_int], ctypes.c_int),
     "magpie_device_can_access_peer": ([ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
 }
 

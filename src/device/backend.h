@@ -98,7 +98,7 @@ typedef struct backend_ops {
   int (*mem_alloc)(int device, size_t size, uintptr_t *out);
   int (*mem_free)(int device, uintptr_t ptr, size_t size);
 
-  /* The six operations below are optional (NULL: the device cannot share
+  /* The eight operations below are optional (NULL: the device cannot share
    * memory with other devices or processes; callers report that).
    * Peer access (cudaMemPoolSetAccess, cuMemSetAccess). can_access_peer:
    * *can = 1 if memory of device can be made accessible from peer, 0 if the
@@ -106,12 +106,20 @@ typedef struct backend_ops {
    * or an unknown device.
    * set_access: [addr, addr+size), granules mapped by map or import_map on
    * device, becomes readable and writable from device and from every device
-   * in peers (rights are only ever added). peer_enable: without VMM, every
-   * mem_alloc allocation of device, present and future, becomes accessible
-   * from peer (cuCtxEnablePeerAccess); MAGPIE_OK if it already was. */
+   * in peers; other devices' rights are unchanged. revoke_access: the same
+   * range stops being accessible from every device in peers (cuMemSetAccess
+   * with PROT_NONE; device itself is never in peers), other devices' rights
+   * unchanged; the caller makes sure no work of those devices still touches
+   * it, as a kernel touching memory it may not access faults.
+   * peer_enable: without VMM, every mem_alloc allocation of device, present
+   * and future, becomes accessible from peer (cuCtxEnablePeerAccess);
+   * MAGPIE_OK if it already was. peer_disable undoes it
+   * (cuCtxDisablePeerAccess); MAGPIE_OK if it was not enabled. */
   int (*can_access_peer)(int device, int peer, int *can);
   int (*set_access)(int device, uintptr_t addr, size_t size, uint64_t peers);
+  int (*revoke_access)(int device, uintptr_t addr, size_t size, uint64_t peers);
   int (*peer_enable)(int device, int peer);
+  int (*peer_disable)(int device, int peer);
 
   /* Sharing with other processes. device_uuid: 16 bytes naming the device
    * the same way in every process of the machine (CUDA: the GPU's UUID),
@@ -171,7 +179,8 @@ typedef struct backend_ops {
    * the capture is invalidated), as does recording an event meant to be
    * queried; a device synchronisation fails while any stream captures.
    * The memory operations (reserve, unreserve, map, unmap, mem_alloc,
-   * mem_free, set_access, peer_enable, export_fds, import_map),
+   * mem_free, set_access, revoke_access, peer_enable, peer_disable,
+   * export_fds, import_map),
    * event_query and event_synchronize run in the
    * relaxed capture mode, so a capture in progress on another thread
    * neither refuses them nor is invalidated by them. */
@@ -218,7 +227,9 @@ static inline int backend_capture_state(const backend_ops *ops, cudaStream_t s, 
 static inline void backend_copy_sharing(backend_ops *to, const backend_ops *from) {
   to->can_access_peer = from->can_access_peer;
   to->set_access = from->set_access;
+  to->revoke_access = from->revoke_access;
   to->peer_enable = from->peer_enable;
+  to->peer_disable = from->peer_disable;
   to->device_uuid = from->device_uuid;
   to->export_fds = from->export_fds;
   to->import_map = from->import_map;
@@ -227,7 +238,7 @@ static inline void backend_copy_sharing(backend_ops *to, const backend_ops *from
 /* The layout a table handed across shared objects must have
  * (magpie_sim_device_table): a version raised by hand when the table's
  * meaning changes, and its size. */
-#define BACKEND_ABI_VERSION 4u
+#define BACKEND_ABI_VERSION 5u
 #define BACKEND_ABI ((BACKEND_ABI_VERSION << 16) | (unsigned)sizeof(backend_ops))
 
 /* The CUDA driver's table; the simulated device's is found at set-up

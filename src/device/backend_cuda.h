@@ -64,7 +64,9 @@ int cuda_check_range(int device, uintptr_t addr, size_t size, size_t *g, const c
 int cuda_map(int device, uintptr_t addr, size_t size, unsigned flags, uint64_t peers);
 int cuda_can_access_peer(int device, int peer, int *can);
 int cuda_set_access(int device, uintptr_t addr, size_t size, uint64_t peers);
+int cuda_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers);
 int cuda_peer_enable(int device, int peer);
+int cuda_peer_disable(int device, int peer);
 int cuda_device_uuid(int device, unsigned char uuid[16]);
 int cuda_export_fds(int device, uintptr_t addr, size_t size, int *fds);
 int cuda_import_map(int device, uintptr_t addr, size_t size, const int *fds, uint64_t peers);

@@ -127,6 +127,38 @@ int cuda_set_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
   return cuda_pop(rc, "cuMemSetAccess");
 }
 
+/* The same range, PROT_NONE for every device in peers (never device
+ * itself, whose own rights cannot be taken away), granule by granule as
+ * cuda_set_access. */
+int cuda_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+  if (!cuda_ready()) return cuda_not_ready();
+  size_t g;
+  int rc = cuda_check_range(device, addr, size, &g, "revoke_access");
+  if (rc == MAGPIE_OK && (peers >> device & 1)) {
+    backend_set_error_detail("device %d's access to its own memory cannot be revoked", device);
+    rc = MAGPIE_ERR_INVALID_ARGUMENT;
+  }
+  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemSetAccess");
+  if (rc != MAGPIE_OK) return rc;
+  cudrv_mem_access_desc none[MAGPIE_MAX_DEVICES];
+  size_t n = 0;
+  for (int i = 0; i < cuda_st.ndevices; i++) {
+    if (!(peers >> i & 1)) continue;
+    memset(&none[n], 0, sizeof none[n]);
+    none[n].location.type = CUDRV_MEM_LOCATION_TYPE_DEVICE;
+    none[n].location.id = cuda_st.devices[i];
+    none[n].flags = CUDRV_MEM_ACCESS_FLAGS_PROT_NONE;
+    n++;
+  }
+  for (size_t off = 0; n > 0 && off < size && rc == MAGPIE_OK; off += g) {
+    cudrv_result r = cudrv.mem_set_access((cudrv_deviceptr)(addr + off), g, none, n);
+    if (r != CUDRV_SUCCESS)
+      rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes, PROT_NONE for %zu devices)",
+                     (unsigned long long)(addr + off), g, n);
+  }
+  return cuda_pop(rc, "cuMemSetAccess");
+}
+
 /* cuCtxEnablePeerAccess(ctx of device) with peer's context current: peer's
  * kernels may then access device's cuMemAlloc memory. */
 int cuda_peer_enable(int device, int peer) {
@@ -141,6 +173,20 @@ int cuda_peer_enable(int device, int peer) {
     rc = cuda_fail(r == CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED ? MAGPIE_ERR_NO_PEER_ACCESS : MAGPIE_ERR_BACKEND, r,
                    "cuCtxEnablePeerAccess(device %d's context, from device %d)", device, peer);
   return cuda_pop(rc, "cuCtxEnablePeerAccess");
+}
+
+/* cuCtxDisablePeerAccess(ctx of device) with peer's context current. */
+int cuda_peer_disable(int device, int peer) {
+  if (!cuda_ready()) return cuda_not_ready();
+  int rc = cuda_check_peer(device, peer);
+  cudrv_context ctx = NULL;
+  if (rc == MAGPIE_OK) rc = cuda_device_ctx(device, &ctx);
+  if (rc == MAGPIE_OK) rc = cuda_push(peer, "cuCtxDisablePeerAccess");
+  if (rc != MAGPIE_OK) return rc;
+  cudrv_result r = cudrv.ctx_disable_peer_access(ctx);
+  if (r != CUDRV_SUCCESS && r != CUDRV_ERROR_PEER_ACCESS_NOT_ENABLED)
+    rc = cuda_fail(MAGPIE_ERR_BACKEND, r, "cuCtxDisablePeerAccess(device %d's context, from device %d)", device, peer);
+  return cuda_pop(rc, "cuCtxDisablePeerAccess");
 }
 
 int cuda_device_uuid(int device, unsigned char uuid[16]) {

@@ -95,6 +95,7 @@ enum {
   CUDRV_ERROR_NOT_READY = 600,                   /* CUDA_ERROR_NOT_READY */
   CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED = 217,     /* CUDA_ERROR_PEER_ACCESS_UNSUPPORTED */
   CUDRV_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704, /* CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED */
+  CUDRV_ERROR_PEER_ACCESS_NOT_ENABLED = 705,     /* CUDA_ERROR_PEER_ACCESS_NOT_ENABLED */
   CUDRV_ERROR_CONTEXT_IS_DESTROYED = 709,        /* CUDA_ERROR_CONTEXT_IS_DESTROYED */
   CUDRV_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,  /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
   CUDRV_ERROR_STREAM_CAPTURE_INVALIDATED = 901,  /* CUDA_ERROR_STREAM_CAPTURE_INVALIDATED */
@@ -106,6 +107,7 @@ enum {
   CUDRV_MEM_HANDLE_TYPE_NONE = 0,                  /* CU_MEM_HANDLE_TYPE_NONE */
   CUDRV_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1, /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
   CUDRV_MEM_LOCATION_TYPE_DEVICE = 1,              /* CU_MEM_LOCATION_TYPE_DEVICE */
+  CUDRV_MEM_ACCESS_FLAGS_PROT_NONE = 0,            /* CU_MEM_ACCESS_FLAGS_PROT_NONE */
   CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,       /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE */
   CUDRV_MEM_ALLOC_GRANULARITY_MINIMUM = 0,         /* CU_MEM_ALLOC_GRANULARITY_MINIMUM */
   CUDRV_EVENT_DISABLE_TIMING = 2,                  /* CU_EVENT_DISABLE_TIMING */
@@ -191,6 +193,7 @@ typedef cudrv_result (*cudrv_pfn_get_proc_address)(const char *symbol, void **pf
   X(device_can_access_peer, cuDeviceCanAccessPeer, 4000)                     \
   X(device_get_uuid, cuDeviceGetUuid, 11040)                                 \
   X(ctx_enable_peer_access, cuCtxEnablePeerAccess, 4000)                     \
+  X(ctx_disable_peer_access, cuCtxDisablePeerAccess, 4000)                   \
   X(event_create, cuEventCreate, 2000)                                       \
   X(event_destroy, cuEventDestroy, 4000)                                     \
   X(event_record, cuEventRecord, 2000)                                       \
@@ -274,6 +277,7 @@ typedef cudrv_result (*cudrv_pfn_mem_import_from_shareable_handle)(cudrv_mem_han
 typedef cudrv_result (*cudrv_pfn_device_can_access_peer)(int *can, cudrv_device device, cudrv_device peer);
 typedef cudrv_result (*cudrv_pfn_device_get_uuid)(cudrv_uuid *uuid, cudrv_device device);
 typedef cudrv_result (*cudrv_pfn_ctx_enable_peer_access)(cudrv_context peer, unsigned int flags);
+typedef cudrv_result (*cudrv_pfn_ctx_disable_peer_access)(cudrv_context peer);
 typedef cudrv_result (*cudrv_pfn_event_create)(cudrv_event *event, unsigned int flags);
 typedef cudrv_result (*cudrv_pfn_event_destroy)(cudrv_event event);
 typedef cudrv_result (*cudrv_pfn_event_record)(cudrv_event event, cudrv_stream stream);

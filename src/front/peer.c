@@ -1,6 +1,7 @@
-/* Peer access: magpie_device_can_access_peer and
- * magpie_device_enable_peer_access (magpie.h). The mappings themselves are
- * pool/region.c's (region_enable_peer). Takes no lock of its own. */
+/* Peer access: magpie_device_can_access_peer,
+ * magpie_device_enable_peer_access and magpie_device_disable_peer_access
+ * (magpie.h). The mappings themselves are pool/region.c's
+ * (region_enable_peer, region_disable_peer). Takes no lock of its own. */
 #include "base/error.h"
 #include "front/global.h"
 #include "heap/heap.h"
@@ -14,7 +15,8 @@ static int peer_check(int device, int peer, const char *fn) {
     return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "%s(%d, %d): a device always accesses its own memory", fn, device,
                      peer);
   const backend_ops *ops = global_ops();
-  if (ops->can_access_peer == NULL || ops->set_access == NULL || ops->peer_enable == NULL)
+  if (ops->can_access_peer == NULL || ops->set_access == NULL || ops->revoke_access == NULL ||
+      ops->peer_enable == NULL || ops->peer_disable == NULL)
     return error_set(MAGPIE_ERR_NO_PEER_ACCESS, "%s(%d, %d): the %s device has no peer access", fn, device, peer,
                      ops->name);
   return MAGPIE_OK;
@@ -50,5 +52,18 @@ MAGPIE_API int magpie_device_enable_peer_access(int device, int peer) {
   rc = region_enable_peer(&h->region, peer);
   if (rc != MAGPIE_OK)
     return error_set(rc, "magpie_device_enable_peer_access(%d, %d): %s", device, peer, backend_error_detail());
+  return MAGPIE_OK;
+}
+
+MAGPIE_API int magpie_device_disable_peer_access(int device, int peer) {
+  int rc = peer_check(device, peer, "magpie_device_disable_peer_access");
+  if (rc != MAGPIE_OK) return rc;
+  /* A device magpie has no heap on has no mapping to take back, and none
+   * is made for the question. */
+  heap *h = heap_peek(device);
+  if (h == NULL) return MAGPIE_OK;
+  rc = region_disable_peer(&h->region, peer);
+  if (rc != MAGPIE_OK)
+    return error_set(rc, "magpie_device_disable_peer_access(%d, %d): %s", device, peer, backend_error_detail());
   return MAGPIE_OK;
 }

@@ -1,14 +1,16 @@
 /* Sharing blocks with other processes (magpie.h, "IPC"): what the export
  * server (ipc_server.c) and the public entry points (ipc.c) share: the
- * handle's layout, the socket's name and the messages on it (ipc_wire.c).
+ * handles' layouts (the 128-byte handle and the 64-byte compact one), the
+ * socket's name and the messages on it (ipc_wire.c).
  *
  * The exporting process serves imports from one thread, on a SOCK_SEQPACKET
  * Unix socket in the abstract namespace named by its pid and a random
  * nonce. An importer connects, sends one request (the export's block
- * address, id and secret); the server answers with the span to map and
- * one file descriptor per granule (SCM_RIGHTS), and keeps the connection:
- * it is the import's hold on the block (pool/record.h, exports), released
- * when the importer closes it, by magpie_ipc_close or by exiting.
+ * address, id and secret); the server answers with the span to map, the
+ * device's UUID and one file descriptor per granule (SCM_RIGHTS), and
+ * keeps the connection: it is the import's hold on the block (pool/record.h,
+ * exports), released when the importer closes it, by magpie_ipc_close or by
+ * exiting.
  *
  * Lock order: ipc_st.lock is a leaf (ipc.c and ipc_server.c hold it
  * for list and state changes only, never across a driver call, a socket
@@ -25,7 +27,9 @@
 #include "pool/record.h"
 
 #define IPC_MAGIC 0x4d504948u /* "MPIH" */
-#define IPC_VERSION 1u
+/* The protocol's version, in both handles and in the request. 2: the reply
+ * carries the device's UUID (the compact handle has no room for it). */
+#define IPC_VERSION 2u
 
 /* The handle's bytes (magpie_ipc_handle), host order: both processes are
  * on one machine. */
@@ -33,16 +37,46 @@ typedef struct ipc_wire_handle {
   uint32_t magic;
   uint16_t version;
   uint16_t pad0;
-  uint32_t pid;   /* the exporting process */
-  int32_t device; /* its device ordinal (for messages) */
-  uint64_t nonce; /* names its server's socket, with pid */
-  unsigned char uuid[16];
+  uint32_t pid;           /* the exporting process */
+  int32_t device;         /* its device ordinal (for messages) */
+  uint64_t nonce;         /* names its server's socket, with pid */
+  unsigned char uuid[16]; /* its device (the importer maps on the reply's, the same) */
   uint64_t export_id;
   unsigned char secret[RECORD_SECRET_LEN];
   uint64_t ptr;  /* the block's address in the exporting process */
-  uint64_t size; /* its usable size */
+  uint64_t size; /* its usable size (the importer reports the reply's, the same) */
 } ipc_wire_handle;
 _Static_assert(sizeof(ipc_wire_handle) <= MAGPIE_IPC_HANDLE_SIZE, "the handle's layout fits its bytes");
+
+/* The compact handle's bytes (magpie_ipc_compact: the 64 bytes of a
+ * cudaIpcMemHandle_t), host order. The same export as the long handle,
+ * with what the importer cannot do without: the server's socket (pid,
+ * nonce), the export (ptr, export_id) and the 128-bit secret that proves
+ * the importer was given the handle. The long handle's device UUID and size
+ * are left out: the server's reply carries both. The tag and the check
+ * tell it from a CUDA handle, whose 64 bytes are the driver's own: a CUDA
+ * handle would have to carry the 7 tag bytes and the 32-bit check of its
+ * other bytes by chance. */
+#define IPC_COMPACT_TAG "\xd7magpie" /* 7 bytes, no terminating zero in the handle */
+#define IPC_COMPACT_TAG_LEN 7
+typedef struct ipc_compact_wire {
+  unsigned char tag[IPC_COMPACT_TAG_LEN];
+  uint8_t version; /* IPC_VERSION */
+  uint32_t pid;    /* the exporting process */
+  uint32_t check;  /* ipc_compact_check of the other 60 bytes */
+  uint64_t nonce;  /* names its server's socket, with pid */
+  uint64_t export_id;
+  uint64_t ptr; /* the block's address in the exporting process */
+  unsigned char secret[RECORD_SECRET_LEN];
+  int32_t device; /* its device ordinal there (for messages) */
+  uint32_t zero;  /* 0: room for a later version */
+} ipc_compact_wire;
+_Static_assert(sizeof(ipc_compact_wire) == MAGPIE_IPC_COMPACT_SIZE && offsetof(ipc_compact_wire, zero) == 60,
+               "the compact handle fills its 64 bytes, with no padding");
+
+/* FNV-1a (32 bits) of the compact handle's bytes, its check field taken as
+ * zero (ipc_wire.c). */
+uint32_t ipc_compact_check(const ipc_compact_wire *w);
 
 /* importer -> server, once per connection. */
 typedef struct ipc_request {
@@ -64,6 +98,7 @@ typedef struct ipc_reply {
   uint64_t gran;
   uint64_t bytes;
   uint64_t nfds;
+  unsigned char uuid[16]; /* the block's device: the importer maps it on its device of that UUID */
   char message[200];
 } ipc_reply;
 #define IPC_REPLY_FAILED 100

@@ -108,7 +108,8 @@ static void ipc_serve(ipc_conn *c) {
   size_t span = (((uintptr_t)q.ptr + bytes + g - 1) & ~(uintptr_t)(g - 1)) - base;
   size_t n = span / g;
   int *fds = meta_alloc(n * sizeof *fds);
-  int rc = fds == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : h->ops->export_fds(h->device, base, span, fds);
+  int rc = fds == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : h->ops->device_uuid(h->device, r.uuid);
+  if (rc == MAGPIE_OK) rc = h->ops->export_fds(h->device, base, span, fds);
   if (rc != MAGPIE_OK) {
     record_import_release(&h->records, (uintptr_t)q.ptr, q.export_id);
     ipc_refuse(&r, IPC_REPLY_FAILED, "the exporting process cannot export the memory: %s",

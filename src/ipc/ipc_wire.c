@@ -1,5 +1,5 @@
-/* The export server's socket: its name and the messages on it (ipc.h).
- * Takes no lock. */
+/* The export server's socket: its name and the messages on it, and the
+ * compact handle's check (ipc.h). Takes no lock. */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -8,6 +8,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "base/atomic.h"
 #include "ipc/ipc.h"
 
 unsigned ipc_socket_name(uint32_t pid, uint64_t nonce, struct sockaddr_un *addr) {
@@ -75,4 +76,13 @@ int ipc_recv(int sock, void *msg, size_t len, size_t *got, int *fds, size_t maxf
     return EPROTO;
   }
   return 0;
+}
+
+MAGPIE_WRAPS uint32_t ipc_compact_check(const ipc_compact_wire *w) {
+  ipc_compact_wire c = *w;
+  c.check = 0;
+  const unsigned char *b = (const unsigned char *)&c;
+  uint32_t h = 2166136261u;
+  for (size_t i = 0; i < sizeof c; i++) h = (h ^ b[i]) * 16777619u;
+  return h;
 }

@@ -1,5 +1,6 @@
 /* Virtual range and physical mapping per device.
- * Lock order: region.lock is a leaf; never held across a driver call. */
+ * Lock order: region.lock is a leaf; never held across a driver call.
+ * region.peer_lock is a leaf, held across the driver's access calls. */
 #include "pool/region.h"
 
 #include <sched.h>
@@ -21,6 +22,7 @@ int region_init(region *r, int device, const backend_ops *ops, size_t reserve_hi
   r->ops = ops;
   r->map_flags = map_flags;
   pthread_mutex_init(&r->lock, NULL);
+  pthread_mutex_init(&r->peer_lock, NULL);
   atomic_store_relaxed(&r->limit, SIZE_MAX);
   int rc = ops->granularity(device, &r->gran);
   if (rc != MAGPIE_OK) return rc;
@@ -153,6 +155,21 @@ static int region_granule_mapped(region *r, size_t g) {
   return (atomic_load_seq_cst(&r->granmap[g / 64]) >> (g % 64)) & 1;
 }
 
+/* A new mapping, made for was (the peers it loaded), set to the peers of
+ * now, under peer_lock: the current peers granted, and those of was that
+ * are gone revoked. The enables and disables that ran meanwhile may or may
+ * not have seen it; any that did ran whole under the lock, so a device
+ * they granted it and later took back has no access left, and only was
+ * can be stale. */
+static int region_correct(region *r, uintptr_t addr, size_t size, uint64_t was) {
+  pthread_mutex_lock(&r->peer_lock);
+  uint64_t now = atomic_load_seq_cst(&r->peers), gone = was & ~now;
+  int rc = now != 0 ? r->ops->set_access(r->device, addr, size, now) : MAGPIE_OK;
+  if (rc == MAGPIE_OK && gone != 0) rc = r->ops->revoke_access(r->device, addr, size, gone);
+  pthread_mutex_unlock(&r->peer_lock);
+  return rc;
+}
+
 int region_map_at(region *r, uintptr_t addr, size_t size) {
   int rc = region_commit(r, size);
   if (rc != MAGPIE_OK) return rc;
@@ -163,9 +180,8 @@ int region_map_at(region *r, uintptr_t addr, size_t size) {
     return rc;
   }
   region_mark(r, addr, size, 1);
-  /* A peer enabled while this mapping was made (region.peers). */
-  uint64_t now = atomic_load_seq_cst(&r->peers);
-  if (now != peers && r->ops->set_access(r->device, addr, size, now) != MAGPIE_OK) {
+  /* A peer enabled or disabled while this mapping was made (region.peers). */
+  if (atomic_load_seq_cst(&r->peers) != peers && region_correct(r, addr, size, peers) != MAGPIE_OK) {
     region_mark(r, addr, size, 0);
     r->ops->unmap(r->device, addr, size);
     region_uncommit(r, size);
@@ -188,13 +204,11 @@ int region_unmap_at(region *r, uintptr_t addr, size_t size) {
   return rc;
 }
 
-int region_enable_peer(region *r, int peer) {
-  uint64_t bit = (uint64_t)1 << peer;
-  uint64_t peers = atomic_or_seq_cst(&r->peers, bit) | bit;
-  if (!r->vmm) return r->ops->peer_enable(r->device, peer);
-  /* Every mapped granule, in runs; a run that fails is retried granule by
-   * granule, and only a granule still mapped counts (one being unmapped
-   * concurrently is refused by the driver, harmlessly). */
+/* op (set_access or revoke_access) with mask over every mapped granule, in
+ * runs; a run that fails is retried granule by granule, and only a
+ * granule still mapped counts (one being unmapped concurrently is refused
+ * by the driver, harmlessly). Under peer_lock. */
+static int region_walk(region *r, int (*op)(int, uintptr_t, size_t, uint64_t), uint64_t mask) {
   size_t ng = r->size / r->gran;
   for (size_t g = 0; g < ng;) {
     if (!region_granule_mapped(r, g)) {
@@ -204,14 +218,35 @@ int region_enable_peer(region *r, int peer) {
     size_t end = g + 1;
     while (end < ng && region_granule_mapped(r, end)) end++;
     uintptr_t a = r->base + g * r->gran;
-    if (r->ops->set_access(r->device, a, (end - g) * r->gran, peers) != MAGPIE_OK)
+    if (op(r->device, a, (end - g) * r->gran, mask) != MAGPIE_OK)
       for (size_t k = g; k < end; k++) {
-        int rc = r->ops->set_access(r->device, r->base + k * r->gran, r->gran, peers);
+        int rc = op(r->device, r->base + k * r->gran, r->gran, mask);
         if (rc != MAGPIE_OK && region_granule_mapped(r, k)) return rc;
       }
     g = end;
   }
   return MAGPIE_OK;
+}
+
+int region_enable_peer(region *r, int peer) {
+  uint64_t bit = (uint64_t)1 << peer;
+  pthread_mutex_lock(&r->peer_lock);
+  r->granted |= bit;
+  uint64_t peers = atomic_or_seq_cst(&r->peers, bit) | bit;
+  int rc = r->vmm ? region_walk(r, r->ops->set_access, peers) : r->ops->peer_enable(r->device, peer);
+  pthread_mutex_unlock(&r->peer_lock);
+  return rc;
+}
+
+int region_disable_peer(region *r, int peer) {
+  uint64_t bit = (uint64_t)1 << peer;
+  pthread_mutex_lock(&r->peer_lock);
+  atomic_and_seq_cst(&r->peers, ~bit);
+  int rc = MAGPIE_OK;
+  if (r->granted & bit)
+    rc = r->vmm ? region_walk(r, r->ops->revoke_access, bit) : r->ops->peer_disable(r->device, peer);
+  pthread_mutex_unlock(&r->peer_lock);
+  return rc;
 }
 
 int region_map(region *r, size_t size, uintptr_t *addr, uintptr_t *raw, size_t *raw_size) {

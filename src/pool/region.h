@@ -7,7 +7,9 @@
  * page map can describe it.
  *
  * Lock order: region.lock is a leaf, and no driver call is made while it is
- * held (the range is claimed under the lock, mapped after). */
+ * held (the range is claimed under the lock, mapped after). region.peer_lock
+ * is a leaf too, held across the driver's access calls (peer access changes
+ * and their corrections). */
 #ifndef MAGPIE_REGION_H
 #define MAGPIE_REGION_H
 
@@ -62,15 +64,28 @@ typedef struct region {
    * MAGPIE_CONF=ipc=1); set at init. */
   unsigned map_flags;
   /* Devices granted access to every mapping (bit d: device d), besides
-   * the region's own; bits are only ever added (region_enable_peer).
-   * INVARIANT: every granule whose bit is set in granmap is accessible from
-   * every device in peers, once region_enable_peer has returned.
+   * the region's own: set by region_enable_peer, cleared by
+   * region_disable_peer (each under peer_lock); read by every mapper.
+   * INVARIANT: once the enable or disable that last changed it has
+   * returned, every granule whose bit is set in granmap is accessible from
+   * exactly the devices in peers (and the region's own).
    * This and granmap form a store-load pair (seq_cst): a mapper maps with
    * the peers it loaded, sets the granules' bits, then loads peers again
-   * and grants what was added meanwhile; region_enable_peer sets its bit,
-   * then walks granmap. Either the mapper's second load sees the new bit,
-   * or the walk sees the mapper's granules. */
+   * and, if they changed meanwhile, sets its granules' rights to the new
+   * peers under peer_lock; an enable or disable changes its bit, then
+   * walks granmap. Either the mapper's second load sees the change, or the
+   * walk sees the mapper's granules. */
   _Atomic uint64_t peers;
+  /* Serialises enables, disables and the mappers' corrections: each sets
+   * rights from the peers it read, and with two at once an older reading
+   * could land last. Held across the driver's access calls; no other lock
+   * is taken under it. */
+  pthread_mutex_t peer_lock;
+  /* Devices ever granted access (only gains bits; under peer_lock): a
+   * disable of any other has nothing to take back, and asks the driver
+   * nothing (a device that cannot reach the memory may not even be named
+   * in an access call). */
+  uint64_t granted;
   /* VMM: one bit per granule of [base, base+size), set while mapped
    * (seq_cst, see peers). Set after map returned, cleared before unmap;
    * read by region_enable_peer's walk. NULL without VMM. */
@@ -109,6 +124,11 @@ static inline void region_reset_peak(region *r) { atomic_store_relaxed(&r->peak_
  * backend's set_access over every mapped granule, without it through
  * peer_enable. Idempotent; never takes r->lock. */
 int region_enable_peer(region *r, int peer);
+/* Undoes region_enable_peer: every mapping of r stops being accessible
+ * from peer and later ones are not granted it (revoke_access over every
+ * mapped granule; without VMM, peer_disable). The caller makes sure no work
+ * of peer still touches the memory. MAGPIE_OK if peer was never granted. */
+int region_disable_peer(region *r, int peer);
 
 /* VMM only: claim size bytes of the reserved range without mapping them
  * (large segments map and unmap granules inside it themselves). Returns 0

@@ -80,25 +80,33 @@ def gpu_test(name, srcs, deps = []):
         linkopts = ["-lpthread"],
     )
 
-def cuda_program(name, src, out, hdrs = []):
-    """An ordinary CUDA program built by nvcc against the *shared* runtime
+def cuda_program(name, src, out, hdrs = [], cudart = "shared"):
+    """An ordinary CUDA program built by nvcc, as a program that LD_PRELOAD
+    can interpose on. cudart "shared": against the shared runtime
     (libcudart.so, found at run time in the toolkit's lib64 or the bundle's
-    lib/), as a program that LD_PRELOAD can interpose on. Build the output
-    file (//pkg:out); tools/gpu_suite.sh bundles it under bin/."""
+    lib/), and libcuda's stub for its driver calls. cudart "static" (nvcc's
+    default): the runtime inside the program, which opens libcuda.so.1 and
+    reaches the driver through cuGetProcAddress; nothing else links the
+    driver. Build the output file (//pkg:out); tools/gpu_suite.sh bundles it
+    under bin/."""
     if not HAVE_CUDA_GPU_TESTS:
         return
+    if cudart not in ("shared", "static"):
+        fail("cuda_program: cudart must be \"shared\" or \"static\", not " + repr(cudart))
+    link = [
+        "-L" + CUDA_HOME + "/lib64/stubs -lcuda -ldl -lpthread",
+        "-Xlinker -rpath=" + CUDA_HOME + "/lib64",
+    ] if cudart == "shared" else ["-ldl -lpthread"]
     native.genrule(
         name = name,
         srcs = [src] + hdrs,
         outs = [out],
         cmd = " ".join([
             NVCC,
-            "-O2 -std=c++17 -cudart shared",
+            "-O2 -std=c++17 -cudart " + cudart,
             "-gencode arch=compute_90,code=[sm_90,compute_90]",
             "-o $@ $(location " + src + ")",
-            "-L" + CUDA_HOME + "/lib64/stubs -lcuda -ldl -lpthread",
-            "-Xlinker -rpath=" + CUDA_HOME + "/lib64",
-        ]),
+        ] + link),
         executable = True,
         tags = GPU_TAGS,
         testonly = True,
