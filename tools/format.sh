@@ -5,10 +5,11 @@
 #   tools/format.sh --check  change nothing; list the files that differ and
 #                            exit 1 if any does (tools/test.sh runs this)
 #
-# Sources: every tracked *.c, *.h, *.cpp, *.hpp and *.cu outside third_party/.
+# Sources: every tracked *.c, *.h, *.cpp, *.hpp, *.cu and *.cuh outside
+# third_party/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-mapfile -t files < <(git ls-files '*.c' '*.h' '*.cpp' '*.hpp' '*.cu' | grep -v '^third_party/')
+mapfile -t files < <(git ls-files '*.c' '*.h' '*.cpp' '*.hpp' '*.cu' '*.cuh' | grep -v '^third_party/')
 if [ "${1:-}" = "--check" ]; then
   bad=0
   for f in "${files[@]}"; do

@@ -1,6 +1,6 @@
 // CHECK(call): a CUDA runtime call that must succeed, else the program
 // prints where and why and exits 2. Shared by the standalone CUDA programs
-// run under LD_PRELOAD (preload_prog.cu, preload_peer.cu).
+// run under LD_PRELOAD (preload_*.cu, preload_kernels.cuh).
 #ifndef MAGPIE_TESTS_GPU_CUDA_CHECK_H
 #define MAGPIE_TESTS_GPU_CUDA_CHECK_H
 

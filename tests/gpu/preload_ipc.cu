@@ -47,29 +47,11 @@
 #include <unistd.h>
 
 #include "cuda_check.h"
+#include "preload_kernels.cuh"
 
 extern char **environ;
 
 static const size_t N = (size_t)1 << 20; // words per block (4 MiB)
-
-__device__ static unsigned mix(unsigned seed, unsigned long long i) {
-  unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return (unsigned)(x ^ (x >> 32));
-}
-
-static unsigned host_mix(unsigned seed, unsigned long long i) {
-  unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return (unsigned)(x ^ (x >> 32));
-}
-
-__global__ void fill(unsigned *p, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = mix(seed, i);
-}
 
 // Counts the words of p that are not seed's pattern into *bad; with reply
 // nonzero, then writes reply's pattern.
@@ -102,7 +84,7 @@ static size_t host_wrong(const unsigned *p, size_t n, unsigned seed) {
   unsigned *h = (unsigned *)malloc(n * sizeof *h);
   CHECK(cudaMemcpy(h, p, n * sizeof *h, cudaMemcpyDefault));
   size_t bad = 0;
-  for (size_t i = 0; i < n; i++) bad += h[i] != host_mix(seed, i);
+  for (size_t i = 0; i < n; i++) bad += h[i] != mix(seed, i);
   free(h);
   return bad;
 }

@@ -31,69 +31,19 @@
 #include <string.h>
 
 #include "cuda_check.h"
+#include "preload_kernels.cuh"
 
-static unsigned long long *bad_counter; // device: mismatches seen by checks
-static unsigned long long checks;       // host: checks launched
-static unsigned long long blocks;       // host: blocks of 1 and 2
-static unsigned long long not_magpie;   // host: of those, blocks magpie does not hold
+static unsigned long long blocks;     // host: blocks of 1 and 2
+static unsigned long long not_magpie; // host: of those, blocks magpie does not hold
 
 typedef int (*block_info_fn)(const void *, size_t *, int *);
 static block_info_fn block_info; // magpie_block_info, if magpie is in the process
-
-__device__ static unsigned mix(unsigned seed, unsigned long long i) {
-  unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return (unsigned)(x ^ (x >> 32));
-}
-
-__global__ void fill(unsigned *p, size_t n, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    p[i] = mix(seed, i);
-}
-
-// Waits spin_ns first (so a premature reuse has time to overwrite), then
-// counts words that are not the pattern.
-__global__ void slow_check(const unsigned *p, size_t n, unsigned seed, unsigned long long spin_ns,
-                           unsigned long long *bad) {
-  unsigned long long t0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  for (;;) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 >= spin_ns) break;
-    __nanosleep(1000);
-  }
-  unsigned long long mine = 0;
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    mine += ((volatile const unsigned *)p)[i] != mix(seed, i);
-  if (mine) atomicAdd(bad, mine);
-}
-
-__global__ void copy_words(unsigned *dst, const unsigned *src, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-    dst[i] = src[i];
-}
 
 // A block of 1 or 2 just allocated: is it magpie's?
 static void count_block(const void *p) {
   int dev = -1;
   __atomic_add_fetch(&blocks, 1, __ATOMIC_RELAXED);
   if (block_info == nullptr || block_info(p, nullptr, &dev) != 0) __atomic_add_fetch(&not_magpie, 1, __ATOMIC_RELAXED);
-}
-
-static void use_then_check(void *p, size_t bytes, unsigned seed, cudaStream_t s, unsigned long long spin_ns) {
-  size_t n = bytes / 4;
-  fill<<<64, 256, 0, s>>>((unsigned *)p, n, seed);
-  slow_check<<<64, 256, 0, s>>>((const unsigned *)p, n, seed, spin_ns, bad_counter);
-  CHECK(cudaGetLastError());
-  __atomic_add_fetch(&checks, 1, __ATOMIC_RELAXED);
-}
-
-static size_t pick_size(unsigned *state) {
-  static const size_t sizes[] = {256, 4096, 65536, 1 << 20, 3 << 20};
-  *state = *state * 1103515245u + 12345u;
-  return sizes[(*state >> 16) % 5];
 }
 
 // 1. (see the top)
@@ -167,28 +117,6 @@ static int pool_case(void) {
   printf("preload_static: default pool: used %llu -> %llu -> %llu after free and trim: %s\n", (unsigned long long)used0,
          (unsigned long long)used1, (unsigned long long)used2, ok ? "ok" : "WRONG");
   return ok;
-}
-
-static volatile int graph_stop;
-
-static void *graph_neighbour(void *arg) {
-  (void)arg;
-  CHECK(cudaSetDevice(0));
-  cudaStream_t s[2];
-  for (auto &x : s) CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
-  unsigned rng = 99u;
-  for (int it = 0; !graph_stop; it++) {
-    size_t n = pick_size(&rng);
-    void *p = nullptr;
-    CHECK(cudaMallocAsync(&p, n, s[it % 2]));
-    use_then_check(p, n, 5000u + it, s[it % 2], 0);
-    CHECK(cudaFreeAsync(p, s[it % 2]));
-  }
-  for (auto &x : s) {
-    CHECK(cudaStreamSynchronize(x));
-    CHECK(cudaStreamDestroy(x));
-  }
-  return nullptr;
 }
 
 // 4. Returns 1 if every replay's output was right.
