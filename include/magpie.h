@@ -341,6 +341,14 @@ MAGPIE_API size_t magpie_graph_pool_bytes(uint64_t pool);
  * stay until the pool is released, for its graphs replay into them.
  * MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released pool. */
 MAGPIE_API int magpie_graph_pool_trim(uint64_t pool);
+/* Hand out again the pool's free block at ptr, as an allocator checkpoint
+ * restores it (PyTorch's cudagraph trees): the block is in use from here,
+ * without waiting for the work of its last free, which the caller orders
+ * (the graphs of one pool run in order on one stream); free it as any
+ * other. *size: its size. MAGPIE_ERR_INVALID_POINTER if the pool has no
+ * block at ptr, MAGPIE_ERR_DOUBLE_FREE if it is in use,
+ * MAGPIE_ERR_INVALID_ARGUMENT for an unknown or released pool. */
+MAGPIE_API int magpie_graph_pool_take(uint64_t pool, void *ptr, cudaStream_t stream, size_t *size);
 /* A block a graph pool holds (magpie_graph_pool_blocks). */
 typedef struct magpie_pool_block {
   void *ptr;

@@ -438,6 +438,21 @@ static void test_pool_trim_and_blocks(void **state) {
   assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
   assert_int_equal(pool_blocks(pool, blk, 8, &used), 4);
   assert_int_equal(used, 1);
+
+  /* A checkpoint restored: the free block at c is handed out again, and
+   * freed again as any other; a block in use, an address the pool has not
+   * and a pool that does not exist are refused. */
+  size_t csize = 0;
+  assert_int_equal(magpie_graph_pool_take(pool, c, s, &csize), MAGPIE_OK);
+  assert_true(csize >= 100 * KiB);
+  assert_int_equal(pool_blocks(pool, blk, 8, &used), 4);
+  assert_int_equal(used, 2);
+  assert_int_equal(magpie_graph_pool_take(pool, c, s, &csize), MAGPIE_ERR_DOUBLE_FREE);
+  assert_int_equal(magpie_graph_pool_take(pool, (char *)c + 4096, s, &csize), MAGPIE_ERR_INVALID_POINTER);
+  assert_int_equal(magpie_graph_pool_take(777, c, s, &csize), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_graph_pool_take(pool, c, s, NULL), MAGPIE_ERR_INVALID_ARGUMENT);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_ERR_DOUBLE_FREE);
   size_t before = magpie_graph_pool_bytes(pool);
   assert_int_equal(magpie_graph_pool_trim(pool), MAGPIE_OK);
   assert_int_equal(pool_blocks(pool, blk, 8, &used), 2); /* b (in use) and the graph's block */

@@ -22,6 +22,7 @@ if [[ ${1:-} == build ]]; then
   cp "$root/tests/gpu/torch_test.py" "$root/tests/gpu/torch_memory_api.py" "$root/tests/gpu/cupy_test.py" "$root/tests/gpu/cupy_checks.py" \
     "$root/tests/gpu/torch_graph_test.py" "$root/tests/gpu/torch_ipc_test.py" \
     "$root/tests/gpu/torch_multi_gpu_test.py" "$root/tests/gpu/verdicts.py" "$root/tests/gpu/torch_mempool_test.py" \
+    "$root/tests/gpu/torch_compile_test.py" \
     "$bundle/"
   gcc -shared -fPIC -O2 -Wall "$root/tests/gpu/mempool_alloc.c" -o "$bundle/bin/libmempool_alloc.so" -ldl || exit 1
   mkdir -p "$bundle/python"
@@ -73,6 +74,8 @@ echo "### torch_memory_api"
 timeout 300 python3 "$B/torch_memory_api.py" || status=1
 echo "### torch_mempool_test"
 MEMPOOL_ALLOC_LIB=$B/bin/libmempool_alloc.so timeout 300 python3 "$B/torch_mempool_test.py" "${OUT:-$B}" || status=1
+echo "### torch_compile_test"
+timeout 600 python3 "$B/torch_compile_test.py" || status=1
 echo "### torch_graph_test"
 timeout 400 python3 "$B/torch_graph_test.py" --variants pytorch,magpie || status=1
 echo "### torch_ipc_test"

@@ -159,7 +159,8 @@ def install_native(torch):
              "magpie_torch_record_stream", "magpie_torch_empty_cache", "magpie_torch_set_memory_fraction",
              "magpie_graph_pool_create", "magpie_capture_begin", "magpie_capture_end",
              "magpie_graph_pool_malloc_async", "magpie_graph_pool_release", "magpie_stats_get",
-             "magpie_stats_reset_peaks", "magpie_graph_pool_trim", "magpie_graph_pool_blocks")
+             "magpie_stats_reset_peaks", "magpie_graph_pool_trim", "magpie_graph_pool_blocks",
+             "magpie_graph_pool_take")
     fns = (ctypes.c_void_p * len(names))(*[ctypes.cast(getattr(l, n), ctypes.c_void_p).value for n in names])
     native.magpie_torch_native_error.restype = ctypes.c_char_p
     rc = native.magpie_torch_native_install(fns)

@@ -38,12 +38,10 @@ CUDA graphs (torch.cuda.graph, shared pools through pool=...,
 torch.cuda.graph_pool_handle, torch.cuda.make_graphed_callables, graph
 deletion) work with magpie's own allocator (kind() == "native"): PyTorch's
 pool hooks (beginAllocateToPool, endAllocateToPool, releasePool) map each
-PyTorch pool onto a magpie graph pool (magpie.h, "CUDA graphs").
-torch.compile(mode="reduce-overhead") needs
-torch._inductor.config.triton.cudagraph_trees = False: cudagraph trees call
-allocator checkpoints (getCheckpointState, setCheckpointPoolState,
-checkPoolLiveAllocations) that a pluggable allocator does not offer. The
-wrapper (kind() == "pluggable") cannot take them from Python in a form C
+PyTorch pool onto a magpie graph pool (magpie.h, "CUDA graphs"), and
+torch.compile(mode="reduce-overhead")'s cudagraph trees get the allocator
+checkpoints they call (getCheckpointState, setCheckpointPoolState,
+checkPoolLiveAllocations; torch_native.cpp). The wrapper (kind() == "pluggable") cannot take them from Python in a form C
 can call (the begin hook's stream filter is a std::function): under it,
 captures are not supported (magpie refuses a capture's allocation that
 reaches its slow path, with MAGPIE_ERR_CAPTURE, but one served from a

@@ -72,6 +72,7 @@ struct MagpieFns {
   int (*stats_reset_peaks)(int);
   int (*graph_pool_trim)(uint64_t);
   int (*graph_pool_blocks)(uint64_t, magpie_pool_block *, size_t, size_t *);
+  int (*graph_pool_take)(uint64_t, void *, cudaStream_t, size_t *);
 };
 
 MagpieFns fns;
@@ -259,8 +260,14 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     c10::DeviceIndex device = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     Served s = magpie_alloc(size, stream, device);
-    return {s.ptr, new Block{s.ptr, stream, size, device, s.pool, s.custom}, &delete_block,
-            c10::Device(c10::DeviceType::CUDA, device)};
+    Block b{s.ptr, stream, size, device, s.pool, s.custom};
+    if (s.pool.first == 0 && s.pool.second == 0)
+      return {s.ptr, new Block(b), &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    // A pool's block is PyTorch's kind of DataPtr (context the pointer,
+    // deleter raw_deleter()): cudagraph trees swap such deleters and free
+    // through raw_delete.
+    if (s.ptr != nullptr) remember(b);
+    return {s.ptr, s.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   void *raw_alloc(size_t nbytes) override {
@@ -270,9 +277,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     int device = current_device();
     Served a = magpie_alloc(nbytes, stream, device);
-    Shard &s = shard(a.ptr);
-    std::lock_guard<std::mutex> g(s.lock);
-    s.blocks[a.ptr] = Block{a.ptr, stream, nbytes, device, a.pool, a.custom};
+    if (a.ptr != nullptr) remember(Block{a.ptr, stream, nbytes, device, a.pool, a.custom});
     return a.ptr;
   }
 
@@ -283,7 +288,12 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       Shard &s = shard(ptr);
       std::lock_guard<std::mutex> g(s.lock);
       auto it = s.blocks.find(ptr);
-      TORCH_CHECK(it != s.blocks.end(), "magpie: raw_delete of a pointer not allocated here");
+      if (it == s.blocks.end()) {
+        // Called from DataPtr deleters, where a throw ends the process:
+        // warn and leave the pointer alone.
+        TORCH_WARN("magpie: raw_delete of ", ptr, ", which magpie's allocator did not hand out (or freed already)");
+        return;
+      }
       b = it->second;
       s.blocks.erase(it);
     }
@@ -311,6 +321,63 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void setUseOnOOM(c10::DeviceIndex, c10::cuda::MempoolId_t mempool_id, bool use_on_oom) override {
     pools.set_use_on_oom(mempool_id, use_on_oom);
+  }
+
+  // Allocator checkpoints (cudagraph trees, torch.compile's
+  // mode="reduce-overhead"): the state of a pool is its live blocks;
+  // restoring it frees the pool's blocks that were not live then and hands
+  // out again those that were (magpie_graph_pool_take: a pool's blocks
+  // stay its own until it is released, so each is still there, at its
+  // address). PyTorch is told every live block was freed and every
+  // checkpointed block allocated, with DataPtrs it gives to the storages
+  // it keeps.
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    auto st = std::make_shared<PoolState>();
+    st->device = device;
+    st->pool = id;
+    st->live = live_in(id);
+    return st;
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
+    auto st = std::dynamic_pointer_cast<PoolState>(pps);
+    TORCH_CHECK(st != nullptr, "magpie: setCheckpointPoolState of a state magpie did not make");
+    uint64_t magpie_pool = pools.magpie_pool(st->pool);
+    TORCH_CHECK(magpie_pool != 0, "magpie: checkpoints of pool (", st->pool.first, ", ", st->pool.second,
+                "), which is not one of magpie's graph pools");
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    std::unordered_map<void *, Block> then;
+    for (const Block &b : st->live) then[b.ptr] = b;
+    for (const Block &b : live_in(st->pool)) {
+      delta.ptrs_freed.push_back(b.ptr);
+      if (then.count(b.ptr) != 0) continue; /* live then and now: stays allocated */
+      forget(b.ptr);
+      magpie_release(b.ptr, b.size, b.device, b.stream, b.pool, b.custom);
+    }
+    for (auto &kv : then) {
+      const Block &b = kv.second;
+      if (!known(b.ptr)) {
+        size_t size = 0;
+        TORCH_CHECK(fns.graph_pool_take(magpie_pool, b.ptr, b.stream, &size) == 0,
+                    "magpie: cannot restore the checkpoint: ", fns.last_message());
+        remember(b);
+        history.alloc(b.device, b.ptr, b.size, b.stream, b.pool);
+      }
+      delta.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
+  }
+
+  // Whether the pool's live blocks are exactly expected.
+  bool checkPoolLiveAllocations(c10::DeviceIndex, c10::cuda::MempoolId_t id,
+                                const std::unordered_set<void *> &expected) override {
+    std::vector<Block> live = live_in(id);
+    if (live.size() != expected.size()) return false;
+    for (const Block &b : live)
+      if (expected.count(b.ptr) == 0) return false;
+    return true;
   }
 
   // magpie never splits a pool's block (each is one large block).
@@ -430,6 +497,39 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     std::unordered_map<void *, Block> blocks;
   };
   std::array<Shard, 64> shards_;
+
+  struct PoolState : c10::cuda::CUDACachingAllocator::AllocatorState {
+    c10::DeviceIndex device = 0;
+    PoolId pool{0, 0};
+    std::vector<Block> live;
+  };
+
+  // The raw interface's blocks and every pool's live block (freed by
+  // raw_delete): by pointer, in 64 separately locked shards.
+  void remember(const Block &b) {
+    Shard &s = shard(b.ptr);
+    std::lock_guard<std::mutex> g(s.lock);
+    s.blocks[b.ptr] = b;
+  }
+  void forget(void *p) {
+    Shard &s = shard(p);
+    std::lock_guard<std::mutex> g(s.lock);
+    s.blocks.erase(p);
+  }
+  bool known(void *p) {
+    Shard &s = shard(p);
+    std::lock_guard<std::mutex> g(s.lock);
+    return s.blocks.count(p) != 0;
+  }
+  std::vector<Block> live_in(PoolId id) {
+    std::vector<Block> out;
+    for (Shard &s : shards_) {
+      std::lock_guard<std::mutex> g(s.lock);
+      for (auto &kv : s.blocks)
+        if (kv.second.pool == id) out.push_back(kv.second);
+    }
+    return out;
+  }
   static constexpr int kDevices = 64;
   std::array<std::atomic<double>, kDevices> fractions_;
 
@@ -448,14 +548,15 @@ extern "C" {
 // magpie_torch_set_memory_fraction, magpie_graph_pool_create,
 // magpie_capture_begin, magpie_capture_end, magpie_graph_pool_malloc_async,
 // magpie_graph_pool_release, magpie_stats_get, magpie_stats_reset_peaks,
-// magpie_graph_pool_trim, magpie_graph_pool_blocks. 0; -1 if one is
+// magpie_graph_pool_trim, magpie_graph_pool_blocks, magpie_graph_pool_take.
+// 0; -1 if one is
 // missing; -2 if PyTorch
 // refused (e.g. its allocator was already in use), with the reason in
 // magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  for (int i = 0; i < 16; i++)
+  for (int i = 0; i < 17; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
   fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);
@@ -473,6 +574,7 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.stats_reset_peaks = reinterpret_cast<int (*)(int)>(fn[13]);
   fns.graph_pool_trim = reinterpret_cast<int (*)(uint64_t)>(fn[14]);
   fns.graph_pool_blocks = reinterpret_cast<int (*)(uint64_t, magpie_pool_block *, size_t, size_t *)>(fn[15]);
+  fns.graph_pool_take = reinterpret_cast<int (*)(uint64_t, void *, cudaStream_t, size_t *)>(fn[16]);
   pool_fns =
       magpie_torch::PoolFns{fns.graph_pool_create,  fns.capture_begin,   fns.capture_end,       fns.graph_pool_malloc,
                             fns.graph_pool_release, fns.graph_pool_trim, fns.graph_pool_blocks, fns.last_message};

@@ -82,6 +82,13 @@ class Pools {
     return it == pools_.end() ? 0 : it->second.uses;
   }
 
+  // The magpie graph pool of id; 0 for a custom allocator's or an unknown.
+  uint64_t magpie_pool(PoolId id) {
+    std::lock_guard<std::mutex> g(lock_);
+    auto it = pools_.find(id);
+    return it == pools_.end() || it->second.magpie_released ? 0 : it->second.magpie;
+  }
+
   void set_use_on_oom(PoolId id, bool on) {
     std::lock_guard<std::mutex> g(lock_);
     auto it = pools_.find(id);

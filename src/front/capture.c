@@ -381,3 +381,22 @@ MAGPIE_API int magpie_graph_pool_blocks(uint64_t pool, magpie_pool_block *out, s
                      (unsigned long long)pool);
   return MAGPIE_OK;
 }
+
+MAGPIE_API int magpie_graph_pool_take(uint64_t pool, void *ptr, cudaStream_t stream, size_t *size) {
+  int rc = global_ensure();
+  if (rc != MAGPIE_OK) return rc;
+  if (size == NULL) return error_set(MAGPIE_ERR_INVALID_ARGUMENT, "magpie_graph_pool_take: size is NULL");
+  heap *h = capture_pool_heap(pool, "magpie_graph_pool_take");
+  if (h == NULL) return magpie_last_error();
+  rc = gpool_take_at(&h->graphs, pool, (uintptr_t)ptr, size);
+  if (rc == MAGPIE_ERR_INVALID_POINTER)
+    return error_set(rc, "magpie_graph_pool_take: graph pool %#llx has no block at %p", (unsigned long long)pool, ptr);
+  if (rc == MAGPIE_ERR_DOUBLE_FREE)
+    return error_set(rc, "magpie_graph_pool_take: the block at %p of graph pool %#llx is in use", ptr,
+                     (unsigned long long)pool);
+  if (rc != MAGPIE_OK)
+    return error_set(rc, "magpie_graph_pool_take: graph pool %#llx was released (or never made)",
+                     (unsigned long long)pool);
+  capture_handed_out((uintptr_t)ptr, *size, stream);
+  return MAGPIE_OK;
+}

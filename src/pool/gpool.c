@@ -296,6 +296,31 @@ size_t gpool_pool_bytes(gpool_set *s, uint64_t id) {
   return n;
 }
 
+int gpool_take_at(gpool_set *s, uint64_t id, uintptr_t p, size_t *bsize) {
+  pthread_mutex_lock(&s->lock);
+  gpool *g = gpool_find(s, id);
+  gblock **r = gpool_find_ref(s, p);
+  int rc = MAGPIE_OK;
+  if (g == NULL || g->released) {
+    rc = MAGPIE_ERR_INVALID_ARGUMENT;
+  } else if (r == NULL || (*r)->pool != g) {
+    rc = MAGPIE_ERR_INVALID_POINTER;
+  } else if ((*r)->used) {
+    rc = MAGPIE_ERR_DOUBLE_FREE;
+  } else {
+    gblock *b = *r;
+    b->used = 1;
+    if (b->ticket.rec != NULL) epoch_ticket_release(&b->ticket);
+    b->ticket = (epoch_ticket){0};
+    g->used_bytes += b->size;
+    atomic_add_relaxed(&s->used_bytes, b->size);
+    *bsize = b->size;
+  }
+  MAGPIE_ASSERT(gpool_consistent(s));
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
 int gpool_trim(gpool_set *s, uint64_t id, gpool_retired **retired) {
   *retired = NULL;
   pthread_mutex_lock(&s->lock);

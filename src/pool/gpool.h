@@ -127,6 +127,12 @@ int gpool_free(gpool_set *s, uintptr_t p, uint64_t capture, uint64_t stream, int
  * MAGPIE_ERR_INVALID_ARGUMENT if unknown or released already. */
 int gpool_release(gpool_set *s, uint64_t id, gpool_retired **retired);
 void gpool_retired_free(gpool_retired *r);
+/* The free block of pool id at p handed out again, whatever its free's
+ * ticket (a checkpoint restored: the caller orders its use). *bsize: its
+ * size. MAGPIE_ERR_INVALID_POINTER if the pool has no block at p,
+ * MAGPIE_ERR_DOUBLE_FREE if it is in use, MAGPIE_ERR_INVALID_ARGUMENT for an
+ * unknown or released pool. */
+int gpool_take_at(gpool_set *s, uint64_t id, uintptr_t p, size_t *bsize);
 /* The free blocks of pool id that no capture was ever handed leave it
  * (*retired), as at its release; the others stay, for a graph may replay
  * into them until the pool is released. MAGPIE_ERR_INVALID_ARGUMENT if

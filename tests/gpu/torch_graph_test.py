@@ -54,9 +54,8 @@ Cases:
   (e) torch.compile(mode="reduce-overhead") of a tiny function (cudagraph
       trees), called 8 times and compared with eager; SKIP when Triton or
       inductor is unavailable; FAIL when inductor skipped cudagraphs
-      (counters["inductor"]["cudagraph_skips"]). Under magpie it is a KNOWN
-      limitation (see KNOWN_LIMITS below): reported, not counted as a
-      failure, as long as it fails with the allocator-checkpoint error.
+      (counters["inductor"]["cudagraph_skips"]). magpie's allocator answers
+      the allocator checkpoints cudagraph trees call.
   (f) the same with torch._inductor.config.triton.cudagraph_trees = False:
       inductor then captures each compiled function with torch.cuda.graph
       (the pool hooks), not through cudagraph trees, which need the
@@ -724,14 +723,11 @@ def run_child(variant, case, args, tmp):
     return res
 
 
-# A limitation of PyTorch's pluggable-allocator interface, documented in
-# the README ("CUDA graphs") and python/magpie/torch.py: cudagraph trees
-# checkpoint the allocator's pool, which the interface does not offer (its
-# cudaMallocAsync backend fails the same way); case (f) is the workaround.
-# Reported as KNOWN, not counted as a failure, only with exactly that error;
-# if the case passes one day, it says so and fails, so the documentation is
-# updated.
-KNOWN_LIMITS = {("magpie", "e"): ("checkPoolLiveAllocations", "getCheckpointState", "setCheckpointPoolState")}
+# Limitations documented elsewhere, by (variant, case): reported as KNOWN,
+# not counted as a failure, only with one of the listed errors; a case
+# that passes one day says so and fails, so the documentation is updated.
+# None today: cudagraph trees' allocator checkpoints, once one, are served.
+KNOWN_LIMITS = {}
 
 
 def known_limit(variant, case, res):
@@ -740,7 +736,7 @@ def known_limit(variant, case, res):
         return res
     if res["status"] == "FAIL" and any(m in res["detail"] for m in marks):
         res["status"] = "KNOWN"
-        res["detail"] = "known limitation (cudagraph trees need allocator checkpoints): " + res["detail"]
+        res["detail"] = "known limitation: " + res["detail"]
     elif res["status"] == "PASS":
         res["status"] = "FAIL"
         res["detail"] = "passed, but is documented as a known limitation: update the documentation"
