@@ -25,7 +25,7 @@ from . import _lib
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SRC = os.path.join(_HERE, "torch_shim.cpp")
 _NATIVE = os.path.join(_HERE, "torch_native.cpp")
-_NATIVE_HEADERS = ("torch_history.h", "torch_pools.h")  # included by torch_native.cpp
+_NATIVE_HEADERS = ("torch_history.h", "torch_pools.h", "torch_stats.h")  # included by torch_native.cpp
 
 
 def _header_dir():

@@ -366,8 +366,23 @@ def patch_memory_api(torch):
     """Route the torch._C functions behind torch.cuda's memory API to
     magpie (see the module's text). Called by use()."""
     C = torch._C
-    C._cuda_memoryStats = lambda device: nested_stats(device)
-    C._cuda_resetPeakMemoryStats = lambda device: reset_peaks(device)
-    C._cuda_resetAccumulatedMemoryStats = lambda device: reset_accumulated(device)
+    if _kind == "native":
+        # magpie's allocator answers PyTorch's own functions
+        # (torch_native.cpp's getDeviceStats, resetPeakStats,
+        # resetAccumulatedStats); magpie's figures are added under "magpie".
+        stats_of = C._cuda_memoryStats
+
+        def memory_stats(device):
+            from . import stats as _stats
+
+            out = stats_of(device)
+            out["magpie"] = {k: v for k, v in _stats(device).items() if not isinstance(v, list)}
+            return out
+
+        C._cuda_memoryStats = memory_stats
+    else:
+        C._cuda_memoryStats = lambda device: nested_stats(device)
+        C._cuda_resetPeakMemoryStats = lambda device: reset_peaks(device)
+        C._cuda_resetAccumulatedMemoryStats = lambda device: reset_accumulated(device)
     native = C._cuda_memorySnapshot if _kind == "native" else None
     C._cuda_memorySnapshot = lambda *args: torch_snapshot(torch.cuda.device_count(), native, args)

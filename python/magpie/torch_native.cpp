@@ -38,6 +38,7 @@
 #include "magpie.h" /* magpie_stats; the functions come from fn[] below */
 #include "torch_history.h"
 #include "torch_pools.h"
+#include "torch_stats.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/types.h>
@@ -79,6 +80,7 @@ MagpieFns fns;
 magpie_torch::PoolFns pool_fns;
 magpie_torch::Pools pools(&pool_fns);
 magpie_torch::History history;
+magpie_torch::Stats stats;
 using magpie_torch::PoolId;
 
 // The current device. PyTorch asks the runtime (cudaGetDevice), which takes
@@ -193,54 +195,55 @@ void report_to_profiler(void *ptr, int64_t size, int device) {
                                    c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
-// A block for stream: from the pool an announcement routes it to, else
-// magpie's; an allocation magpie cannot serve for memory may come from a
-// pool made with use_on_oom. Throws when there is none.
-struct Served {
-  void *ptr;
-  PoolId pool;
-  bool custom; // a custom allocator's pool's block (torch_pools.h)
-};
-
-Served magpie_alloc(size_t size, cudaStream_t stream, int device) {
-  Served s{nullptr, {0, 0}, false};
-  bool routed = false;
-  s.ptr = pools.alloc(size, stream, &routed, &s.pool, &s.custom);
-  if (!routed) {
-    s.ptr = fns.malloc_async(size, stream);
-    if (s.ptr == nullptr && fns.last_error() == kOutOfMemory) {
-      s.ptr = pools.alloc_on_oom(device, size, stream, &s.pool, &s.custom);
-      if (s.ptr == nullptr) s.custom = false; /* magpie's error stands */
-    }
-  }
-  if (s.ptr == nullptr && size == 0 && s.custom) return s; /* no memory asked: none given, as PyTorch's */
-  magpie_checked(s.ptr, size, stream, s.custom);
-  history.alloc(device, s.ptr, size, stream, s.pool);
-  report_to_profiler(s.ptr, static_cast<int64_t>(size), device);
-  return s;
-}
-
-void magpie_release(void *ptr, size_t size, int device, cudaStream_t stream, PoolId pool, bool custom) {
-  if (ptr == nullptr) return;
-  history.free(device, ptr, size, stream, pool);
-  report_to_profiler(ptr, -static_cast<int64_t>(size), device);
-  if (!custom || !pools.free_custom(ptr)) fns.free_async(ptr, stream);
-}
-
-// A tensor's block and what its free needs: the stream it was allocated on
-// (PyTorch frees on it) and, for the history, its size, device and pool.
+// A block handed to PyTorch and what its free needs: the stream it was
+// allocated on (PyTorch frees on it), its size as asked and as held (the
+// statistics: bytes as PyTorch counts them), its device and pool (the
+// history), and whether a custom
+// allocator's pool holds it (torch_pools.h).
 struct Block {
   void *ptr;
   cudaStream_t stream;
   size_t size;
+  size_t bytes;
   int device;
   PoolId pool;
   bool custom;
 };
 
+// A block for stream: from the pool an announcement routes it to, else
+// magpie's; an allocation magpie cannot serve for memory may come from a
+// pool made with use_on_oom. Throws when there is none.
+Block magpie_alloc(size_t size, cudaStream_t stream, int device) {
+  Block b{nullptr, stream, size, size, device, {0, 0}, false};
+  bool routed = false;
+  b.ptr = pools.alloc(size, stream, &routed, &b.pool, &b.custom);
+  if (!routed) {
+    b.ptr = fns.malloc_async(size, stream);
+    if (b.ptr == nullptr && fns.last_error() == kOutOfMemory) {
+      b.ptr = pools.alloc_on_oom(device, size, stream, &b.pool, &b.custom);
+      if (b.ptr == nullptr) b.custom = false; /* magpie's error stands */
+    }
+  }
+  if (b.ptr == nullptr && size == 0 && b.custom) return b; /* no memory asked: none given, as PyTorch's */
+  magpie_checked(b.ptr, size, stream, b.custom);
+  b.bytes = size < 512 ? 512 : (size + 511) / 512 * 512; /* PyTorch's count (torch_stats.h) */
+  stats.alloc(device, b.bytes, size);
+  history.alloc(device, b.ptr, size, stream, b.pool);
+  report_to_profiler(b.ptr, static_cast<int64_t>(size), device);
+  return b;
+}
+
+void magpie_release(const Block &b) {
+  if (b.ptr == nullptr) return;
+  stats.free(b.device, b.bytes, b.size);
+  history.free(b.device, b.ptr, b.size, b.stream, b.pool);
+  report_to_profiler(b.ptr, -static_cast<int64_t>(b.size), b.device);
+  if (!b.custom || !pools.free_custom(b.ptr)) fns.free_async(b.ptr, b.stream);
+}
+
 void delete_block(void *ctx) {
   Block *b = static_cast<Block *>(ctx);
-  magpie_release(b->ptr, b->size, b->device, b->stream, b->pool, b->custom);
+  magpie_release(*b);
   delete b;
 }
 
@@ -259,15 +262,14 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   c10::DataPtr allocate(size_t size) override {
     c10::DeviceIndex device = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    Served s = magpie_alloc(size, stream, device);
-    Block b{s.ptr, stream, size, device, s.pool, s.custom};
-    if (s.pool.first == 0 && s.pool.second == 0)
-      return {s.ptr, new Block(b), &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    Block b = magpie_alloc(size, stream, device);
+    if (b.pool.first == 0 && b.pool.second == 0)
+      return {b.ptr, new Block(b), &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
     // A pool's block is PyTorch's kind of DataPtr (context the pointer,
     // deleter raw_deleter()): cudagraph trees swap such deleters and free
     // through raw_delete.
-    if (s.ptr != nullptr) remember(b);
-    return {s.ptr, s.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
+    if (b.ptr != nullptr) remember(b);
+    return {b.ptr, b.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   void *raw_alloc(size_t nbytes) override {
@@ -276,9 +278,10 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     int device = current_device();
-    Served a = magpie_alloc(nbytes, stream, device);
-    if (a.ptr != nullptr) remember(Block{a.ptr, stream, nbytes, device, a.pool, a.custom});
-    return a.ptr;
+    if (!enabled_.load(std::memory_order_relaxed)) return direct_alloc(nbytes, device);
+    Block b = magpie_alloc(nbytes, stream, device);
+    if (b.ptr != nullptr) remember(b);
+    return b.ptr;
   }
 
   void raw_delete(void *ptr) override {
@@ -289,6 +292,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       std::lock_guard<std::mutex> g(s.lock);
       auto it = s.blocks.find(ptr);
       if (it == s.blocks.end()) {
+        if (direct_free(ptr)) return;
         // Called from DataPtr deleters, where a throw ends the process:
         // warn and leave the pointer alone.
         TORCH_WARN("magpie: raw_delete of ", ptr, ", which magpie's allocator did not hand out (or freed already)");
@@ -297,7 +301,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       b = it->second;
       s.blocks.erase(it);
     }
-    magpie_release(b.ptr, b.size, b.device, b.stream, b.pool, b.custom);
+    magpie_release(b);
   }
 
   // Pools: torch_pools.h.
@@ -354,7 +358,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       delta.ptrs_freed.push_back(b.ptr);
       if (then.count(b.ptr) != 0) continue; /* live then and now: stays allocated */
       forget(b.ptr);
-      magpie_release(b.ptr, b.size, b.device, b.stream, b.pool, b.custom);
+      magpie_release(b);
     }
     for (auto &kv : then) {
       const Block &b = kv.second;
@@ -379,6 +383,13 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       if (expected.count(b.ptr) == 0) return false;
     return true;
   }
+
+  // torch.cuda.caching_allocator_enable(False): the raw interface then
+  // takes and gives back device memory with cudaMalloc and cudaFree, as
+  // PyTorch's allocator does, outside magpie and its statistics; tensors
+  // still come from magpie.
+  void enable(bool value) override { enabled_.store(value, std::memory_order_relaxed); }
+  bool isEnabled() const override { return enabled_.load(std::memory_order_relaxed); }
 
   // magpie never splits a pool's block (each is one large block).
   void setNoSplit(c10::DeviceIndex, c10::cuda::MempoolId_t) override {}
@@ -442,16 +453,16 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       fractions_[device].store(fraction, std::memory_order_relaxed);
   }
 
-  // torch.accelerator.memory_stats() and other C++ callers (the Python
-  // functions of torch.cuda answer from magpie.torch): magpie's figures
-  // under PyTorch's names, as magpie.torch's memory_stats gives them --
-  // allocated and reserved bytes with their peaks, split into the large
-  // path's and the small blocks' pools, active bytes (in use, or freed and
-  // waiting for a stream's work), segments (large segments and slabs),
-  // failed requests and device synchronisations. magpie keeps no running
-  // totals of bytes allocated and freed: those stay 0.
+  // torch.cuda.memory_stats(), torch.accelerator.memory_stats() and every
+  // other caller: PyTorch's figures of the blocks this allocator handed out
+  // (torch_stats.h: allocation, active, allocated, active and requested
+  // bytes, per pool, with running totals), and magpie's of the device
+  // memory behind them: reserved bytes (mapped; the large pool is the
+  // large segments) and their peak, segments (slabs and large segments),
+  // failed requests and device synchronisations.
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     c10::CachingDeviceAllocator::DeviceStats out;
+    stats.fill(device, out);
     magpie_stats st;
     if (fns.stats_get(device, &st) != 0) return out;
     constexpr size_t kAll = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
@@ -461,29 +472,35 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       s.current = static_cast<int64_t>(current);
       s.peak = static_cast<int64_t>(peak > current ? peak : current);
     };
-    size_t small_in_use = st.in_use_bytes > st.large_in_use_bytes ? st.in_use_bytes - st.large_in_use_bytes : 0;
     size_t small_reserved = st.reserved_bytes > st.large_mapped_bytes ? st.reserved_bytes - st.large_mapped_bytes : 0;
-    set(out.allocated_bytes[kAll], st.in_use_bytes, st.peak_in_use_bytes);
-    set(out.allocated_bytes[kLarge], st.large_in_use_bytes, 0);
-    set(out.allocated_bytes[kSmall], small_in_use, 0);
     set(out.reserved_bytes[kAll], st.reserved_bytes, st.peak_reserved_bytes);
     set(out.reserved_bytes[kLarge], st.large_mapped_bytes, 0);
     set(out.reserved_bytes[kSmall], small_reserved, 0);
-    set(out.active_bytes[kAll], st.in_use_bytes + st.epoch_pending_bytes, 0);
     set(out.segment[kAll], st.slab_count + st.large_segment_count, 0);
     set(out.segment[kLarge], st.large_segment_count, 0);
     set(out.segment[kSmall], st.slab_count, 0);
-    out.num_ooms = static_cast<int64_t>(st.ladder_steps[5]);
-    out.num_sync_all_streams = static_cast<int64_t>(st.device_syncs);
+    int d = device >= 0 && device < kDevices ? device : 0;
+    out.num_ooms = static_cast<int64_t>(st.ladder_steps[5] - ooms_base_[d].load(std::memory_order_relaxed));
+    out.num_sync_all_streams = static_cast<int64_t>(st.device_syncs - syncs_base_[d].load(std::memory_order_relaxed));
     out.max_split_size = -1;
     return out;
   }
 
-  // torch.cuda.reset_peak_memory_stats from C++: magpie's peaks restart.
-  void resetPeakStats(c10::DeviceIndex device) override { fns.stats_reset_peaks(device); }
+  // torch.cuda.reset_peak_memory_stats: PyTorch's peaks and magpie's.
+  void resetPeakStats(c10::DeviceIndex device) override {
+    stats.reset_peaks(device);
+    fns.stats_reset_peaks(device);
+  }
 
-  // Nothing to restart: magpie keeps no running totals (see above).
-  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  // torch.cuda.reset_accumulated_memory_stats: the running totals, failed
+  // requests and synchronisations restart at 0.
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    stats.reset_accumulated(device);
+    magpie_stats st;
+    if (device < 0 || device >= kDevices || fns.stats_get(device, &st) != 0) return;
+    ooms_base_[device].store(st.ladder_steps[5], std::memory_order_relaxed);
+    syncs_base_[device].store(st.device_syncs, std::memory_order_relaxed);
+  }
 
   void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
     oom_observers.add(std::move(observer));
@@ -492,11 +509,40 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   std::string name() override { return "magpie"; }
 
  private:
+  static constexpr int kDevices = 64;
   struct Shard {
     std::mutex lock;
     std::unordered_map<void *, Block> blocks;
   };
   std::array<Shard, 64> shards_;
+  std::atomic<bool> enabled_{true};
+  std::array<std::atomic<uint64_t>, kDevices> ooms_base_{}, syncs_base_{};
+  std::mutex direct_lock_;
+  std::unordered_map<void *, int> direct_; // cudaMalloc'd while disabled, by device
+
+  void *direct_alloc(size_t nbytes, int device) {
+    void *p = nullptr;
+    if (nbytes == 0) return nullptr;
+    if (cudaMalloc(&p, nbytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      char want[32];
+      format_size(want, sizeof want, nbytes);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", want,
+                       " with cudaMalloc (torch.cuda.caching_allocator_enable(False))");
+    }
+    std::lock_guard<std::mutex> g(direct_lock_);
+    direct_[p] = device;
+    return p;
+  }
+
+  bool direct_free(void *p) {
+    {
+      std::lock_guard<std::mutex> g(direct_lock_);
+      if (direct_.erase(p) == 0) return false;
+    }
+    if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+    return true;
+  }
 
   struct PoolState : c10::cuda::CUDACachingAllocator::AllocatorState {
     c10::DeviceIndex device = 0;
@@ -530,7 +576,6 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     return out;
   }
-  static constexpr int kDevices = 64;
   std::array<std::atomic<double>, kDevices> fractions_;
 
   Shard &shard(void *p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 8) * 0x9E3779B97F4A7C15ull >> 58]; }
