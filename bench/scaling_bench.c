@@ -1,11 +1,12 @@
 /* Thread scaling: T threads, each on its own stream, each keeping a window
- * of live blocks of mixed sizes (256 B - 64 KiB) and replacing a random one
+ * of live blocks of mixed sizes (256 B - 64 KiB, or up to max_kib drawn as
+ * 2^e + U[0, 2^e), issue 47's pattern) and replacing a random one
  * per step (free + alloc). Aggregate operations per second for magpie and,
  * in the same run, glibc malloc (and CUDA's pool on a GPU); magpie's
  * reserved memory against the sum of live bytes. Thread i runs pinned to
  * CPU i (mod the CPU count).
  *
- *   scaling_bench [max_threads] [seconds_per_point] [window] */
+ *   scaling_bench [max_threads] [seconds_per_point] [window] [max_kib] */
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -17,6 +18,8 @@
 #include "tools/devshim.h"
 
 enum { ALLOC_MAGPIE, ALLOC_GLIBC, ALLOC_POOL };
+
+static unsigned spread_top; /* log2 of the largest size when spread, else 0 */
 
 typedef struct worker {
   int index, kind, window;
@@ -67,7 +70,12 @@ static void *worker_main(void *arg) {
         cur -= sz[i];
         ops++;
       }
-      sz[i] = (size_t)256 << ((r >> 32) % 9);
+      if (spread_top == 0) {
+        sz[i] = (size_t)256 << ((r >> 32) % 9);
+      } else {
+        size_t e = (size_t)1 << (8 + (r >> 32) % (spread_top - 8)); /* 256 B .. max/2 */
+        sz[i] = e + (size_t)((r >> 8) & 0xFFFFFF) % e;
+      }
       live[i] = alloc_one(w->kind, sz[i], w->stream);
       if (live[i]) {
         cur += sz[i];
@@ -116,18 +124,24 @@ int main(int argc, char **argv) {
   int max_threads = argc > 1 ? atoi(argv[1]) : (int)ncpu;
   double seconds = argc > 2 ? atof(argv[2]) : 1.0;
   int window = argc > 3 ? atoi(argv[3]) : 64;
-  if (max_threads < 1 || max_threads > 256 || seconds <= 0 || window < 1) {
-    fprintf(stderr, "usage: scaling_bench [max_threads] [seconds_per_point] [window]\n");
+  long max_kib = argc > 4 ? atol(argv[4]) : 0;
+  if (max_threads < 1 || max_threads > 256 || seconds <= 0 || window < 1 || max_kib < 0 ||
+      (max_kib != 0 && (max_kib < 1 || (max_kib & (max_kib - 1)) != 0 || max_kib > (1L << 20)))) {
+    fprintf(stderr, "usage: scaling_bench [max_threads] [seconds_per_point] [window] [max_kib: a power of 2]\n");
     return 2;
   }
+  if (max_kib != 0)
+    while (((size_t)1 << spread_top) < (size_t)max_kib << 10) spread_top++;
+  if (spread_top != 0 && spread_top < 10) spread_top = 10;
   if (devshim_init() != 0) return 1;
   int cuda = devshim_is_cuda();
   int pool = cuda && devshim_pool_prepare() == 0;
   cudaStream_t *streams = calloc((size_t)max_threads, sizeof *streams);
   for (int i = 0; i < max_threads; i++)
     if ((streams[i] = devshim_stream_create()) == NULL) return 1;
-  printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB, %.1f s per point, %ld cpus, device: %s\n", window,
-         seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
+  if (spread_top == 0) printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB", window);
+  else printf("scaling_bench: window %d live blocks/thread, 256 B-%ld KiB spread", window, max_kib);
+  printf(", %.1f s per point, %ld cpus, device: %s\n", seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
   printf("%7s %14s %9s %14s %9s", "threads", "magpie Mops/s", "x 1 thr", "glibc Mops/s", "mp/glibc");
   if (pool) printf(" %14s %9s", "pool Mops/s", "mp/pool");
   printf(" %16s\n", "reserved/peaks");
