@@ -195,6 +195,67 @@ void report_to_profiler(void *ptr, int64_t size, int device) {
                                    c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
 }
 
+// PyTorch's memory fraction (set_per_process_memory_fraction) covers every
+// block PyTorch holds: magpie's mappings and the blocks custom pools hold
+// (torch_pools.h). magpie's limit is the fraction of the device less the
+// custom pools' bytes, set again as those change; a custom pool's new
+// block is admitted while magpie's reserved bytes, the custom pools' and
+// it fit in the fraction. At 1 (the default) neither is limited.
+class Fraction {
+ public:
+  Fraction() {
+    for (auto &f : fraction_) f.store(1.0, std::memory_order_relaxed);
+    for (auto &c : custom_) c.store(0, std::memory_order_relaxed);
+  }
+  double get(int d) const { return ok(d) ? fraction_[d].load(std::memory_order_relaxed) : 1.0; }
+  void set(int d, double f) {
+    if (!ok(d)) return;
+    fraction_[d].store(f, std::memory_order_relaxed);
+    apply(d, true);
+  }
+  bool admit(int d, size_t bytes) {
+    double f = get(d);
+    if (f >= 1.0) return true;
+    magpie_stats st;
+    size_t reserved = fns.stats_get(d, &st) == 0 ? st.reserved_bytes : 0;
+    return (double)(reserved + (size_t)custom_[d].load(std::memory_order_relaxed) + bytes) <= f * (double)total(d);
+  }
+  // Bytes custom pools hold on device (part of PyTorch's reserved bytes).
+  size_t custom(int d) const { return ok(d) ? (size_t)custom_[d].load(std::memory_order_relaxed) : 0; }
+  void held(int d, int64_t bytes) {
+    if (!ok(d)) return;
+    custom_[d].fetch_add(bytes, std::memory_order_relaxed);
+    apply(d, false);
+  }
+
+ private:
+  static bool ok(int d) { return d >= 0 && d < kDevices; }
+  void apply(int d, bool always) {
+    double f = fraction_[d].load(std::memory_order_relaxed);
+    if (f >= 1.0 && !always) return;
+    double allowed = f * (double)total(d) - (double)custom_[d].load(std::memory_order_relaxed);
+    fns.memory_fraction(f >= 1.0 ? 1.0 : (allowed > 0 ? allowed / (double)total(d) : 0.0), d);
+  }
+  size_t total(int d) {
+    size_t t = total_[d].load(std::memory_order_relaxed);
+    if (t == 0) {
+      cudaDeviceProp prop;
+      if (cudaGetDeviceProperties(&prop, d) == cudaSuccess) t = prop.totalGlobalMem;
+      else (void)cudaGetLastError();
+      total_[d].store(t, std::memory_order_relaxed);
+    }
+    return t > 0 ? t : 1;
+  }
+  static constexpr int kDevices = 64;
+  std::array<std::atomic<double>, kDevices> fraction_;
+  std::array<std::atomic<int64_t>, kDevices> custom_;
+  std::array<std::atomic<size_t>, kDevices> total_{};
+};
+
+Fraction fraction;
+bool fraction_admit(int d, size_t bytes) { return fraction.admit(d, bytes); }
+void fraction_held(int d, int64_t bytes) { fraction.held(d, bytes); }
+
 // A block handed to PyTorch and what its free needs: the stream it was
 // allocated on (PyTorch frees on it), its size as asked and as held (the
 // statistics: bytes as PyTorch counts them), its device and pool (the
@@ -256,7 +317,6 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     set_record_stream_fn(fns.record_stream);
     set_reset_fn(fns.empty_cache);
     set_memory_fraction_fn(fns.memory_fraction);
-    for (auto &f : fractions_) f.store(1.0, std::memory_order_relaxed);
   }
 
   c10::DataPtr allocate(size_t size) override {
@@ -443,22 +503,23 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
 
   // torch.cuda.get_per_process_memory_fraction: the fraction last set on
   // the device (1 before any), which magpie holds as its limit.
-  double getMemoryFraction(c10::DeviceIndex device) override {
-    return device >= 0 && device < kDevices ? fractions_[device].load(std::memory_order_relaxed) : 1.0;
-  }
+  double getMemoryFraction(c10::DeviceIndex device) override { return fraction.get(device); }
 
-  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    CUDAPluggableAllocator::setMemoryFraction(fraction, device); /* magpie_torch_set_memory_fraction */
-    if (device >= 0 && device < kDevices && fraction >= 0.0 && fraction <= 1.0)
-      fractions_[device].store(fraction, std::memory_order_relaxed);
+  void setMemoryFraction(double f, c10::DeviceIndex device) override {
+    if (!(f >= 0.0 && f <= 1.0)) { /* refused, with the reason in magpie_last_error */
+      CUDAPluggableAllocator::setMemoryFraction(f, device);
+      return;
+    }
+    fraction.set(device, f);
   }
 
   // torch.cuda.memory_stats(), torch.accelerator.memory_stats() and every
   // other caller: PyTorch's figures of the blocks this allocator handed out
   // (torch_stats.h: allocation, active, allocated, active and requested
   // bytes, per pool, with running totals), and magpie's of the device
-  // memory behind them: reserved bytes (mapped; the large pool is the
-  // large segments) and their peak, segments (slabs and large segments),
+  // memory behind them: reserved bytes (mapped, plus the blocks custom
+  // pools hold; the large pool is the large segments and those blocks) and
+  // their peak, segments (slabs and large segments),
   // failed requests and device synchronisations.
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     c10::CachingDeviceAllocator::DeviceStats out;
@@ -473,8 +534,9 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       s.peak = static_cast<int64_t>(peak > current ? peak : current);
     };
     size_t small_reserved = st.reserved_bytes > st.large_mapped_bytes ? st.reserved_bytes - st.large_mapped_bytes : 0;
-    set(out.reserved_bytes[kAll], st.reserved_bytes, st.peak_reserved_bytes);
-    set(out.reserved_bytes[kLarge], st.large_mapped_bytes, 0);
+    size_t custom = fraction.custom(device); /* custom pools' blocks: large segments to PyTorch */
+    set(out.reserved_bytes[kAll], st.reserved_bytes + custom, st.peak_reserved_bytes + custom);
+    set(out.reserved_bytes[kLarge], st.large_mapped_bytes + custom, 0);
     set(out.reserved_bytes[kSmall], small_reserved, 0);
     set(out.segment[kAll], st.slab_count + st.large_segment_count, 0);
     set(out.segment[kLarge], st.large_segment_count, 0);
@@ -576,7 +638,6 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     }
     return out;
   }
-  std::array<std::atomic<double>, kDevices> fractions_;
 
   Shard &shard(void *p) { return shards_[(reinterpret_cast<uintptr_t>(p) >> 8) * 0x9E3779B97F4A7C15ull >> 58]; }
 };
@@ -620,9 +681,9 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.graph_pool_trim = reinterpret_cast<int (*)(uint64_t)>(fn[14]);
   fns.graph_pool_blocks = reinterpret_cast<int (*)(uint64_t, magpie_pool_block *, size_t, size_t *)>(fn[15]);
   fns.graph_pool_take = reinterpret_cast<int (*)(uint64_t, void *, cudaStream_t, size_t *)>(fn[16]);
-  pool_fns =
-      magpie_torch::PoolFns{fns.graph_pool_create,  fns.capture_begin,   fns.capture_end,       fns.graph_pool_malloc,
-                            fns.graph_pool_release, fns.graph_pool_trim, fns.graph_pool_blocks, fns.last_message};
+  pool_fns = magpie_torch::PoolFns{
+      fns.graph_pool_create, fns.capture_begin,     fns.capture_end,  fns.graph_pool_malloc, fns.graph_pool_release,
+      fns.graph_pool_trim,   fns.graph_pool_blocks, fns.last_message, fraction_admit,        fraction_held};
   void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));

@@ -14,7 +14,10 @@
 //     torch.cuda.empty_cache once the pool is no longer used, or as freed
 //     once the pool is gone, as under PyTorch's allocator. A freed block
 //     serves the pool's later requests of its size: at once on its own
-//     stream, on another once an event recorded at the free completed.
+//     stream, on another once an event recorded at the free completed;
+//     a larger one serves when the memory fraction leaves no room for a
+//     new block (PyTorch's allocator would split it). Its blocks count
+//     against the memory fraction, as under PyTorch's allocator.
 //
 // Uses are counted as PyTorch counts them: one by createOrIncrefPool (a
 // MemPool's creation) and one by each beginAllocateToPool (a capture, or a
@@ -55,6 +58,10 @@ struct PoolFns {
   int (*trim)(uint64_t);
   int (*blocks)(uint64_t, magpie_pool_block *, size_t, size_t *);
   const char *(*last_message)();
+  // PyTorch's memory fraction covers custom pools' blocks too: whether
+  // bytes more of them fit on device, and the bytes they hold changing.
+  bool (*admit)(int, size_t);
+  void (*held)(int, int64_t);
 };
 
 // A block of a pool as snapshot() lists it.
@@ -123,6 +130,7 @@ class Pools {
   void *alloc_in(PoolId id, size_t size, cudaStream_t stream, bool *is_custom) {
     CustomAllocator custom;
     uint64_t magpie = 0;
+    int device = 0;
     *is_custom = false;
     {
       std::lock_guard<std::mutex> g(lock_);
@@ -134,20 +142,28 @@ class Pools {
         magpie = p.magpie;
       } else {
         *is_custom = true;
-        void *q = take_cached(p, size, stream);
+        void *q = take_cached(p, size, stream, false);
         if (q != nullptr) return q;
         custom = p.custom;
+        device = p.device;
       }
     }
     if (magpie != 0) return fns_->malloc(magpie, size, stream);
+    if (!fns_->admit(device, size)) {
+      std::lock_guard<std::mutex> g(lock_);
+      auto it = pools_.find(id);
+      return it == pools_.end() ? nullptr : take_cached(it->second, size, stream, true);
+    }
     // The custom allocator is called without the lock: it may allocate
     // through PyTorch itself.
     void *q = custom->raw_alloc_with_stream(size, stream);
     if (q == nullptr) return nullptr;
+    fns_->held(device, static_cast<int64_t>(size));
     std::lock_guard<std::mutex> g(lock_);
     auto it = pools_.find(id);
     if (it == pools_.end()) {
       custom->raw_delete(q);
+      fns_->held(device, -static_cast<int64_t>(size));
       TORCH_CHECK(false, "magpie: pool (", id.first, ", ", id.second, ") ended during an allocation");
     }
     it->second.custom_blocks[q] = CustomBlock{size, stream, true, nullptr};
@@ -177,7 +193,7 @@ class Pools {
   // Whether p is a custom pool's block; if so it is freed here (true).
   bool free_custom(void *p) {
     if (custom_count_.load(std::memory_order_acquire) == 0) return false;
-    std::vector<std::pair<CustomAllocator, void *>> give;
+    std::vector<Given> give;
     {
       std::lock_guard<std::mutex> g(lock_);
       auto o = owner_.find(p);
@@ -216,7 +232,7 @@ class Pools {
   }
 
   void release(PoolId id) {
-    std::vector<std::pair<CustomAllocator, void *>> give;
+    std::vector<Given> give;
     {
       std::lock_guard<std::mutex> g(lock_);
       auto it = pools_.find(id);
@@ -236,7 +252,7 @@ class Pools {
   // allocator once their streams' work completed). {0, 0}: every pool no
   // longer used (PyTorch's torch.cuda.empty_cache()).
   void empty_cache(PoolId id) {
-    std::vector<std::pair<CustomAllocator, void *>> give;
+    std::vector<Given> give;
     {
       std::lock_guard<std::mutex> g(lock_);
       bool all = id.first == 0 && id.second == 0;
@@ -295,6 +311,13 @@ class Pools {
   struct Active {
     PoolId id;
     std::function<bool(cudaStream_t)> filter;
+  };
+  // A custom pool's block going back to its allocator.
+  struct Given {
+    CustomAllocator allocator;
+    void *ptr;
+    size_t size;
+    int device;
   };
 
   // Lock held.
@@ -362,13 +385,14 @@ class Pools {
     return true;
   }
 
-  // A free block of custom pool p for size bytes on stream. Lock held.
-  void *take_cached(Pool &p, size_t size, cudaStream_t stream) {
+  // A free block of custom pool p for size bytes on stream, at most a
+  // quarter larger unless any_size. Lock held.
+  void *take_cached(Pool &p, size_t size, cudaStream_t stream, bool any_size) {
     void *best = nullptr;
     size_t best_size = 0;
     for (auto &kv : p.custom_blocks) {
       CustomBlock &b = kv.second;
-      if (b.used || b.size < size || b.size > size + size / 4) continue;
+      if (b.used || b.size < size || (!any_size && b.size > size + size / 4)) continue;
       if (best != nullptr && b.size >= best_size) continue;
       if (b.stream != stream && !settled(b, false)) continue;
       best = kv.first;
@@ -387,21 +411,24 @@ class Pools {
 
   // p's free blocks whose streams' work completed (all, waiting, when
   // wait) leave it onto *give. Lock held.
-  void collect(Pool &p, bool wait, std::vector<std::pair<CustomAllocator, void *>> *give) {
+  void collect(Pool &p, bool wait, std::vector<Given> *give) {
     for (auto it = p.custom_blocks.begin(); it != p.custom_blocks.end();) {
       if (it->second.used || !settled(it->second, wait)) {
         ++it;
         continue;
       }
-      give->emplace_back(p.custom, it->first);
+      give->push_back(Given{p.custom, it->first, it->second.size, p.device});
       owner_.erase(it->first);
       it = p.custom_blocks.erase(it);
     }
   }
 
   // Without the lock: the allocator may call back into PyTorch.
-  static void hand_back(const std::vector<std::pair<CustomAllocator, void *>> &give) {
-    for (const auto &g : give) g.first->raw_delete(g.second);
+  void hand_back(const std::vector<Given> &give) {
+    for (const Given &g : give) {
+      g.allocator->raw_delete(g.ptr);
+      fns_->held(g.device, -static_cast<int64_t>(g.size));
+    }
   }
 
   const PoolFns *fns_;

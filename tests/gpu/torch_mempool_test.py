@@ -199,7 +199,11 @@ def test_history(out_dir):
     gone = torch.empty(1 << 12, device="cuda")
     del gone
     snap = torch.cuda.memory._snapshot()
+    path = os.path.join(out_dir, "magpie_snapshot.pickle")
+    torch.cuda.memory._dump_snapshot(path)  # while recording: turning it off forgets the trace, as PyTorch's does
     torch.cuda.memory._record_memory_history(enabled=None)
+    check("history: turning it off forgets the trace",
+          not any(torch.cuda.memory._snapshot()["device_traces"]))
     trace = snap["device_traces"][torch.cuda.current_device()]
     actions = {}
     for e in trace:
@@ -217,11 +221,10 @@ def test_history(out_dir):
     check("history: the live block carries its frames", bool(live) and any(
         f["name"] == "probe_frames" for f in live[0].get("frames", [])))
     check("history: magpie's layers in the same snapshot", "magpie" in snap and "segments" in snap["magpie"][0])
-    path = os.path.join(out_dir, "magpie_snapshot.pickle")
-    torch.cuda.memory._dump_snapshot(path)
     with open(path, "rb") as f:
         loaded = pickle.load(f)
-    check("history: _dump_snapshot writes PyTorch's format", set(loaded) >= {"segments", "device_traces"})
+    check("history: _dump_snapshot writes PyTorch's format, with the trace",
+          set(loaded) >= {"segments", "device_traces"} and len(loaded["device_traces"][torch.cuda.current_device()]) >= 3)
     from torch.cuda import _memory_viz
 
     for name, fn in (("trace", _memory_viz.trace_plot), ("segments", _memory_viz.segment_plot)):
