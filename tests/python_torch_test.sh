@@ -285,3 +285,60 @@ magpie.torch.record_stream(t, "s")
 assert t.s == "s"
 print("python torch: hooks, memory API, snapshot, empty_cache and memory fraction OK")
 PY
+# Under magpie's own allocator (kind "native"), _snapshot merges what
+# PyTorch's snapshot() of that allocator gives (torch_native.cpp: the
+# trace, each pool's blocks as segments of their pool, live allocations'
+# frames as segments of pool (0, 0)) into magpie's segments. The native
+# half is stood in for here with what PyTorch's _cuda_memorySnapshot makes
+# of it; tests/gpu/torch_mempool_test.py checks it with PyTorch.
+python3 - <<'PY'
+import ctypes
+
+import magpie
+import magpie.torch as mt
+
+l = magpie._lib.lib()
+s = None  # the simulated device's default stream
+a, b, c = (l.magpie_malloc_async(n, s) for n in (4096, 3 << 20, 5 << 20))
+assert a and b and c
+frames = [{"name": "probe", "filename": "x.py", "line": 7}]
+
+
+def native(*args):
+    pool_seg = {"device": 0, "address": b, "total_size": 3 << 20, "allocated_size": 3 << 20,
+                "active_size": 3 << 20, "requested_size": 3 << 20, "stream": 0, "segment_type": "large",
+                "segment_pool_id": (0, 9), "is_expandable": False, "frames": [],
+                "blocks": [{"address": b, "size": 3 << 20, "requested_size": 3 << 20, "state": "active_allocated",
+                            "frames": []}]}
+    carriers = [{"device": 0, "address": p, "total_size": n, "allocated_size": n, "active_size": n,
+                 "requested_size": n, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+                 "is_expandable": False, "frames": frames,
+                 "blocks": [{"address": p, "size": n, "requested_size": n, "state": "active_allocated",
+                             "frames": frames}]} for p, n in ((a, 4096), (b, 3 << 20))]
+    return {"segments": [pool_seg] + carriers,
+            "device_traces": [[{"action": "alloc", "addr": a, "size": 4096, "stream": 0, "time_us": 1,
+                                "frames": frames}]],
+            "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}}
+
+
+whole = mt.torch_snapshot(1, native, (None,))
+blocks = {bl["address"]: (seg, bl) for seg in whole["segments"] for bl in seg["blocks"]}
+# The pool's block is a segment of its pool, and only there.
+pool_segs = [seg for seg in whole["segments"] if tuple(seg["segment_pool_id"]) == (0, 9)]
+assert len(pool_segs) == 1 and pool_segs[0]["blocks"][0]["address"] == b, pool_segs
+assert sum(1 for seg in whole["segments"] for bl in seg["blocks"] if bl["address"] == b) == 1
+# Blocks carry their allocation frames; the others none.
+assert blocks[a][1]["frames"] == frames and blocks[b][1]["frames"] == frames, blocks[a]
+assert blocks[c][1]["frames"] == [] and blocks[c][1]["state"] == "active_allocated"
+# magpie's segments keep consistent figures after the pool block left them.
+for seg in whole["segments"]:
+    assert seg["allocated_size"] == sum(bl["size"] for bl in seg["blocks"] if bl["state"] == "active_allocated")
+    assert sum(bl["size"] for bl in seg["blocks"]) <= seg["total_size"]
+assert whole["device_traces"][0][0]["action"] == "alloc" and "magpie" in whole
+# A pool's own snapshot (MemPool.snapshot()) lists that pool's segments only.
+mine = mt.torch_snapshot(1, native, ((0, 9),))
+assert [seg["address"] for seg in mine["segments"]] == [b], mine["segments"]
+for p in (a, b, c):
+    assert l.magpie_free_async(p, s) == 0
+print("python torch: the native allocator's snapshot merge OK")
+PY
