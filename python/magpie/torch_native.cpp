@@ -80,7 +80,9 @@ MagpieFns fns;
 magpie_torch::PoolFns pool_fns;
 magpie_torch::Pools pools(&pool_fns);
 magpie_torch::History history;
-magpie_torch::Stats stats;
+// Never destroyed: a thread's counters fold into it when the thread ends,
+// which may be after static destructors ran.
+magpie_torch::Stats &stats = *new magpie_torch::Stats;
 using magpie_torch::PoolId;
 
 // The current device. PyTorch asks the runtime (cudaGetDevice), which takes
@@ -427,6 +429,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         TORCH_CHECK(fns.graph_pool_take(magpie_pool, b.ptr, b.stream, &size) == 0,
                     "magpie: cannot restore the checkpoint: ", fns.last_message());
         remember(b);
+        stats.alloc(b.device, b.bytes, b.size);
         history.alloc(b.device, b.ptr, b.size, b.stream, b.pool);
       }
       delta.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));

@@ -18,7 +18,9 @@
 // exact; across threads, growth of several threads each within its room
 // may pass the peak unseen. Checking every allocation against the
 // device's figure would need one shared counter, which the allocation
-// path of 16 threads would contend on.
+// path of 16 threads would contend on. A thread whose blocks other threads
+// free sees its own figure only grow, so it sums each time it has
+// allocated the room the peak left (near the peak, at most allocations).
 //
 // Bytes are counted as PyTorch's allocator counts them: a request rounded
 // up to 512 bytes, the memory torch.cuda.memory_allocated documents as
