@@ -182,6 +182,13 @@ int capture_alloc(size_t size, cudaStream_t stream, void **out) {
 
 /* The free of graph pool block p (segment descriptor sl) on stream: during
  * a capture, tagged with it; outside, sealed on the stream. */
+/* Blocks that left their graph pool go to h's limbo (after a device
+ * synchronisation), and the list is freed. */
+static void capture_retire(heap *h, gpool_retired *retired) {
+  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
+  gpool_retired_free(retired);
+}
+
 int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
   const backend_ops *ops = global_ops();
   heap *h = sl->heap;
@@ -214,8 +221,7 @@ int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
   if (rc == MAGPIE_ERR_DOUBLE_FREE)
     return error_set(rc, "magpie_free_async(%p): graph pool block already free (double free)", p);
   if (rc != MAGPIE_OK) return error_set(rc, "magpie_free_async(%p): not the start of a graph pool's block", p);
-  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
-  gpool_retired_free(retired);
+  capture_retire(h, retired);
   return MAGPIE_OK;
 }
 
@@ -335,8 +341,7 @@ MAGPIE_API int magpie_graph_pool_release(uint64_t pool) {
   if (rc != MAGPIE_OK)
     return error_set(rc, "magpie_graph_pool_release: graph pool %#llx was released already (or never made)",
                      (unsigned long long)pool);
-  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
-  gpool_retired_free(retired);
+  capture_retire(h, retired);
   return MAGPIE_OK;
 }
 
@@ -357,8 +362,7 @@ MAGPIE_API int magpie_graph_pool_trim(uint64_t pool) {
   if (rc != MAGPIE_OK)
     return error_set(rc, "magpie_graph_pool_trim: graph pool %#llx was released (or never made)",
                      (unsigned long long)pool);
-  for (gpool_retired *r = retired; r != NULL; r = r->next) heap_graph_retire(h, r->base, r->size, r->dev);
-  gpool_retired_free(retired);
+  capture_retire(h, retired);
   return MAGPIE_OK;
 }
 

@@ -169,6 +169,17 @@ static int gpool_may_serve(const gpool *g, gblock *b, uint64_t c, uint64_t st) {
   return epoch_ready(&b->ticket, EPOCH_NO_STREAM) != EPOCH_PENDING;
 }
 
+/* Free block b of pool g handed out (to capture; 0: none): its ticket let
+ * go, the pool's and the set's used bytes counted. Lock held. */
+static void gpool_hand_out(gpool_set *s, gpool *g, gblock *b, uint64_t capture) {
+  b->used = 1;
+  b->captured |= capture != 0;
+  if (b->ticket.rec != NULL) epoch_ticket_release(&b->ticket);
+  b->ticket = (epoch_ticket){0};
+  g->used_bytes += b->size;
+  atomic_add_relaxed(&s->used_bytes, b->size);
+}
+
 int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_t stream, uintptr_t *out,
                size_t *bsize) {
   pthread_mutex_lock(&s->lock);
@@ -186,12 +197,7 @@ int gpool_take(gpool_set *s, uint64_t id, size_t need, uint64_t capture, uint64_
   }
   int rc = GPOOL_NONE;
   if (best != NULL) {
-    best->used = 1;
-    best->captured |= capture != 0;
-    if (best->ticket.rec != NULL) epoch_ticket_release(&best->ticket);
-    best->ticket = (epoch_ticket){0};
-    g->used_bytes += best->size;
-    atomic_add_relaxed(&s->used_bytes, best->size);
+    gpool_hand_out(s, g, best, capture);
     *out = best->base;
     *bsize = best->size;
     rc = MAGPIE_OK;
@@ -308,13 +314,8 @@ int gpool_take_at(gpool_set *s, uint64_t id, uintptr_t p, size_t *bsize) {
   } else if ((*r)->used) {
     rc = MAGPIE_ERR_DOUBLE_FREE;
   } else {
-    gblock *b = *r;
-    b->used = 1;
-    if (b->ticket.rec != NULL) epoch_ticket_release(&b->ticket);
-    b->ticket = (epoch_ticket){0};
-    g->used_bytes += b->size;
-    atomic_add_relaxed(&s->used_bytes, b->size);
-    *bsize = b->size;
+    gpool_hand_out(s, g, *r, 0);
+    *bsize = (*r)->size;
   }
   MAGPIE_ASSERT(gpool_consistent(s));
   pthread_mutex_unlock(&s->lock);
