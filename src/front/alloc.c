@@ -69,27 +69,22 @@ MAGPIE_API int magpie_trim(int device, size_t keep_bytes) {
   return heap_trim(h, keep_bytes);
 }
 
-/* The cap of device's heap (created if need be) set to bytes (SIZE_MAX: none). */
-static int limit_apply(int device, const char *fn, size_t bytes, double fraction) {
-  int rc = global_device_check(device, fn);
-  if (rc != MAGPIE_OK) return rc;
-  heap *h = heap_get(device);
-  if (h == NULL) return magpie_last_error(); /* set by heap_get */
-  if (fraction >= 0.0) {
-    bytes = (size_t)(fraction * (double)h->total_mem);
-    if (bytes == 0) bytes = 1; /* refuses every mapping; 0 would read as none in magpie_stats */
-  } else if (bytes != 0 && bytes < h->region.gran)
-    return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
-                     "%s: %zu bytes is below the %zu bytes (%zu MiB) in which magpie maps device "
-                     "memory; give at least that much (0: no limit)",
-                     fn, bytes, h->region.gran, h->region.gran >> 20);
-  else if (bytes == 0) bytes = SIZE_MAX;
-  region_set_limit(&h->region, bytes);
-  return MAGPIE_OK;
+/* The heap whose cap fn changes (created if need be), or NULL with the
+ * error set. */
+static heap *limit_heap(int device, const char *fn) {
+  return global_device_check(device, fn) == MAGPIE_OK ? heap_get(device) : NULL; /* heap_get sets its error */
 }
 
 MAGPIE_API int magpie_set_limit(int device, size_t bytes) {
-  return limit_apply(device, "magpie_set_limit", bytes, -1.0);
+  heap *h = limit_heap(device, "magpie_set_limit");
+  if (h == NULL) return magpie_last_error();
+  if (bytes != 0 && bytes < h->region.gran)
+    return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
+                     "magpie_set_limit: %zu bytes is below the %zu bytes (%zu MiB) in which magpie maps device "
+                     "memory; give at least that much (0: no limit)",
+                     bytes, h->region.gran, h->region.gran >> 20);
+  region_set_limit(&h->region, bytes == 0 ? SIZE_MAX : bytes);
+  return MAGPIE_OK;
 }
 
 MAGPIE_API int magpie_set_limit_fraction(int device, double fraction) {
@@ -97,7 +92,11 @@ MAGPIE_API int magpie_set_limit_fraction(int device, double fraction) {
     return error_set(MAGPIE_ERR_INVALID_ARGUMENT,
                      "magpie_set_limit_fraction: %g is not in [0, 1] (0 refuses every mapping, 1 is the whole device)",
                      fraction);
-  return limit_apply(device, "magpie_set_limit_fraction", 0, fraction);
+  heap *h = limit_heap(device, "magpie_set_limit_fraction");
+  if (h == NULL) return magpie_last_error();
+  size_t bytes = (size_t)(fraction * (double)h->total_mem);
+  region_set_limit(&h->region, bytes != 0 ? bytes : 1); /* 1 refuses every mapping; 0 would read as none */
+  return MAGPIE_OK;
 }
 
 MAGPIE_API int magpie_device_count(void) {
