@@ -22,15 +22,14 @@
 
 /* Access descriptors for device and every device in peers (at most
  * MAGPIE_MAX_DEVICES); returns their count. */
-static size_t cuda_access_descs(int device, uint64_t peers, cudrv_mem_access_desc *d) {
+static size_t cuda_access_descs(uint64_t devices, unsigned flags, cudrv_mem_access_desc *d) {
   size_t n = 0;
-  peers |= (uint64_t)1 << device;
   for (int i = 0; i < cuda_st.ndevices; i++) {
-    if (!(peers >> i & 1)) continue;
+    if (!(devices >> i & 1)) continue;
     memset(&d[n], 0, sizeof d[n]);
     d[n].location.type = CUDRV_MEM_LOCATION_TYPE_DEVICE;
     d[n].location.id = cuda_st.devices[i];
-    d[n].flags = CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    d[n].flags = flags;
     n++;
   }
   return n;
@@ -48,7 +47,7 @@ static int cuda_map_handle(int device, uintptr_t addr, size_t g, cudrv_mem_handl
     return rc;
   }
   cudrv_mem_access_desc access[MAGPIE_MAX_DEVICES];
-  size_t n = cuda_access_descs(device, peers, access);
+  size_t n = cuda_access_descs(peers | (uint64_t)1 << device, CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE, access);
   r = cudrv.mem_set_access(p, g, access, n);
   if (r != CUDRV_SUCCESS) rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes, %zu devices)", p, g, n);
   cudrv_result rr = cudrv.mem_release(h);
@@ -108,55 +107,42 @@ int cuda_can_access_peer(int device, int peer, int *can) {
   return MAGPIE_OK;
 }
 
-/* Granule by granule, as mapped: one cuMemSetAccess may not span several
- * allocations' mappings. */
-int cuda_set_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+/* devices' access (flags: read-write or none) to [addr, addr + size) of
+ * device's mappings, granule by granule, as mapped: one cuMemSetAccess may
+ * not span several allocations' mappings. Access to a device's own memory
+ * is never taken away. */
+static int cuda_access_range(int device, uintptr_t addr, size_t size, uint64_t devices, unsigned flags,
+                             const char *what) {
   if (!cuda_ready()) return cuda_not_ready();
   size_t g;
-  int rc = cuda_check_range(device, addr, size, &g, "set_access");
-  if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemSetAccess");
-  if (rc != MAGPIE_OK) return rc;
-  cudrv_mem_access_desc access[MAGPIE_MAX_DEVICES];
-  size_t n = cuda_access_descs(device, peers, access);
-  for (size_t off = 0; off < size && rc == MAGPIE_OK; off += g) {
-    cudrv_result r = cudrv.mem_set_access((cudrv_deviceptr)(addr + off), g, access, n);
-    if (r != CUDRV_SUCCESS)
-      rc = cuda_fail(r == CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED ? MAGPIE_ERR_NO_PEER_ACCESS : cuda_code(r), r,
-                     "cuMemSetAccess(0x%llx, %zu bytes, %zu devices)", (unsigned long long)(addr + off), g, n);
-  }
-  return cuda_pop(rc, "cuMemSetAccess");
-}
-
-/* The same range, PROT_NONE for every device in peers (never device
- * itself, whose own rights cannot be taken away), granule by granule as
- * cuda_set_access. */
-int cuda_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
-  if (!cuda_ready()) return cuda_not_ready();
-  size_t g;
-  int rc = cuda_check_range(device, addr, size, &g, "revoke_access");
-  if (rc == MAGPIE_OK && (peers >> device & 1)) {
+  int rc = cuda_check_range(device, addr, size, &g, what);
+  if (rc == MAGPIE_OK && flags == CUDRV_MEM_ACCESS_FLAGS_PROT_NONE && (devices >> device & 1)) {
     backend_set_error_detail("device %d's access to its own memory cannot be revoked", device);
     rc = MAGPIE_ERR_INVALID_ARGUMENT;
   }
   if (rc == MAGPIE_OK) rc = cuda_push(device, "cuMemSetAccess");
   if (rc != MAGPIE_OK) return rc;
-  cudrv_mem_access_desc none[MAGPIE_MAX_DEVICES];
-  size_t n = 0;
-  for (int i = 0; i < cuda_st.ndevices; i++) {
-    if (!(peers >> i & 1)) continue;
-    memset(&none[n], 0, sizeof none[n]);
-    none[n].location.type = CUDRV_MEM_LOCATION_TYPE_DEVICE;
-    none[n].location.id = cuda_st.devices[i];
-    none[n].flags = CUDRV_MEM_ACCESS_FLAGS_PROT_NONE;
-    n++;
-  }
+  cudrv_mem_access_desc access[MAGPIE_MAX_DEVICES];
+  size_t n = cuda_access_descs(devices, flags, access);
+  const char *prot = flags == CUDRV_MEM_ACCESS_FLAGS_PROT_NONE ? ", PROT_NONE for " : ", ";
   for (size_t off = 0; n > 0 && off < size && rc == MAGPIE_OK; off += g) {
-    cudrv_result r = cudrv.mem_set_access((cudrv_deviceptr)(addr + off), g, none, n);
+    cudrv_result r = cudrv.mem_set_access((cudrv_deviceptr)(addr + off), g, access, n);
     if (r != CUDRV_SUCCESS)
-      rc = cuda_fail(cuda_code(r), r, "cuMemSetAccess(0x%llx, %zu bytes, PROT_NONE for %zu devices)",
-                     (unsigned long long)(addr + off), g, n);
+      rc = cuda_fail(r == CUDRV_ERROR_PEER_ACCESS_UNSUPPORTED ? MAGPIE_ERR_NO_PEER_ACCESS : cuda_code(r), r,
+                     "cuMemSetAccess(0x%llx, %zu bytes%s%zu devices)", (unsigned long long)(addr + off), g, prot, n);
   }
   return cuda_pop(rc, "cuMemSetAccess");
+}
+
+int cuda_set_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+  return cuda_access_range(device, addr, size, peers | (uint64_t)1 << device, CUDRV_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                           "set_access");
+}
+
+/* The same range, PROT_NONE for every device in peers (never device
+ * itself). */
+int cuda_revoke_access(int device, uintptr_t addr, size_t size, uint64_t peers) {
+  return cuda_access_range(device, addr, size, peers, CUDRV_MEM_ACCESS_FLAGS_PROT_NONE, "revoke_access");
 }
 
 /* cuCtxEnablePeerAccess(ctx of device) with peer's context current: peer's
