@@ -300,7 +300,7 @@ static int preload_code(int magpie_rc) {
 /* Does p lie in magpie's memory (a block's start, or anywhere in a large
  * segment)? Sets its device. Such a pointer is magpie's to free or to
  * reject (a double free, an interior pointer); any other goes to CUDA. */
-static int preload_owned(const void *p, int *dev) {
+int preload_owned(const void *p, int *dev) {
   if (p == NULL || !preload_usable()) return 0;
   return magpie_block_info(p, NULL, dev) == MAGPIE_OK || *dev >= 0;
 }
@@ -313,6 +313,10 @@ static int preload_device_synchronize(int dev) {
   int rc = real.cu_ctx_synchronize() == 0 ? MAGPIE_OK : MAGPIE_ERR_BACKEND;
   real.cu_ctx_pop(&popped);
   return rc;
+}
+
+int preload_sync_device(int dev) {
+  return preload_usable() && preload_stream(dev) != NULL ? preload_device_synchronize(dev) : MAGPIE_ERR_BACKEND;
 }
 
 /* ---- CUDA graphs ----

@@ -105,9 +105,6 @@ static struct {
   CUresult (*cu_ctx_get_device)(int *);
   CUresult (*cu_ctx_push)(CUcontext);
   CUresult (*cu_ctx_pop)(CUcontext *);
-  CUresult (*cu_ctx_synchronize)(void);
-  CUresult (*cu_primary_retain)(CUcontext *, int);
-  CUresult (*cu_primary_release)(int);
 } preload_ipc_real;
 
 static pthread_once_t preload_ipc_once = PTHREAD_ONCE_INIT;
@@ -128,24 +125,20 @@ static void preload_ipc_init(void) {
   preload_ipc_real.cu_ctx_get_device = preload_driver_sym("cuCtxGetDevice");
   preload_ipc_real.cu_ctx_push = preload_driver_sym("cuCtxPushCurrent_v2");
   preload_ipc_real.cu_ctx_pop = preload_driver_sym("cuCtxPopCurrent_v2");
-  preload_ipc_real.cu_ctx_synchronize = preload_driver_sym("cuCtxSynchronize");
-  preload_ipc_real.cu_primary_retain = preload_driver_sym("cuDevicePrimaryCtxRetain");
-  preload_ipc_real.cu_primary_release = preload_driver_sym("cuDevicePrimaryCtxRelease_v2");
 }
 
 /* magpie is usable here and the helpers this file needs were found. */
 static int preload_ipc_usable(void) {
   pthread_once(&preload_ipc_once, preload_ipc_init);
   return preload_usable() && preload_ipc_real.cu_ctx_get_device && preload_ipc_real.cu_ctx_push &&
-         preload_ipc_real.cu_ctx_pop && preload_ipc_real.cu_ctx_synchronize && preload_ipc_real.cu_primary_retain &&
-         preload_ipc_real.cu_primary_release;
+         preload_ipc_real.cu_ctx_pop;
 }
 
-/* Does p lie in magpie's memory (a block, or anywhere in its mappings)? */
+/* Does p lie in magpie's memory (preload_owned), with this file's helpers
+ * found? */
 static int preload_ipc_owned(const void *p) {
   int dev = -1;
-  if (p == NULL || !preload_ipc_usable()) return 0;
-  return magpie_block_info(p, NULL, &dev) == MAGPIE_OK || dev >= 0;
+  return preload_ipc_usable() && preload_owned(p, &dev);
 }
 
 /* The calling thread's current device (its context's), or -1. */
@@ -232,20 +225,6 @@ static int preload_ipc_open(void **out, const preload_ipc_handle *h, unsigned fl
   return preload_ipc_code(rc);
 }
 
-/* Waits for all work of dev (its primary context, made current for the
- * call). */
-static int preload_ipc_device_synchronize(int dev) {
-  CUcontext ctx = NULL, popped = NULL;
-  if (dev < 0 || preload_ipc_real.cu_primary_retain(&ctx, dev) != PRELOAD_IPC_OK) return MAGPIE_ERR_BACKEND;
-  int rc = MAGPIE_ERR_BACKEND;
-  if (preload_ipc_real.cu_ctx_push(ctx) == PRELOAD_IPC_OK) {
-    if (preload_ipc_real.cu_ctx_synchronize() == PRELOAD_IPC_OK) rc = MAGPIE_OK;
-    preload_ipc_real.cu_ctx_pop(&popped);
-  }
-  preload_ipc_real.cu_primary_release(dev);
-  return rc;
-}
-
 /* Close of p if this process opened it as a compact handle (*served set):
  * one open less; the last waits for the opening device's work, then
  * closes magpie's import. */
@@ -266,7 +245,7 @@ static int preload_ipc_close(void *p, int *served) {
   /* The kernels of the opening device may still use the mapping: wait for
    * them first (a device that cannot be waited for has lost its context,
    * and nothing of it runs any more). */
-  int synced = preload_ipc_device_synchronize(e->device);
+  int synced = preload_sync_device(e->device);
   int rc = magpie_ipc_close(p, NULL);
   if (rc != MAGPIE_OK) { /* still imported: open as before, for another close */
     pthread_mutex_lock(&preload_ipc_lock);

@@ -13,6 +13,12 @@ int preload_usable(void);
  * into a local scope, as Python extension modules are). NULL if none. */
 void *preload_runtime_sym(const char *name);
 void *preload_driver_sym(const char *name);
+/* Does p lie in magpie's memory (a block's start, or anywhere in a large
+ * segment)? Sets its device (-1 if none). */
+int preload_owned(const void *p, int *dev);
+/* Waits for all work of device dev (its primary context); MAGPIE_OK, or
+ * MAGPIE_ERR_BACKEND when it cannot (a context lost, no such device). */
+int preload_sync_device(int dev);
 
 /* preload_ipc.c: the sources of a grant of owner's memory to accessor
  * (magpie_device_enable_peer_access). The accessor's context enabled peer
