@@ -198,12 +198,13 @@ class Pools {
       std::lock_guard<std::mutex> g(lock_);
       auto o = owner_.find(p);
       if (o == owner_.end()) return false;
-      Pool &pool = pools_.at(o->second);
+      PoolId id = o->second; /* collect may erase p's entry */
+      Pool &pool = pools_.at(id);
       CustomBlock &b = pool.custom_blocks.at(p);
       b.used = false;
       b.event = event_after(b.stream);
       if (pool.uses == 0) collect(pool, false, &give);
-      maybe_drop(o->second);
+      maybe_drop(id);
     }
     hand_back(give);
     return true;
@@ -231,20 +232,18 @@ class Pools {
     active_count_.store(active_.size(), std::memory_order_release);
   }
 
+  // A custom pool's free blocks stay until its empty_cache (PyTorch's
+  // MemPool calls it as it ends) or torch.cuda.empty_cache.
   void release(PoolId id) {
-    std::vector<Given> give;
-    {
-      std::lock_guard<std::mutex> g(lock_);
-      auto it = pools_.find(id);
-      if (it == pools_.end() || it->second.uses == 0 || --it->second.uses > 0) return;
-      Pool &p = it->second;
-      if (p.custom == nullptr) {
-        fns_->release(p.magpie);
-        p.magpie_released = true;
-      }
-      maybe_drop(id);
+    std::lock_guard<std::mutex> g(lock_);
+    auto it = pools_.find(id);
+    if (it == pools_.end() || it->second.uses == 0 || --it->second.uses > 0) return;
+    Pool &p = it->second;
+    if (p.custom == nullptr) {
+      fns_->release(p.magpie);
+      p.magpie_released = true;
     }
-    hand_back(give);
+    maybe_drop(id);
   }
 
   // PyTorch's emptyCache(id): the pool's free blocks go back (a magpie
