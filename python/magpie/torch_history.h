@@ -119,10 +119,8 @@ class History {
   // puts those frames on the blocks of magpie's segments.
   void snapshot(CCA::SnapshotInfo &out, int devices, c10::cuda::MempoolId_t pool, bool traces) {
     out.device_traces.assign(devices > 0 ? devices : 0, {});
-    if (!on() && rings_empty() && live_empty()) return;
     std::lock_guard<std::mutex> g(lock_);
-    for (int d = 0; d < devices && d < kDevices; d++) {
-      if (!traces) continue;
+    for (int d = 0; traces && d < devices && d < kDevices; d++) {
       Ring &r = rings_[d];
       size_t n = r.entries.size();
       for (size_t i = 0; i < n; i++) out.device_traces[d].push_back(r.entries[(r.next + i) % n]);
@@ -172,18 +170,6 @@ class History {
       when = when_;
     }
     return rec != nullptr && when >= need ? rec() : nullptr;
-  }
-
-  bool live_empty() {
-    std::lock_guard<std::mutex> g(lock_);
-    return live_.empty();
-  }
-
-  bool rings_empty() {
-    std::lock_guard<std::mutex> g(lock_);
-    for (const Ring &r : rings_)
-      if (!r.entries.empty()) return false;
-    return true;
   }
 
   // Called with lock_ held.

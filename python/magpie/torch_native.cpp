@@ -261,8 +261,8 @@ void fraction_held(int d, int64_t bytes) { fraction.held(d, bytes); }
 // A block handed to PyTorch and what its free needs: the stream it was
 // allocated on (PyTorch frees on it), its size as asked and as held (the
 // statistics: bytes as PyTorch counts them), its device and pool (the
-// history), and whether a custom
-// allocator's pool holds it (torch_pools.h).
+// history), and whether a custom allocator's pool holds it
+// (torch_pools.h).
 struct Block {
   void *ptr;
   cudaStream_t stream;
@@ -313,8 +313,13 @@ void delete_block(void *ctx) {
 class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
   MagpieAllocator()
+      // The base class's own allocation paths, which this class overrides
+      // all of: magpie's blocks, outside the statistics and the history
+      // alike.
       : CUDAPluggableAllocator(
-            [](size_t size, int device, cudaStream_t stream) { return magpie_alloc(size, stream, device).ptr; },
+            [](size_t size, int, cudaStream_t stream) {
+              return magpie_checked(fns.malloc_async(size, stream), size, stream, false);
+            },
             [](void *ptr, size_t, int, cudaStream_t stream) { fns.free_async(ptr, stream); }) {
     set_record_stream_fn(fns.record_stream);
     set_reset_fn(fns.empty_cache);
