@@ -155,6 +155,41 @@ static void test_recorded_large_waits_for_recorded_stream(void **state) {
   run_recorded_case(LARGE, 4);
 }
 
+/* PyTorch's test_record_stream: once its recorded stream's work completed,
+ * the block is the next allocation of its size on the stream it was freed
+ * on (tcache_claim_recorded), not a block from elsewhere; before that, it
+ * is not. */
+static void test_recorded_block_is_next_on_its_stream(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
+  void *keep = magpie_malloc_async(SMALL, a); /* the magazine stays loaded */
+  void *p = magpie_malloc_async(SMALL, a);
+  assert_non_null(p);
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(p, b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(p, a), MAGPIE_OK);
+  void *q = magpie_malloc_async(SMALL, a);
+  assert_non_null(q);
+  assert_ptr_not_equal(q, p);
+  sleep_ms(1); /* past the claim's interval: it looks, and p is not ready */
+  void *q2 = magpie_malloc_async(SMALL, a);
+  assert_ptr_not_equal(q2, p);
+  gate_open_and_sync(&g, b, a);
+  sleep_ms(1);
+  void *r = magpie_malloc_async(SMALL, a);
+  assert_ptr_equal(r, p);
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
+  layers_add_up();
+  void *v[] = {keep, q, q2, r};
+  free_all(v, 4, a);
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(b), MAGPIE_OK);
+}
+
 /* The freeing stream's own pending work also holds a recorded block back,
  * even from the freeing stream (a recorded block is parked as a whole). */
 static void test_recorded_waits_for_freeing_stream(void **state) {
@@ -709,6 +744,7 @@ int main(void) {
       cmocka_unit_test(test_recorded_small_waits_for_recorded_stream),
       cmocka_unit_test(test_recorded_large_waits_for_recorded_stream),
       cmocka_unit_test(test_recorded_waits_for_freeing_stream),
+      cmocka_unit_test(test_recorded_block_is_next_on_its_stream),
       cmocka_unit_test(test_every_recorded_stream_counts),
       cmocka_unit_test(test_recorded_small_stream_capturing_at_free),
       cmocka_unit_test(test_recorded_large_stream_capturing_at_free),

@@ -20,6 +20,7 @@
 #define atomic_exchange_acq_rel(p, v) atomic_exchange_explicit((p), (v), memory_order_acq_rel)
 #define atomic_or_relaxed(p, v) atomic_fetch_or_explicit((p), (v), memory_order_relaxed)
 #define atomic_or_acq_rel(p, v) atomic_fetch_or_explicit((p), (v), memory_order_acq_rel)
+#define atomic_and_relaxed(p, v) atomic_fetch_and_explicit((p), (v), memory_order_relaxed)
 #define atomic_and_release(p, v) atomic_fetch_and_explicit((p), (v), memory_order_release)
 /* Sequentially consistent: only where two threads each store one word and
  * load the other's (a store-load pattern no weaker order covers). */

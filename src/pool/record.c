@@ -57,6 +57,11 @@ typedef struct record_entry {
    * the sync list (heap/heap.h, "Limbo"): every device when the freeing
    * stream was capturing, else none. */
   uint64_t sync_devs;
+  /* Who freed the block and on which stream (record_free's owner and the
+   * freeing stream's id; NULL and 0 when that stream was capturing), for
+   * record_claim. Written before the entry is parked; read under the lock. */
+  const void *owner;
+  uint64_t free_stream;
   /* Sharing with other processes (record.h, exports). export_id: nonzero
    * once exported, with its secret; revoked: imports refused from then on;
    * pending: MAGPIE_IPC_HOLD holds no import has taken over. All under
@@ -178,7 +183,7 @@ static void record_tickets_release(epoch_ticket *tk, unsigned n) {
 }
 
 int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle,
-                size_t *parked) {
+                const void *owner, size_t *parked) {
   *parked = 0;
   pthread_mutex_lock(&t->lock);
   record_entry *e = *record_find(t, p);
@@ -233,6 +238,8 @@ int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *fr
   e->nrefs = e->cap = 0;
   e->tickets = tk;
   e->ntickets = n;
+  e->owner = frec != NULL ? owner : NULL;
+  e->free_stream = frec != NULL ? frec->id : 0;
   size_t bytes = e->bytes; /* e belongs to the pollers once on the list */
   /* Statistics: a small block leaves the freeing thread here (as a
    * magazine given back would), and is counted as waiting on streams until
@@ -345,6 +352,69 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
 void record_poll(record_table *t, depot *depots, large_cache *lc) { record_hand_back(t, depots, lc, 0); }
 
 size_t record_wait(record_table *t, depot *depots, large_cache *lc) { return record_hand_back(t, depots, lc, 1); }
+
+unsigned record_claim(record_table *t, depot *d, const void *owner, uint64_t stream_id, unsigned cls, void **out,
+                      unsigned max, unsigned *mine) {
+  *mine = 0;
+  if (atomic_load_relaxed(&t->parked_count) == 0) return 0;
+  if (pthread_mutex_trylock(&t->lock) != 0) {
+    *mine = 1; /* not known: ask again later */
+    return 0;
+  }
+  /* The candidates leave the parked list for the queries, which happen
+   * outside the lock; the owner's entries are counted on both lists. */
+  record_entry *cand = NULL;
+  unsigned ncand = 0;
+  for (record_entry **pp = &t->parked; *pp != NULL;) {
+    record_entry *e = *pp;
+    if (owner != NULL && e->owner == owner) (*mine)++;
+    if (ncand < max && e->cls == cls && e->free_stream == stream_id && stream_id != 0) {
+      *pp = e->pnext;
+      e->pnext = cand;
+      cand = e;
+      ncand++;
+      continue;
+    }
+    pp = &e->pnext;
+  }
+  for (record_entry *e = t->sync; e != NULL; e = e->pnext) *mine += owner != NULL && e->owner == owner;
+  pthread_mutex_unlock(&t->lock);
+  if (cand == NULL) return 0;
+
+  record_entry *ready = NULL, *keep = NULL;
+  for (record_entry *e = cand, *next; e != NULL; e = next) {
+    next = e->pnext;
+    int ok = record_entry_ready(e);
+    e->pnext = ok ? ready : keep;
+    if (ok) ready = e;
+    else keep = e;
+  }
+  unsigned n = 0;
+  pthread_mutex_lock(&t->lock);
+  for (record_entry *e = ready; e != NULL; e = e->pnext) {
+    record_entry **pp = record_find(t, e->ptr);
+    *pp = e->hnext;
+    atomic_sub_relaxed(&e->slab->recorded, 1);
+    record_count(t, e, -1);
+  }
+  while (keep != NULL) {
+    record_entry *e = keep;
+    keep = e->pnext;
+    e->pnext = t->parked;
+    t->parked = e;
+  }
+  pthread_mutex_unlock(&t->lock);
+  for (record_entry *e = ready, *next; e != NULL; e = next) {
+    next = e->pnext;
+    out[n++] = (void *)e->ptr;
+    if (owner != NULL && e->owner == owner) (*mine)--;
+    atomic_add_relaxed(&d->thread_in, (int64_t)e->bytes); /* back in a thread's magazine */
+    record_tickets_release(e->tickets, e->ntickets);
+    meta_free(e->tickets);
+    meta_free(e);
+  }
+  return n;
+}
 
 static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, int wait) {
   if (likely(atomic_load_relaxed(&t->parked_count) == 0)) return 0;

@@ -92,10 +92,11 @@ int record_add(record_table *t, slab *sl, unsigned cls, uintptr_t p, size_t byte
  * sets *parked to its size; the caller then only adjusts its live bytes.
  * *parked = 0: not recorded, free normally. A parked small block leaves
  * the freeing thread's cached bytes through d (its class's depot; NULL for
- * a large block). A nonzero return is an error already reported with
- * error_set; the block then stays allocated. */
+ * a large block). owner (the freeing thread's cache, or NULL) and the
+ * freeing stream are kept for record_claim. A nonzero return is an error
+ * already reported with error_set; the block then stays allocated. */
 int record_free(record_table *t, depot *d, slab *sl, uintptr_t p, stream_rec *frec, cudaStream_t handle,
-                size_t *parked);
+                const void *owner, size_t *parked);
 
 /* Return parked blocks whose tickets have all completed to the normal
  * pools (small ones to depots[class], large ones to lc). Never blocks; at
@@ -106,6 +107,17 @@ void record_poll(record_table *t, depot *depots, large_cache *lc);
  * parked block's streams completed, then hand them all back as
  * record_poll does. Returns bytes handed back. */
 size_t record_wait(record_table *t, depot *depots, large_cache *lc);
+
+/* Up to max parked blocks of class cls freed on stream stream_id whose
+ * tickets all completed, into out (their addresses), for the allocating
+ * thread's magazine of that stream: they leave the table and enter the
+ * thread's cached bytes through d (cls's depot). *mine: owner's blocks
+ * still parked or waiting for a synchronisation afterwards, counted under
+ * the lock (those another thread is polling at that moment are missed),
+ * or 1 when the lock was busy. Never blocks; one event query per
+ * candidate's ticket. Returns how many. */
+unsigned record_claim(record_table *t, depot *d, const void *owner, uint64_t stream_id, unsigned cls, void **out,
+                      unsigned max, unsigned *mine);
 
 /* The stream rec (handle, still valid) is about to be destroyed
  * (magpie_stream_retire): one event is recorded on it now, and every

@@ -262,6 +262,28 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
   return p;
 }
 
+/* record_stream: a small block this thread freed with recorded streams is
+ * parked until their work completed; then the next allocation of its class
+ * on the stream it was freed on gets it back, on top of the slot's loaded
+ * magazine, as PyTorch's allocator hands the block to its stream again
+ * once its events completed. Other blocks come back through the depot
+ * (record_poll on a refill). While the thread has blocks parked its
+ * allocations take the slow path (TCACHE_RECORDED), which queries at most
+ * every TCACHE_RECORDED_POLL_NS; the bit goes once none is left. */
+#define TCACHE_RECORDED_POLL_NS 20000
+
+static void tcache_claim_recorded(tcache *tc, tslot *ts, unsigned c, uint64_t id) {
+  uint64_t now = ticks_now_ns();
+  if (now - tc->recorded_poll_ns < TCACHE_RECORDED_POLL_NS) return;
+  tc->recorded_poll_ns = now;
+  magazine *m = ts->cl[c].loaded;
+  unsigned mine = 1;
+  unsigned n =
+      record_claim(&ts->heap->records, &ts->heap->depots[c], tc, id, c, &m->slots[m->count], m->cap - m->count, &mine);
+  m->count += n;
+  if (mine == 0) atomic_and_relaxed(&tc->steal, ~TCACHE_RECORDED);
+}
+
 static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id) {
   if (size == 0) size = 1; /* a unique minimum block, like malloc(0) */
   int idrc;
@@ -284,6 +306,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   if (size > SIZECLASS_MAX_SIZE)
     return tcache_capture_refused(tc, s, size) ? NULL : tcache_alloc_large(tc, ts, size, id, s);
   unsigned c = sizeclass_of(size);
+  if (unlikely(atomic_load_relaxed(&tc->steal) & TCACHE_RECORDED)) tcache_claim_recorded(tc, ts, c, id);
   atomic_owner_inc_u64(&ts->cl[c].misses);
   ts->drained = 0;
   ts->used |= (uint64_t)1 << c;

@@ -139,7 +139,7 @@ int tcache_free_to_limbo(void *p, slab *sl, cudaStream_t s) {
   /* A recorded block is parked by its entry (record.c), without a seal of
    * the capturing stream: a synchronisation covers it. */
   if (atomic_load_relaxed(&sl->recorded) != 0) {
-    rc = record_free(&h->records, c != SLAB_LARGE ? &h->depots[c] : NULL, sl, (uintptr_t)p, NULL, s, &bsize);
+    rc = record_free(&h->records, c != SLAB_LARGE ? &h->depots[c] : NULL, sl, (uintptr_t)p, NULL, s, NULL, &bsize);
     if (rc == MAGPIE_OK && bsize != 0) {
       if (tc->check && c != SLAB_LARGE) tcache_mark_free(sl, (uintptr_t)p, bi);
       goto out;
@@ -220,10 +220,13 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   if (unlikely(atomic_load_relaxed(&sl->recorded) != 0)) {
     size_t parked = 0;
     int rc = record_free(&sl->heap->records, c != SLAB_LARGE ? &sl->heap->depots[c] : NULL, sl, (uintptr_t)p, ts->rec,
-                         s, &parked);
+                         s, tc, &parked);
     if (rc != MAGPIE_OK) return rc;
     if (parked != 0) {
       if (tc->check && c != SLAB_LARGE) tcache_mark_free(sl, (uintptr_t)p, bi);
+      /* Its class's next allocations on s look for it (tcache_claim_recorded). */
+      if (c != SLAB_LARGE && !(atomic_load_relaxed(&tc->steal) & TCACHE_RECORDED))
+        atomic_or_relaxed(&tc->steal, TCACHE_RECORDED);
       tslot_count(ts, -(int64_t)parked);
       tcache_publish(tc, ts->heap);
       return tcache_freed(tc, ts, s);

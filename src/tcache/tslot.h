@@ -177,13 +177,14 @@ typedef struct tsealed {
 /* tcache.steal's bits (below). */
 #define TCACHE_CLAIMED 1u
 #define TCACHE_ASKED 2u
+#define TCACHE_RECORDED 4u
 
 typedef struct tcache {
   /* Owner: 1 (relaxed store) on entry to any operation, 0 (release store,
    * pairing with the reclaimer's acquire load after its membarrier) on
    * exit. */
   _Atomic uint32_t busy;
-  /* Two bits; any bit set sends the owner's fast paths (tcache_enter) to
+  /* Three bits; any bit set sends the owner's fast paths (tcache_enter) to
    * the slow path, so the fast paths read one word.
    * TCACHE_CLAIMED: a reclaimer decides and possibly takes this cache's
    * magazines. Set (fetch_or, acq_rel, under tcache_st.list_lock: it acquires
@@ -196,7 +197,12 @@ typedef struct tcache {
    * owner gives back at its next operation's slow path and then clears it
    * (fetch_and, release), pairing with a later reclaimer's acquiring
    * fetch_or: a clear bit seen by the reclaimer means the magazines are in
-   * limbo. A reclaimer that takes an idle cache clears it too. */
+   * limbo. A reclaimer that takes an idle cache clears it too.
+   * TCACHE_RECORDED: the owner freed small blocks with recorded streams
+   * (record.h) that may still be parked; its allocations look for them on
+   * their slow path (tcache_claim_recorded). Set and cleared by the owner
+   * only (relaxed fetch_or / fetch_and: the word is shared with the
+   * reclaimers' bits); it orders nothing. */
   _Atomic uint32_t steal;
   /* Owner: 1 (relaxed) once it is itself down the heap's ladder of relief
    * past the give-back step (tcache_reclaim_threads, where it gave back
@@ -210,9 +216,10 @@ typedef struct tcache {
    * there as after the call (tcache_give_back_own). Owner only. */
   tslot *relief_slot;
   cudaStream_t relief_stream;
-  tslot *last;     /* the fast paths' slot */
-  tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
-  uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */
+  tslot *last;               /* the fast paths' slot */
+  uint64_t recorded_poll_ns; /* the last tcache_claim_recorded query; owner only */
+  tslot *kept;               /* the slot keeping a large block (tslot.lkeep), or NULL */
+  uint32_t nalloc;           /* alloc-capable slots in use (nonzero alloc_id entries) */
   const backend_ops *ops;
   int check;
   unsigned next_evict;
