@@ -114,16 +114,10 @@ int main(int argc, char **argv) {
       void *nat = path ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : nullptr;
       auto install =
           nat ? reinterpret_cast<int (*)(void *const *)>(dlsym(nat, "magpie_torch_native_install")) : nullptr;
-      const char *names[] = {"magpie_malloc_async",
-                             "magpie_free_async",
-                             "magpie_last_error",
-                             "magpie_last_error_message",
-                             "magpie_torch_record_stream",
-                             "magpie_torch_empty_cache",
-                             "magpie_torch_set_memory_fraction"};
-      void *fn[7];
-      for (int i = 0; i < 7; i++) fn[i] = dlsym(lib, names[i]);
-      if (install == nullptr || install(fn) != 0) {
+      auto names = nat ? reinterpret_cast<const char *const *>(dlsym(nat, "magpie_torch_native_names")) : nullptr;
+      std::vector<void *> fn;
+      for (int i = 0; names != nullptr && names[i] != nullptr; i++) fn.push_back(dlsym(lib, names[i]));
+      if (install == nullptr || names == nullptr || install(fn.data()) != 0) {
         std::fprintf(stderr, "cannot install magpie's allocator from %s\n",
                      path ? path : "(MAGPIE_TORCH_NATIVE unset)");
         return 1;

@@ -155,12 +155,12 @@ def install_native(torch):
     path = build(torch, _NATIVE)
     native = ctypes.CDLL(path)
     l = _lib.lib()
-    names = ("magpie_malloc_async", "magpie_free_async", "magpie_last_error", "magpie_last_error_message",
-             "magpie_torch_record_stream", "magpie_torch_empty_cache", "magpie_torch_set_memory_fraction",
-             "magpie_graph_pool_create", "magpie_capture_begin", "magpie_capture_end",
-             "magpie_graph_pool_malloc_async", "magpie_graph_pool_release", "magpie_stats_get",
-             "magpie_stats_reset_peaks", "magpie_graph_pool_trim", "magpie_graph_pool_blocks",
-             "magpie_graph_pool_take")
+    listed = ctypes.cast(
+        ctypes.addressof(ctypes.c_char_p.in_dll(native, "magpie_torch_native_names")), ctypes.POINTER(ctypes.c_char_p)
+    )
+    names = []
+    while listed[len(names)] is not None:
+        names.append(listed[len(names)].decode())
     fns = (ctypes.c_void_p * len(names))(*[ctypes.cast(getattr(l, n), ctypes.c_void_p).value for n in names])
     native.magpie_torch_native_error.restype = ctypes.c_char_p
     rc = native.magpie_torch_native_install(fns)

@@ -27,6 +27,7 @@
 //     snapshot's traces, pools and frames: torch_history.h and snapshot().
 // magpie's functions arrive as pointers (magpie_torch_native_install), from
 // the libmagpie.so Python loaded.
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -273,23 +274,41 @@ struct Block {
   bool custom;
 };
 
+// PyTorch's roundup_power2_divisions setting (PYTORCH_ALLOC_CONF or
+// torch.cuda.memory._set_allocator_settings): a request above 512 bytes
+// times its divisions is rounded up to the next of that many equal steps
+// between the powers of two around it, so that requests of nearby sizes
+// fit one another's blocks. magpie is asked for the rounded size, as
+// PyTorch's allocator carves it; without the setting the request goes to
+// magpie as it is, and magpie rounds it to its own classes.
+size_t rounded_request(size_t size) {
+  size_t div = c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+  if (div <= 1 || size <= 512 * div || (size & (size - 1)) == 0) return size;
+  size_t floor = size_t(1) << (63 - __builtin_clzll(size));
+  size_t step = floor >> (63 - __builtin_clzll(div)); /* divisions taken as a power of two */
+  if (step == 0) return floor << 1;
+  size_t up = (size + step - 1) / step * step;
+  return up >= size ? up : size; /* no wrap at the top of size_t */
+}
+
 // A block for stream: from the pool an announcement routes it to, else
 // magpie's; an allocation magpie cannot serve for memory may come from a
 // pool made with use_on_oom. Throws when there is none.
 Block magpie_alloc(size_t size, cudaStream_t stream, int device) {
   Block b{nullptr, stream, size, size, device, {0, 0}, false};
+  size_t want = rounded_request(size);
   bool routed = false;
-  b.ptr = pools.alloc(size, stream, &routed, &b.pool, &b.custom);
+  b.ptr = pools.alloc(want, stream, &routed, &b.pool, &b.custom);
   if (!routed) {
-    b.ptr = fns.malloc_async(size, stream);
+    b.ptr = fns.malloc_async(want, stream);
     if (b.ptr == nullptr && fns.last_error() == kOutOfMemory) {
-      b.ptr = pools.alloc_on_oom(device, size, stream, &b.pool, &b.custom);
+      b.ptr = pools.alloc_on_oom(device, want, stream, &b.pool, &b.custom);
       if (b.ptr == nullptr) b.custom = false; /* magpie's error stands */
     }
   }
   if (b.ptr == nullptr && size == 0 && b.custom) return b; /* no memory asked: none given, as PyTorch's */
-  magpie_checked(b.ptr, size, stream, b.custom);
-  b.bytes = size < 512 ? 512 : (size + 511) / 512 * 512; /* PyTorch's count (torch_stats.h) */
+  magpie_checked(b.ptr, want, stream, b.custom);
+  b.bytes = want < 512 ? 512 : (want + 511) / 512 * 512; /* PyTorch's count (torch_stats.h) */
   stats.alloc(device, b.bytes, size);
   history.alloc(device, b.ptr, size, stream, b.pool);
   report_to_profiler(b.ptr, static_cast<int64_t>(size), device);
@@ -656,21 +675,40 @@ std::string install_error;
 
 extern "C" {
 
-// Makes MagpieAllocator PyTorch's CUDA allocator. fn: magpie_malloc_async,
-// magpie_free_async, magpie_last_error, magpie_last_error_message,
-// magpie_torch_record_stream, magpie_torch_empty_cache,
-// magpie_torch_set_memory_fraction, magpie_graph_pool_create,
-// magpie_capture_begin, magpie_capture_end, magpie_graph_pool_malloc_async,
-// magpie_graph_pool_release, magpie_stats_get, magpie_stats_reset_peaks,
-// magpie_graph_pool_trim, magpie_graph_pool_blocks, magpie_graph_pool_take.
-// 0; -1 if one is
-// missing; -2 if PyTorch
-// refused (e.g. its allocator was already in use), with the reason in
-// magpie_torch_native_error(). Nothing is thrown to the caller (ctypes).
+// The names of the libmagpie.so functions magpie_torch_native_install
+// takes, in order, ending with a null: the one list its callers
+// (magpie._shim, bench/torch_threads.cpp) look them up by.
+__attribute__((visibility("default"))) extern const char *const magpie_torch_native_names[] = {
+    "magpie_malloc_async",
+    "magpie_free_async",
+    "magpie_last_error",
+    "magpie_last_error_message",
+    "magpie_torch_record_stream",
+    "magpie_torch_empty_cache",
+    "magpie_torch_set_memory_fraction",
+    "magpie_graph_pool_create",
+    "magpie_capture_begin",
+    "magpie_capture_end",
+    "magpie_graph_pool_malloc_async",
+    "magpie_graph_pool_release",
+    "magpie_stats_get",
+    "magpie_stats_reset_peaks",
+    "magpie_graph_pool_trim",
+    "magpie_graph_pool_blocks",
+    "magpie_graph_pool_take",
+    nullptr};
+
+// Makes MagpieAllocator PyTorch's CUDA allocator. fn: the functions
+// magpie_torch_native_names names, in its order. 0; -1 if one is missing;
+// -2 if PyTorch refused (e.g. its allocator was already in use), with the
+// reason in magpie_torch_native_error(). Nothing is thrown to the caller
+// (ctypes).
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  for (int i = 0; i < 17; i++)
+  static_assert(sizeof magpie_torch_native_names / sizeof *magpie_torch_native_names == 18,
+                "fn[0..16] below follow magpie_torch_native_names");
+  for (int i = 0; magpie_torch_native_names[i] != nullptr; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
   fns.free_async = reinterpret_cast<int (*)(void *, cudaStream_t)>(fn[1]);

@@ -6,9 +6,10 @@
 // pool. Included by torch_native.cpp only.
 //
 // Kept per thread, so that the allocation path writes only its own cache
-// lines: each thread's counters are written by that thread alone
-// (relaxed loads and stores, no read-modify-write) and summed by readers.
-// A thread leaving folds its counters into the retired totals.
+// line: each thread's counters of its small and large blocks are written
+// by that thread alone (relaxed loads and stores, no read-modify-write)
+// and summed by readers, who add the two pools up for "all". A thread
+// leaving folds its counters into the retired totals.
 //
 // Peaks: a thread sums every thread's figures (and raises the device's
 // peaks to them) when its own figure passes its mark: its own figure at
@@ -95,12 +96,16 @@ class Stats {
 
  private:
   // Per pool (all, small, large; PyTorch's StatType order) and kind:
-  // allocated and freed running totals.
+  // allocated and freed running totals. A thread counts its small and
+  // large blocks only (kCounted fields); the sums fill in "all".
   static constexpr int kPools = 3, kKinds = 3;
   static constexpr int kCount = 0, kBytes = 1, kRequested = 2;
   static constexpr int kFields = kPools * kKinds * 2;
+  static constexpr int kCounted = (kPools - 1) * kKinds * 2;
   static constexpr size_t kSmallSize = (size_t)1 << 20; // PyTorch's small pool: 1 MiB and under
   static int field(int pool, int kind, int freed) { return (pool * kKinds + kind) * 2 + freed; }
+  // Counters' index of a small (1) or large (2) pool's field.
+  static int counted(int pool, int kind, int freed) { return field(pool - 1, kind, freed); }
   static int64_t current(const int64_t *sum, int pool, int kind) {
     return sum[field(pool, kind, 0)] - sum[field(pool, kind, 1)];
   }
@@ -116,60 +121,86 @@ class Stats {
     }
   };
 
-  // One thread's counters of one device; written by that thread only.
-  struct Counters {
-    std::atomic<int64_t> f[kFields];
-    int64_t mark[kPools][kKinds]; // past these, the owner sums (owner only)
-    uint64_t epoch = 0;           // the device's epoch the marks belong to
+  // One thread's counters of one device (small and large pools); written
+  // by that thread only.
+  struct alignas(64) Counters {       // a cache line of its own: threads' counters never share one
+    std::atomic<int64_t> f[kCounted]; // running totals, for readers
+    int64_t cur[kPools][kKinds];      // the current figures, "all" included (owner only)
+    int64_t mark[kPools][kKinds];     // past these, the owner sums (owner only)
+    uint64_t epoch = 0;               // the device's epoch the marks belong to
     Counters() {
       for (auto &x : f) x.store(0, std::memory_order_relaxed);
-      for (auto &p : mark)
-        for (auto &k : p) k = 0;
+      for (int p = 0; p < kPools; p++)
+        for (int k = 0; k < kKinds; k++) cur[p][k] = mark[p][k] = 0;
     }
   };
 
+  // The counters of the calling thread, by device (null until its first
+  // block there): a plain thread-local array, so that the allocation path
+  // reads it without the initialisation check of a thread_local object.
+  static Counters **local() {
+    static thread_local Counters *dev[kDevices];
+    return dev;
+  }
+  // Set once the calling thread's Thread was destroyed (it is ending): its
+  // blocks freed or allocated after that (by later thread-local
+  // destructors) count in late_ instead.
+  static bool &gone() {
+    static thread_local bool g;
+    return g;
+  }
+
+  // A thread's counters as readers find them; its destructor (the thread
+  // ending) folds them into the retired totals.
   struct Thread {
     Stats *owner;
     std::atomic<Counters *> dev[kDevices];
     explicit Thread(Stats *s) : owner(s) {
       for (auto &d : dev) d.store(nullptr, std::memory_order_relaxed);
     }
-    ~Thread() { owner->retire(this); }
+    ~Thread() {
+      owner->retire(this);
+      for (int d = 0; d < kDevices; d++) local()[d] = nullptr;
+      gone() = true;
+    }
   };
 
-  Counters *mine(int device) {
+  // The calling thread's first block on device.
+  Counters *first(int device) {
     thread_local std::unique_ptr<Thread> t;
     if (t == nullptr) {
       t.reset(new Thread(this));
       std::lock_guard<std::mutex> g(lock_);
       threads_.push_back(t.get());
     }
-    Counters *c = t->dev[device].load(std::memory_order_relaxed);
-    if (c == nullptr) {
-      c = new Counters();
+    Counters *c = new Counters();
+    {
       std::lock_guard<std::mutex> g(lock_); // readers walk dev[] under the lock
       t->dev[device].store(c, std::memory_order_release);
     }
+    local()[device] = c;
     return c;
   }
 
   void change(int device, size_t bytes, size_t requested, int sign) {
     if (device < 0 || device >= kDevices) return;
-    Counters *c = mine(device);
     int pool = bytes <= kSmallSize ? 1 : 2;
     int freed = sign < 0 ? 1 : 0;
     const int64_t add[kKinds] = {1, static_cast<int64_t>(bytes), static_cast<int64_t>(requested)};
-    for (int p : {0, pool})
-      for (int k = 0; k < kKinds; k++) {
-        std::atomic<int64_t> &x = c->f[field(p, k, freed)];
-        x.store(x.load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
-      }
+    Counters *c = local()[device];
+    if (c == nullptr && gone()) {
+      for (int k = 0; k < kKinds; k++)
+        late_[device][counted(pool, k, freed)].fetch_add(add[k], std::memory_order_relaxed);
+      return;
+    }
+    if (c == nullptr) c = first(device);
+    for (int k = 0; k < kKinds; k++) {
+      std::atomic<int64_t> &x = c->f[counted(pool, k, freed)];
+      x.store(x.load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
+      c->cur[0][k] += sign * add[k];
+      c->cur[pool][k] += sign * add[k];
+    }
     if (sign > 0) mark(device, c, pool);
-  }
-
-  int64_t own(const Counters *c, int pool, int kind) {
-    return c->f[field(pool, kind, 0)].load(std::memory_order_relaxed) -
-           c->f[field(pool, kind, 1)].load(std::memory_order_relaxed);
   }
 
   // After an allocation: a figure past the thread's mark (or marks of
@@ -178,8 +209,7 @@ class Stats {
     Device &d = devices_[device];
     uint64_t epoch = d.epoch.load(std::memory_order_acquire);
     bool past = c->epoch != epoch;
-    for (int p : {0, pool})
-      for (int k = 0; k < kKinds && !past; k++) past = own(c, p, k) > c->mark[p][k];
+    for (int k = 0; k < kKinds; k++) past |= (c->cur[0][k] > c->mark[0][k]) | (c->cur[pool][k] > c->mark[pool][k]);
     if (!past) return;
     c->epoch = epoch;
     int64_t sum[kFields];
@@ -189,7 +219,7 @@ class Stats {
         int64_t now = current(sum, p, k), seen = d.peak[p][k].load(std::memory_order_relaxed);
         while (now > seen && !d.peak[p][k].compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
         }
-        c->mark[p][k] = own(c, p, k) + (std::max(now, seen) - now);
+        c->mark[p][k] = c->cur[p][k] + (std::max(now, seen) - now);
       }
   }
 
@@ -198,13 +228,18 @@ class Stats {
     total_locked(device, sum);
   }
 
+  // Every field, "all" as small plus large.
   void total_locked(int device, int64_t *sum) {
-    for (int f = 0; f < kFields; f++) sum[f] = retired_[device][f];
+    for (int f = 0; f < kCounted; f++)
+      sum[kKinds * 2 + f] = retired_[device][f] + late_[device][f].load(std::memory_order_relaxed);
     for (Thread *t : threads_) {
       Counters *c = t->dev[device].load(std::memory_order_acquire);
       if (c == nullptr) continue;
-      for (int f = 0; f < kFields; f++) sum[f] += c->f[f].load(std::memory_order_relaxed);
+      for (int f = 0; f < kCounted; f++) sum[kKinds * 2 + f] += c->f[f].load(std::memory_order_relaxed);
     }
+    for (int k = 0; k < kKinds; k++)
+      for (int freed = 0; freed < 2; freed++)
+        sum[field(0, k, freed)] = sum[field(1, k, freed)] + sum[field(2, k, freed)];
   }
 
   void fill_stat(c10::CachingAllocator::Stat &s, Device &d, const int64_t *sum, int pool, int kind) {
@@ -219,7 +254,7 @@ class Stats {
     for (int d = 0; d < kDevices; d++) {
       Counters *c = t->dev[d].load(std::memory_order_relaxed);
       if (c == nullptr) continue;
-      for (int f = 0; f < kFields; f++) retired_[d][f] += c->f[f].load(std::memory_order_relaxed);
+      for (int f = 0; f < kCounted; f++) retired_[d][f] += c->f[f].load(std::memory_order_relaxed);
       delete c;
     }
     threads_.erase(std::remove(threads_.begin(), threads_.end(), t), threads_.end());
@@ -227,7 +262,8 @@ class Stats {
 
   std::mutex lock_; // threads_, retired_, and each thread's dev[] growing
   std::vector<Thread *> threads_;
-  int64_t retired_[kDevices][kFields] = {};
+  int64_t retired_[kDevices][kCounted] = {};
+  std::atomic<int64_t> late_[kDevices][kCounted] = {}; // counted by threads past their Thread's end
   Device devices_[kDevices];
 };
 
