@@ -77,12 +77,15 @@ struct MagpieFns {
   int (*graph_pool_take)(uint64_t, void *, cudaStream_t, size_t *);
 };
 
+// The allocator's state is never destroyed (nor is the allocator: install
+// keeps a reference): blocks are freed through it after static destructors
+// ran (libraries' exit handlers freeing their workspaces, threads ending),
+// and a destroyed pool table or history written then corrupts the host
+// heap.
 MagpieFns fns;
 magpie_torch::PoolFns pool_fns;
-magpie_torch::Pools pools(&pool_fns);
-magpie_torch::History history;
-// Never destroyed: a thread's counters fold into it when the thread ends,
-// which may be after static destructors ran.
+magpie_torch::Pools &pools = *new magpie_torch::Pools(&pool_fns);
+magpie_torch::History &history = *new magpie_torch::History;
 magpie_torch::Stats &stats = *new magpie_torch::Stats;
 using magpie_torch::PoolId;
 
@@ -137,7 +140,7 @@ class OomObservers {
   std::vector<c10::cuda::CUDACachingAllocator::OutOfMemoryObserver> list_;
 };
 
-OomObservers oom_observers;
+OomObservers &oom_observers = *new OomObservers;
 
 // Throws for a null block from magpie (its error: out of memory, or
 // another reason). The message is formatted here, into one string: a
@@ -255,7 +258,7 @@ class Fraction {
   std::array<std::atomic<size_t>, kDevices> total_{};
 };
 
-Fraction fraction;
+Fraction &fraction = *new Fraction;
 bool fraction_admit(int d, size_t bytes) { return fraction.admit(d, bytes); }
 void fraction_held(int d, int64_t bytes) { fraction.held(d, bytes); }
 
@@ -735,6 +738,7 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));
   try {
     auto allocator = std::make_shared<MagpieAllocator>();
+    new std::shared_ptr<MagpieAllocator>(allocator); /* never released: see fns above */
     allocator->init(c10::cuda::device_count());
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
     /* torch.accelerator's memory functions (memory_stats,
