@@ -344,6 +344,25 @@ static void record_entry_wait(const record_entry *e) {
   for (unsigned i = 0; i < e->ntickets; i++) epoch_wait(&e->tickets[i]);
 }
 
+/* After the queries: the ready entries leave the hash (their blocks go
+ * back to the pools next), the others are parked again. */
+static void record_settle(record_table *t, record_entry *ready, record_entry *keep) {
+  pthread_mutex_lock(&t->lock);
+  for (record_entry *e = ready; e != NULL; e = e->pnext) {
+    record_entry **pp = record_find(t, e->ptr);
+    *pp = e->hnext;
+    atomic_sub_relaxed(&e->slab->recorded, 1);
+    record_count(t, e, -1);
+  }
+  while (keep != NULL) {
+    record_entry *e = keep;
+    keep = e->pnext;
+    e->pnext = t->parked;
+    t->parked = e;
+  }
+  pthread_mutex_unlock(&t->lock);
+}
+
 /* record_poll and record_wait: hand back what is ready; with wait, first
  * wait for every parked entry's tickets (and take the lock even when
  * another thread holds it for a moment). Returns bytes handed back. */
@@ -390,20 +409,7 @@ unsigned record_claim(record_table *t, depot *d, const void *owner, uint64_t str
     else keep = e;
   }
   unsigned n = 0;
-  pthread_mutex_lock(&t->lock);
-  for (record_entry *e = ready; e != NULL; e = e->pnext) {
-    record_entry **pp = record_find(t, e->ptr);
-    *pp = e->hnext;
-    atomic_sub_relaxed(&e->slab->recorded, 1);
-    record_count(t, e, -1);
-  }
-  while (keep != NULL) {
-    record_entry *e = keep;
-    keep = e->pnext;
-    e->pnext = t->parked;
-    t->parked = e;
-  }
-  pthread_mutex_unlock(&t->lock);
+  record_settle(t, ready, keep);
   for (record_entry *e = ready, *next; e != NULL; e = next) {
     next = e->pnext;
     out[n++] = (void *)e->ptr;
@@ -457,20 +463,7 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
 
   /* Out of the hash first: a block back in a magazine may be handed out and
    * freed again at once, and that free must not find a parked entry. */
-  pthread_mutex_lock(&t->lock);
-  for (record_entry *e = ready; e != NULL; e = e->pnext) {
-    record_entry **pp = record_find(t, e->ptr);
-    *pp = e->hnext;
-    atomic_sub_relaxed(&e->slab->recorded, 1);
-    record_count(t, e, -1);
-  }
-  while (keep != NULL) {
-    record_entry *e = keep;
-    keep = e->pnext;
-    e->pnext = t->parked;
-    t->parked = e;
-  }
-  pthread_mutex_unlock(&t->lock);
+  record_settle(t, ready, keep);
 
   /* Back to the pools, for any stream: every ticket completed. */
   for (record_entry *e = ready, *next; e != NULL; e = next) {
