@@ -278,9 +278,11 @@ static void tcache_claim_recorded(tcache *tc, tslot *ts, unsigned c, uint64_t id
   tc->recorded_poll_ns = now;
   magazine *m = ts->cl[c].loaded;
   unsigned mine = 1;
-  unsigned n =
-      record_claim(&ts->heap->records, &ts->heap->depots[c], tc, id, c, &m->slots[m->count], m->cap - m->count, &mine);
-  m->count += n;
+  /* The shared empty magazine (a class the slot has not used yet) takes
+   * nothing and is not written: only the count of parked blocks is asked. */
+  unsigned room = magazine_is_real(m) ? m->cap - m->count : 0;
+  unsigned n = record_claim(&ts->heap->records, &ts->heap->depots[c], tc, id, c, m->slots + m->count, room, &mine);
+  if (n > 0) m->count += n;
   if (mine == 0) atomic_and_relaxed(&tc->steal, ~TCACHE_RECORDED);
 }
 
