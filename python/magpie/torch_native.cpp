@@ -151,8 +151,12 @@ OomObservers &oom_observers = *new OomObservers;
 // account of where the device's bytes are following.
 void *magpie_checked(void *p, size_t size, cudaStream_t stream, bool custom) {
   if (p != nullptr) return p;
-  int code = custom ? 0 : fns.last_error();
-  const char *message = custom ? "the pool's allocator returned no memory" : fns.last_message();
+  bool refused = custom && magpie_torch::Pools::refused();
+  int code = refused ? kOutOfMemory : custom ? 0 : fns.last_error();
+  const char *message = refused  ? "the memory fraction (set_per_process_memory_fraction) leaves no room for another "
+                                   "block of the pool's allocator"
+                        : custom ? "the pool's allocator returned no memory"
+                                 : fns.last_message();
   if (message == nullptr) message = "(no message)";
   char what[1536];
   if ((code == kOutOfMemory || code == kTooLarge) && size >= (size_t)1 << 60) {

@@ -128,6 +128,7 @@ class Pools {
   // A block of pool id (nullptr when it has none: magpie's error, or the
   // custom allocator's).
   void *alloc_in(PoolId id, size_t size, cudaStream_t stream, bool *is_custom) {
+    refused() = false;
     CustomAllocator custom;
     uint64_t magpie = 0;
     int device = 0;
@@ -152,7 +153,9 @@ class Pools {
     if (!fns_->admit(device, size)) {
       std::lock_guard<std::mutex> g(lock_);
       auto it = pools_.find(id);
-      return it == pools_.end() ? nullptr : take_cached(it->second, size, stream, true);
+      void *q = it == pools_.end() ? nullptr : take_cached(it->second, size, stream, true);
+      refused() = q == nullptr;
+      return q;
     }
     // The custom allocator is called without the lock: it may allocate
     // through PyTorch itself.
@@ -169,6 +172,13 @@ class Pools {
     it->second.custom_blocks[q] = CustomBlock{size, stream, true, nullptr};
     owner_[q] = id;
     return q;
+  }
+
+  // Whether the calling thread's last custom-pool allocation that came
+  // back empty was refused for the memory fraction (not by the allocator).
+  static bool &refused() {
+    static thread_local bool r;
+    return r;
   }
 
   // An allocation the device could not serve: from a pool made with
