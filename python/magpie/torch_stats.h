@@ -8,8 +8,10 @@
 // Kept per thread, so that the allocation path writes only its own cache
 // line: each thread's counters of its small and large blocks are written
 // by that thread alone (relaxed loads and stores, no read-modify-write)
-// and summed by readers, who add the two pools up for "all". A thread
-// leaving folds its counters into the retired totals.
+// and summed by readers, who add the two pools up for "all"
+// (bench/DECISIONS.md, "PyTorch's statistics: a thread's own counters,
+// found without a guard"). A thread leaving folds its counters into the
+// retired totals.
 //
 // Peaks: a thread sums every thread's figures (and raises the device's
 // peaks to them) when its own figure passes its mark: its own figure at
