@@ -6,7 +6,12 @@
  * reserved memory against the sum of live bytes. Thread i runs pinned to
  * CPU i (mod the CPU count).
  *
- *   scaling_bench [max_threads] [seconds_per_point] [window] [max_kib] */
+ * With rounds > 1 each point runs magpie and glibc alternately that many
+ * times and prints the medians (a shared machine's noise). events/op:
+ * events magpie recorded per operation (magpie_stats.events_recorded),
+ * the mechanism behind most of a mixed workload's slow paths.
+ *
+ *   scaling_bench [max_threads] [seconds_per_point] [window] [max_kib] [rounds] */
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -93,7 +98,18 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-static double run_point(int kind, int threads, double seconds, int window, cudaStream_t *streams, size_t *sum_peaks) {
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static double run_point(int kind, int threads, double seconds, int window, cudaStream_t *streams, size_t *sum_peaks,
+                        uint64_t *total_ops) {
   worker *w = calloc((size_t)threads, sizeof *w);
   pthread_t *t = calloc((size_t)threads, sizeof *t);
   pthread_barrier_t start;
@@ -116,6 +132,7 @@ static double run_point(int kind, int threads, double seconds, int window, cudaS
   free(w);
   free(t);
   if (sum_peaks) *sum_peaks = peaks;
+  if (total_ops) *total_ops = ops;
   return (double)ops / el;
 }
 
@@ -125,9 +142,11 @@ int main(int argc, char **argv) {
   double seconds = argc > 2 ? atof(argv[2]) : 1.0;
   int window = argc > 3 ? atoi(argv[3]) : 64;
   long max_kib = argc > 4 ? atol(argv[4]) : 0;
-  if (max_threads < 1 || max_threads > 256 || seconds <= 0 || window < 1 || max_kib < 0 ||
+  int rounds = argc > 5 ? atoi(argv[5]) : 1;
+  if (max_threads < 1 || max_threads > 256 || seconds <= 0 || window < 1 || max_kib < 0 || rounds < 1 || rounds > 99 ||
       (max_kib != 0 && (max_kib < 1 || (max_kib & (max_kib - 1)) != 0 || max_kib > (1L << 20)))) {
-    fprintf(stderr, "usage: scaling_bench [max_threads] [seconds_per_point] [window] [max_kib: a power of 2]\n");
+    fprintf(stderr,
+            "usage: scaling_bench [max_threads] [seconds_per_point] [window] [max_kib: a power of 2] [rounds]\n");
     return 2;
   }
   if (max_kib != 0)
@@ -141,26 +160,43 @@ int main(int argc, char **argv) {
     if ((streams[i] = devshim_stream_create()) == NULL) return 1;
   if (spread_top == 0) printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB", window);
   else printf("scaling_bench: window %d live blocks/thread, 256 B-%ld KiB spread", window, max_kib);
-  printf(", %.1f s per point, %ld cpus, device: %s\n", seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
+  printf(", %.1f s per point, %ld cpus, device: %s", seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
+  if (rounds > 1) printf(", medians of %d rounds", rounds);
+  printf("\n");
   printf("%7s %14s %9s %14s %9s", "threads", "magpie Mops/s", "x 1 thr", "glibc Mops/s", "mp/glibc");
   if (pool) printf(" %14s %9s", "pool Mops/s", "mp/pool");
-  printf(" %16s\n", "reserved/peaks");
+  printf(" %16s %10s\n", "reserved/peaks", "events/op");
   double base = 0;
+  double *mv = calloc((size_t)rounds, sizeof *mv), *gv = calloc((size_t)rounds, sizeof *gv);
   for (int th = 1; th <= max_threads; th *= 2) {
     size_t peaks = 0;
-    double m = run_point(ALLOC_MAGPIE, th, seconds, window, streams, &peaks);
+    uint64_t events = 0, ops_all = 0;
     magpie_stats st;
-    magpie_stats_get(0, &st);
-    double g = run_point(ALLOC_GLIBC, th, seconds, window, streams, NULL);
+    for (int r = 0; r < rounds; r++) {
+      size_t pk = 0;
+      uint64_t ops = 0;
+      magpie_stats_get(0, &st);
+      uint64_t ev0 = st.events_recorded;
+      mv[r] = run_point(ALLOC_MAGPIE, th, seconds, window, streams, &pk, &ops);
+      magpie_stats_get(0, &st);
+      events += st.events_recorded - ev0;
+      ops_all += ops;
+      if (pk > peaks) peaks = pk;
+      gv[r] = run_point(ALLOC_GLIBC, th, seconds, window, streams, NULL, NULL);
+    }
+    double m = median(mv, rounds), g = median(gv, rounds);
     if (th == 1) base = m;
     printf("%7d %14.2f %9.2f %14.2f %9.2f", th, m / 1e6, m / base, g / 1e6, m / g);
     if (pool) {
-      double p = run_point(ALLOC_POOL, th, seconds, window, streams, NULL);
+      double p = run_point(ALLOC_POOL, th, seconds, window, streams, NULL, NULL);
       printf(" %14.2f %9.1f", p / 1e6, m / p);
     }
-    printf(" %16.2f\n", peaks ? (double)st.peak_reserved_bytes / (double)peaks : 0.0);
+    printf(" %16.2f %10.4f\n", peaks ? (double)st.peak_reserved_bytes / (double)peaks : 0.0,
+           ops_all ? (double)events / (double)ops_all : 0.0);
     if (th < max_threads && th * 2 > max_threads) th = max_threads / 2; /* end on max_threads */
   }
+  free(mv);
+  free(gv);
   devshim_synchronize();
   return 0;
 }
