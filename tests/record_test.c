@@ -190,6 +190,35 @@ static void test_recorded_block_is_next_on_its_stream(void **state) {
   assert_int_equal(magpie_sim_stream_destroy(b), MAGPIE_OK);
 }
 
+/* A thread that frees a recorded block and then only frees lets go of the
+ * bit that sends its fast paths to the slow path once the block is back
+ * (tcache_claim_recorded from the free path), rather than keep it. */
+static void test_recorded_bit_goes_on_frees(void **state) {
+  (void)state;
+  cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
+  void *v[8];
+  for (int i = 0; i < 8; i++) assert_non_null(v[i] = magpie_malloc_async(SMALL, a));
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(b, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_record_stream(v[0], b), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(v[0], a), MAGPIE_OK);
+  assert_true(atomic_load_relaxed(&tcache_tls->steal) & TCACHE_RECORDED);
+  sleep_ms(1);
+  assert_int_equal(magpie_free_async(v[1], a), MAGPIE_OK); /* still parked: the bit stays */
+  assert_true(atomic_load_relaxed(&tcache_tls->steal) & TCACHE_RECORDED);
+  gate_open_and_sync(&g, b, a);
+  sleep_ms(1);
+  assert_int_equal(magpie_free_async(v[2], a), MAGPIE_OK);
+  assert_false(atomic_load_relaxed(&tcache_tls->steal) & TCACHE_RECORDED);
+  assert_int_equal(record_pending_bytes(&heap0()->records), 0);
+  free_all(v + 3, 5, a);
+  gated_fini(&g);
+  assert_int_equal(magpie_sim_device_synchronize(), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(a), MAGPIE_OK);
+  assert_int_equal(magpie_sim_stream_destroy(b), MAGPIE_OK);
+}
+
 /* The freeing stream's own pending work also holds a recorded block back,
  * even from the freeing stream (a recorded block is parked as a whole). */
 static void test_recorded_waits_for_freeing_stream(void **state) {
@@ -745,6 +774,7 @@ int main(void) {
       cmocka_unit_test(test_recorded_large_waits_for_recorded_stream),
       cmocka_unit_test(test_recorded_waits_for_freeing_stream),
       cmocka_unit_test(test_recorded_block_is_next_on_its_stream),
+      cmocka_unit_test(test_recorded_bit_goes_on_frees),
       cmocka_unit_test(test_every_recorded_stream_counts),
       cmocka_unit_test(test_recorded_small_stream_capturing_at_free),
       cmocka_unit_test(test_recorded_large_stream_capturing_at_free),

@@ -268,19 +268,23 @@ void *tcache_alloc_slow(size_t size, cudaStream_t s, uint64_t id) {
  * magazine, as PyTorch's allocator hands the block to its stream again
  * once its events completed. Other blocks come back through the depot
  * (record_poll on a refill). While the thread has blocks parked its
- * allocations take the slow path (TCACHE_RECORDED), which queries at most
- * every TCACHE_RECORDED_POLL_NS; the bit goes once none is left. */
+ * allocations and frees take the slow path (TCACHE_RECORDED), which
+ * queries at most every TCACHE_RECORDED_POLL_NS; the bit goes once none is
+ * left (a free only counts them). */
 #define TCACHE_RECORDED_POLL_NS 20000
 
-static void tcache_claim_recorded(tcache *tc, tslot *ts, unsigned c, uint64_t id) {
+void tcache_claim_recorded(tcache *tc, tslot *ts, unsigned c, uint64_t id, int take) {
   uint64_t now = ticks_now_ns();
   if (now - tc->recorded_poll_ns < TCACHE_RECORDED_POLL_NS) return;
   tc->recorded_poll_ns = now;
+  /* A free takes nothing: what completed goes back to the pools, and the
+   * rest is counted. */
+  if (!take) record_poll(&ts->heap->records, ts->heap->depots, &ts->heap->large);
   magazine *m = ts->cl[c].loaded;
   unsigned mine = 1;
   /* The shared empty magazine (a class the slot has not used yet) takes
    * nothing and is not written: only the count of parked blocks is asked. */
-  unsigned room = magazine_is_real(m) ? m->cap - m->count : 0;
+  unsigned room = take && magazine_is_real(m) ? m->cap - m->count : 0;
   unsigned n = record_claim(&ts->heap->records, &ts->heap->depots[c], tc, id, c, m->slots + m->count, room, &mine);
   if (n > 0) m->count += n;
   if (mine == 0) atomic_and_relaxed(&tc->steal, ~TCACHE_RECORDED);
@@ -308,7 +312,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
   if (size > SIZECLASS_MAX_SIZE)
     return tcache_capture_refused(tc, s, size) ? NULL : tcache_alloc_large(tc, ts, size, id, s);
   unsigned c = sizeclass_of(size);
-  if (unlikely(atomic_load_relaxed(&tc->steal) & TCACHE_RECORDED)) tcache_claim_recorded(tc, ts, c, id);
+  if (unlikely(atomic_load_relaxed(&tc->steal) & TCACHE_RECORDED)) tcache_claim_recorded(tc, ts, c, id, 1);
   atomic_owner_inc_u64(&ts->cl[c].misses);
   ts->drained = 0;
   ts->used |= (uint64_t)1 << c;

@@ -215,6 +215,9 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
                      p, (void *)s, backend_error_detail());
   tslot *ts = tcache_slot_for_free(tc, s, id, sl->heap);
   if (ts == NULL) return magpie_last_error();
+  /* A thread that only frees still lets go of TCACHE_RECORDED once its
+   * parked blocks are back. */
+  if (unlikely(atomic_load_relaxed(&tc->steal) & TCACHE_RECORDED)) tcache_claim_recorded(tc, ts, 0, id, 0);
   /* record_stream: a recorded block is parked until its streams' work
    * completed (record.c). */
   if (unlikely(atomic_load_relaxed(&sl->recorded) != 0)) {

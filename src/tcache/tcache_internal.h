@@ -66,6 +66,11 @@ tslot *tcache_slot_for_free(tcache *tc, cudaStream_t s, uint64_t id, heap *h);
 /* tcache_alloc.c */
 size_t tcache_give_back_own(tcache *tc, tslot *cur, cudaStream_t s);
 void tcache_relief_end(tcache *tc);
+/* record_stream: blocks the thread freed with recorded streams, parked
+ * until those completed, back to ts's class c magazine for stream id (take
+ * 1), or only counted (take 0); clears TCACHE_RECORDED once none is left
+ * (tcache_alloc.c). */
+void tcache_claim_recorded(tcache *tc, tslot *ts, unsigned c, uint64_t id, int take);
 int tcache_mark_used(slab *sl, uintptr_t p, uint32_t bi);
 int tcache_mark_free(slab *sl, uintptr_t p, uint32_t bi);
 void tcache_note_held(tslot *ts, unsigned c);
