@@ -216,13 +216,13 @@ typedef struct tcache {
    * there as after the call (tcache_give_back_own). Owner only. */
   tslot *relief_slot;
   cudaStream_t relief_stream;
-  tslot *last;               /* the fast paths' slot */
-  uint64_t recorded_poll_ns; /* the last tcache_claim_recorded query; owner only */
-  tslot *kept;               /* the slot keeping a large block (tslot.lkeep), or NULL */
-  uint32_t nalloc;           /* alloc-capable slots in use (nonzero alloc_id entries) */
+  tslot *last;     /* the fast paths' slot */
+  tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
+  uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */
   const backend_ops *ops;
   int check;
   unsigned next_evict;
+  uint64_t recorded_poll_ns; /* the last tcache_claim_recorded query; owner only (past the fast paths' line) */
   /* Bytes handed out minus freed by this thread, per device. Written by the
    * owner only (relaxed load + store); read (relaxed) by statistics under
    * tcache_st.list_lock. */
