@@ -344,6 +344,14 @@ static void record_entry_wait(const record_entry *e) {
   for (unsigned i = 0; i < e->ntickets; i++) epoch_wait(&e->tickets[i]);
 }
 
+/* An entry whose block went back to the pools: its tickets from the first
+ * on (those before it were handed over with the block), then itself. */
+static void record_entry_drop(record_entry *e, unsigned first) {
+  if (e->ntickets > first) record_tickets_release(e->tickets + first, e->ntickets - first);
+  meta_free(e->tickets);
+  meta_free(e);
+}
+
 /* After the queries: the ready entries leave the hash (their blocks go
  * back to the pools next), the others are parked again. */
 static void record_settle(record_table *t, record_entry *ready, record_entry *keep) {
@@ -415,9 +423,7 @@ unsigned record_claim(record_table *t, depot *d, const void *owner, uint64_t str
     out[n++] = (void *)e->ptr;
     if (owner != NULL && e->owner == owner) (*mine)--;
     atomic_add_relaxed(&d->thread_in, (int64_t)e->bytes); /* back in a thread's magazine */
-    record_tickets_release(e->tickets, e->ntickets);
-    meta_free(e->tickets);
-    meta_free(e);
+    record_entry_drop(e, 0);
   }
   return n;
 }
@@ -470,9 +476,7 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
     next = e->pnext;
     if (e->cls != SLAB_LARGE) {
       back += e->bytes;
-      record_tickets_release(e->tickets, e->ntickets);
-      meta_free(e->tickets);
-      meta_free(e);
+      record_entry_drop(e, 0);
       continue;
     }
     /* A large block goes back with one of its tickets, all completed: the
@@ -482,9 +486,7 @@ static size_t record_hand_back(record_table *t, depot *depots, large_cache *lc, 
     epoch_ticket none = {0};
     if (large_free(lc, e->ptr, e->ntickets > 0 ? &e->tickets[0] : &none, &bsize) == MAGPIE_OK) {
       back += e->bytes;
-      if (e->ntickets > 0) record_tickets_release(e->tickets + 1, e->ntickets - 1);
-      meta_free(e->tickets);
-      meta_free(e);
+      record_entry_drop(e, 1);
       continue;
     }
     /* Out of host memory: park it again with its completed tickets and
