@@ -52,22 +52,17 @@ echo "### cupy: $(python3 -c 'import cupy;print(cupy.__version__)' 2>&1 | tail -
 status=0
 echo "### GPU tests"
 timeout 300 bash "$B/run.sh" "$@" || status=1
-echo "### preload_prog (plain)"
-timeout 60 "$B/bin/preload_prog" || status=1
-echo "### preload_prog (LD_PRELOAD)"
-PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_prog" || status=1
-echo "### preload_peer (plain)"
-timeout 60 "$B/bin/preload_peer" || status=1
-echo "### preload_peer (LD_PRELOAD)"
-PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_peer" || status=1
-echo "### preload_static (plain; nvcc's default -cudart static)"
-timeout 60 "$B/bin/preload_static" || status=1
-echo "### preload_static (LD_PRELOAD)"
-PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 60 "$B/bin/preload_static" || status=1
-echo "### preload_ipc (plain)"
-timeout 120 "$B/bin/preload_ipc" || status=1
-echo "### preload_ipc (LD_PRELOAD)"
-PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout 120 "$B/bin/preload_ipc" || status=1
+# One LD_PRELOAD program plainly, then under the preload: NAME SECONDS [NOTE].
+preload_pair() {
+  echo "### $1 (plain${3:+; $3})"
+  timeout "$2" "$B/bin/$1" || status=1
+  echo "### $1 (LD_PRELOAD)"
+  PRELOAD_EXPECT=1 LD_PRELOAD=$MAGPIE_PRELOAD_LIB timeout "$2" "$B/bin/$1" || status=1
+}
+preload_pair preload_prog 60
+preload_pair preload_peer 60
+preload_pair preload_static 60 "nvcc's default -cudart static"
+preload_pair preload_ipc 120
 echo "### torch_test"
 timeout 200 python3 "$B/torch_test.py" || status=1
 echo "### torch_memory_api"
