@@ -145,6 +145,8 @@ export MAGPIE_SIM_LIB=$simlib
 python3 - <<'PY'
 import ctypes
 import os
+import threading
+import time
 
 import torch
 import magpie
@@ -200,15 +202,28 @@ empty_cache = ctypes.CFUNCTYPE(None)(hooks["set_reset_fn"])
 fraction = ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int)(hooks["set_memory_fraction_fn"])
 
 # record_stream: without it a block freed on A comes back to A's next
-# allocation at once; recorded on B, it is parked until B's work is done.
+# allocation at once; recorded on B, it is parked until B's work is done
+# (work held on B by a gate, as PyTorch's own test holds its stream with a
+# sleeping kernel), then it is A's next allocation again.
 p = alloc(4096, 0, a)
 free(p, 4096, 0, a)
 assert alloc(4096, 0, a) == p, "control: a plain free is reused by its stream at once"
+gate = threading.Event()
+HOLD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+hold = HOLD(lambda _: gate.wait(30))
+sim.magpie_sim_launch.argtypes = [ctypes.c_void_p, HOLD, ctypes.c_void_p]
+assert sim.magpie_sim_launch(b, hold, None) == 0
 record(p, b)
 free(p, 4096, 0, a)
 q = alloc(4096, 0, a)
 assert q != p, "Tensor.record_stream did not reach magpie: the recorded block was reused at once"
+gate.set()
+assert sim.magpie_sim_stream_synchronize(b) == 0 and sim.magpie_sim_stream_synchronize(a) == 0
+time.sleep(0.01)  # past the interval at which a thread looks for its parked blocks
+r = alloc(4096, 0, a)
+assert r == p, "the recorded block did not come back to its stream once B's work completed"
 free(q, 4096, 0, a)
+free(r, 4096, 0, a)
 
 # The memory API.
 blocks = [alloc(3 << 20, 0, a) for _ in range(4)] + [alloc(8192, 0, a) for _ in range(16)]
