@@ -384,10 +384,10 @@ unsigned record_claim(record_table *t, depot *d, const void *owner, uint64_t str
                       unsigned max, unsigned *mine) {
   *mine = 0;
   if (atomic_load_relaxed(&t->parked_count) == 0) return 0;
-  if (pthread_mutex_trylock(&t->lock) != 0) {
-    *mine = 1; /* not known: ask again later */
-    return 0;
-  }
+  /* Waits for the lock (a poll's hold is a list walk): a try that found it
+   * held would hand the allocation another block while the caller's own is
+   * ready. */
+  pthread_mutex_lock(&t->lock);
   /* The candidates leave the parked list for the queries, which happen
    * outside the lock; the owner's entries are counted on both lists. */
   record_entry *cand = NULL;

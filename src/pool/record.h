@@ -113,9 +113,9 @@ size_t record_wait(record_table *t, depot *depots, large_cache *lc);
  * thread's magazine of that stream: they leave the table and enter the
  * thread's cached bytes through d (cls's depot). *mine: owner's blocks
  * still parked or waiting for a synchronisation afterwards, counted under
- * the lock (those another thread is polling at that moment are missed),
- * or 1 when the lock was busy. Never blocks; one event query per
- * candidate's ticket. Returns how many. */
+ * the lock (those another thread is polling at that moment are missed).
+ * Takes the table's lock (waiting if held), never waits for an event; one
+ * event query per candidate's ticket. Returns how many. */
 unsigned record_claim(record_table *t, depot *d, const void *owner, uint64_t stream_id, unsigned cls, void **out,
                       unsigned max, unsigned *mine);
 
