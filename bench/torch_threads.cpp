@@ -52,8 +52,9 @@ double run(const std::string &mode, bool raw, int threads, size_t size, double s
       cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(s, 0));
       auto *allocator = c10::cuda::CUDACachingAllocator::get();
+      const bool direct = mode == "direct";
       auto pair = [&] {
-        if (mode == "direct") {
+        if (direct) {
           direct_free(direct_malloc(size, s), s);
         } else if (raw) {
           c10::cuda::CUDACachingAllocator::raw_delete(c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(size, s));
@@ -125,14 +126,25 @@ int main(int argc, char **argv) {
     }
   }
   if (mode != "magpie") c10::cuda::CUDACachingAllocator::init(1);
+  std::vector<int> counts; // MAGPIE_BENCH_THREADS: the thread counts, e.g. "1 16" (default 1 2 4 8 16)
+  for (const char *t = std::getenv("MAGPIE_BENCH_THREADS"); t != nullptr && *t != '\0';) {
+    char *end;
+    long n = std::strtol(t, &end, 10);
+    if (end == t) break;
+    if (n > 0) counts.push_back(static_cast<int>(n));
+    t = end;
+  }
+  if (counts.empty()) counts = {1, 2, 4, 8, 16};
   for (bool raw : {false, true}) {
     if (raw && mode == "direct") break;
-    std::printf("%s, %s, %zu-byte blocks, one stream per thread, M pairs/s at 1 2 4 8 16 threads:", mode.c_str(),
+    std::printf("%s, %s, %zu-byte blocks, one stream per thread, M pairs/s at", mode.c_str(),
                 mode == "direct" ? "magpie_malloc_async/magpie_free_async"
                 : raw            ? "raw_alloc_with_stream"
                                  : "allocate",
                 size);
-    for (int threads : {1, 2, 4, 8, 16}) std::printf(" %.2f", run(mode, raw, threads, size, seconds) / 1e6);
+    for (int threads : counts) std::printf(" %d", threads);
+    std::printf(" threads:");
+    for (int threads : counts) std::printf(" %.2f", run(mode, raw, threads, size, seconds) / 1e6);
     std::printf("\n");
     std::fflush(stdout);
   }

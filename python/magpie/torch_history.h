@@ -86,24 +86,12 @@ class History {
     if (!compile_contexts_.empty()) compile_contexts_.pop_back();
   }
 
+  // The allocation paths' entries: one relaxed load while nothing records.
   void alloc(int device, void *p, size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
-    if (!on()) return;
-    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::STATE);
-    std::lock_guard<std::mutex> g(lock_);
-    if (!recording_) return;
-    live_[p] = Live{device, size, stream, pool, ctx};
-    push(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(p), size, stream, pool,
-         when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
+    if (C10_UNLIKELY(on())) record_alloc(device, p, size, stream, pool);
   }
-
   void free(int device, void *p, size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
-    if (!on()) return;
-    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::ALL);
-    std::lock_guard<std::mutex> g(lock_);
-    if (!recording_) return;
-    live_.erase(p);
-    push(TraceEntry::FREE_REQUESTED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
-    push(TraceEntry::FREE_COMPLETED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
+    if (C10_UNLIKELY(on())) record_free(device, p, size, stream, pool);
   }
 
   void oom(int device, size_t size, size_t device_free, cudaStream_t stream) {
@@ -145,6 +133,26 @@ class History {
   }
 
  private:
+  [[gnu::noinline]] void record_alloc(int device, void *p, size_t size, cudaStream_t stream,
+                                      c10::cuda::MempoolId_t pool) {
+    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::STATE);
+    std::lock_guard<std::mutex> g(lock_);
+    if (!recording_) return;
+    live_[p] = Live{device, size, stream, pool, ctx};
+    push(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(p), size, stream, pool,
+         when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
+  }
+
+  [[gnu::noinline]] void record_free(int device, void *p, size_t size, cudaStream_t stream,
+                                     c10::cuda::MempoolId_t pool) {
+    std::shared_ptr<c10::GatheredContext> ctx = gather(CCA::RecordContext::ALL);
+    std::lock_guard<std::mutex> g(lock_);
+    if (!recording_) return;
+    live_.erase(p);
+    push(TraceEntry::FREE_REQUESTED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
+    push(TraceEntry::FREE_COMPLETED, device, reinterpret_cast<size_t>(p), size, stream, pool, ctx);
+  }
+
   static constexpr int kDevices = 64;
   struct Live {
     int device;

@@ -38,6 +38,7 @@
 #define MAGPIE_TORCH_STATS_H
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/macros/Macros.h>
 
 #include <algorithm>
 #include <atomic>
@@ -184,36 +185,44 @@ class Stats {
     return c;
   }
 
-  void change(int device, size_t bytes, size_t requested, int sign) {
-    if (device < 0 || device >= kDevices) return;
+  // The allocation path's part, inlined: the thread's counters, its own
+  // figures and the check against its marks; the rest is out of line.
+  C10_ALWAYS_INLINE void change(int device, size_t bytes, size_t requested, int sign) {
+    if (C10_UNLIKELY(device < 0 || device >= kDevices)) return;
     int pool = bytes <= kSmallSize ? 1 : 2;
     int freed = sign < 0 ? 1 : 0;
     const int64_t add[kKinds] = {1, static_cast<int64_t>(bytes), static_cast<int64_t>(requested)};
     Counters *c = local()[device];
-    if (c == nullptr && gone()) {
-      for (int k = 0; k < kKinds; k++)
-        late_[device][counted(pool, k, freed)].fetch_add(add[k], std::memory_order_relaxed);
-      return;
+    if (C10_UNLIKELY(c == nullptr)) {
+      c = counters_slow(device, pool, freed, add);
+      if (c == nullptr) return;
     }
-    if (c == nullptr) c = first(device);
     for (int k = 0; k < kKinds; k++) {
       std::atomic<int64_t> &x = c->f[counted(pool, k, freed)];
       x.store(x.load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
       c->cur[0][k] += sign * add[k];
       c->cur[pool][k] += sign * add[k];
     }
-    if (sign > 0) mark(device, c, pool);
+    if (sign < 0) return;
+    // After an allocation: a figure past the thread's mark (or marks of
+    // before a reset) makes it sum, raise the peaks and set its marks again.
+    bool past = c->epoch != devices_[device].epoch.load(std::memory_order_acquire);
+    for (int k = 0; k < kKinds; k++) past |= (c->cur[0][k] > c->mark[0][k]) | (c->cur[pool][k] > c->mark[pool][k]);
+    if (C10_UNLIKELY(past)) raise(device, c);
   }
 
-  // After an allocation: a figure past the thread's mark (or marks of
-  // before a reset) makes it sum, raise the peaks and set its marks again.
-  void mark(int device, Counters *c, int pool) {
+  // The calling thread's counters of device on its first block there; null
+  // (the block counted in late_) once the thread's Thread is gone.
+  [[gnu::noinline]] Counters *counters_slow(int device, int pool, int freed, const int64_t *add) {
+    if (!gone()) return first(device);
+    for (int k = 0; k < kKinds; k++)
+      late_[device][counted(pool, k, freed)].fetch_add(add[k], std::memory_order_relaxed);
+    return nullptr;
+  }
+
+  [[gnu::noinline]] void raise(int device, Counters *c) {
     Device &d = devices_[device];
-    uint64_t epoch = d.epoch.load(std::memory_order_acquire);
-    bool past = c->epoch != epoch;
-    for (int k = 0; k < kKinds; k++) past |= (c->cur[0][k] > c->mark[0][k]) | (c->cur[pool][k] > c->mark[pool][k]);
-    if (!past) return;
-    c->epoch = epoch;
+    c->epoch = d.epoch.load(std::memory_order_acquire);
     int64_t sum[kFields];
     total(device, sum);
     for (int p = 0; p < kPools; p++)
