@@ -155,6 +155,8 @@ int main(int argc, char **argv) {
   if (devshim_init() != 0) return 1;
   int cuda = devshim_is_cuda();
   int pool = cuda && devshim_pool_prepare() == 0;
+  const char *only_env = getenv("SCALING_BENCH_MAGPIE_ONLY");
+  int only = only_env != NULL && only_env[0] == '1';
   cudaStream_t *streams = calloc((size_t)max_threads, sizeof *streams);
   for (int i = 0; i < max_threads; i++)
     if ((streams[i] = devshim_stream_create()) == NULL) return 1;
@@ -165,34 +167,35 @@ int main(int argc, char **argv) {
   printf("\n");
   printf("%7s %14s %9s %14s %9s", "threads", "magpie Mops/s", "x 1 thr", "glibc Mops/s", "mp/glibc");
   if (pool) printf(" %14s %9s", "pool Mops/s", "mp/pool");
-  printf(" %16s %10s\n", "reserved/peaks", "events/op");
+  printf(" %16s %10s %11s\n", "reserved/peaks", "events/op", "queries/op");
   double base = 0;
   double *mv = calloc((size_t)rounds, sizeof *mv), *gv = calloc((size_t)rounds, sizeof *gv);
   for (int th = 1; th <= max_threads; th *= 2) {
     size_t peaks = 0;
-    uint64_t events = 0, ops_all = 0;
+    uint64_t events = 0, queries = 0, ops_all = 0;
     magpie_stats st;
     for (int r = 0; r < rounds; r++) {
       size_t pk = 0;
       uint64_t ops = 0;
       magpie_stats_get(0, &st);
-      uint64_t ev0 = st.events_recorded;
+      uint64_t ev0 = st.events_recorded, q0 = st.event_queries;
       mv[r] = run_point(ALLOC_MAGPIE, th, seconds, window, streams, &pk, &ops);
       magpie_stats_get(0, &st);
       events += st.events_recorded - ev0;
+      queries += st.event_queries - q0;
       ops_all += ops;
       if (pk > peaks) peaks = pk;
-      gv[r] = run_point(ALLOC_GLIBC, th, seconds, window, streams, NULL, NULL);
+      gv[r] = only ? 0 : run_point(ALLOC_GLIBC, th, seconds, window, streams, NULL, NULL);
     }
     double m = median(mv, rounds), g = median(gv, rounds);
     if (th == 1) base = m;
-    printf("%7d %14.2f %9.2f %14.2f %9.2f", th, m / 1e6, m / base, g / 1e6, m / g);
-    if (pool) {
+    printf("%7d %14.2f %9.2f %14.2f %9.2f", th, m / 1e6, m / base, g / 1e6, g > 0 ? m / g : 0.0);
+    if (pool && !only) {
       double p = run_point(ALLOC_POOL, th, seconds, window, streams, NULL, NULL);
       printf(" %14.2f %9.1f", p / 1e6, m / p);
     }
-    printf(" %16.2f %10.4f\n", peaks ? (double)st.peak_reserved_bytes / (double)peaks : 0.0,
-           ops_all ? (double)events / (double)ops_all : 0.0);
+    printf(" %16.2f %10.4f %11.4f\n", peaks ? (double)st.peak_reserved_bytes / (double)peaks : 0.0,
+           ops_all ? (double)events / (double)ops_all : 0.0, ops_all ? (double)queries / (double)ops_all : 0.0);
     if (th < max_threads && th * 2 > max_threads) th = max_threads / 2; /* end on max_threads */
   }
   free(mv);
