@@ -38,6 +38,9 @@ typedef struct class_case {
 static class_case class_case_start(size_t size, void **p) {
   class_case k = {.h = heap_get(0), .cls = sizeclass_of(size), .s = fake_stream_create(0)};
   assert_non_null(k.h);
+  /* No budget beyond an eighth of the bytes in use (less than one block
+   * here): a slot's surplus goes back to the segments (heap_put). */
+  atomic_store_relaxed(&k.h->class_budget_floor, 0);
   assert_true(sizeclass_table[k.cls].seg);
   for (int i = 0; i < CLASS_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, k.s));
   k.depot0 = depot_class_bytes(k.h, k.cls);
@@ -45,9 +48,9 @@ static class_case class_case_start(size_t size, void **p) {
 }
 
 /* Class blocks (classes above 32 KiB) that come and go in one thread's
- * slot: what leaves the slot is the thread's surplus and goes back to the
- * segments (heap_put), not to the depot, where each class kept its own
- * high-water mark. There they coalesce and serve a large block without
+ * slot: what leaves the slot past the depot's budget is the thread's
+ * surplus and goes back to the segments (heap_put), not to the depot,
+ * where each class kept its own high-water mark. There they coalesce and serve a large block without
  * mapping more; another stream still waits for the freeing stream's work. */
 static void test_class_surplus_back_to_segments(void **state) {
   (void)state;
@@ -128,13 +131,14 @@ static void test_class_outflow_to_depot(void **state) {
 }
 
 /* A large allocation first sends the slot's cached class blocks back to
- * their segments (with the outbox it seals anyway), where they coalesce
- * with the free space around them instead of keeping it apart; not to
- * the depot. */
+ * their segments (with the outbox it seals anyway) past the depot's
+ * budget (none here), where they coalesce with the free space around them
+ * instead of keeping it apart; not to the depot. */
 static void test_large_allocation_sends_class_blocks_back(void **state) {
   (void)state;
   const size_t size = 90000; /* the 96 KiB class, which no other test here uses */
   heap *h = heap_get(0);
+  atomic_store_relaxed(&h->class_budget_floor, 0);
   unsigned cls = sizeclass_of(size);
   assert_true(sizeclass_table[cls].seg);
   cudaStream_t s = fake_stream_create(0);
@@ -154,6 +158,7 @@ static void test_large_allocation_sends_class_blocks_back(void **state) {
   assert_non_null(q);
   assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
   assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  atomic_store_relaxed(&h->class_budget_floor, HEAP_CLASS_BUDGET_FLOOR);
   fake_stream_complete(s);
 }
 
@@ -176,10 +181,36 @@ static void test_class_surplus_to_depot_when_lock_busy(void **state) {
   fake_stream_complete(s);
 }
 
+/* Within the depot's budget the surplus stays in the depot, with no lock
+ * tried, and the slot's next refills take it back from there. */
+static void test_class_surplus_in_depot_within_budget(void **state) {
+  (void)state;
+  const size_t size = 200000; /* the 256 KiB class, which no other test here uses */
+  void *p[CLASS_BLOCKS];
+  class_case k = class_case_start(size, p);
+  heap *h = k.h;
+  cudaStream_t s = k.s;
+  atomic_store_relaxed(&h->class_budget_floor, (size_t)64 << 20);
+  /* Held by this thread: a give-back would find it busy (and set the
+   * back-off); within the budget none is tried. */
+  pthread_mutex_lock(&h->large.lock);
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  pthread_mutex_unlock(&h->large.lock);
+  assert_true(depot_class_bytes(h, k.cls) > k.depot0);
+  assert_int_equal(atomic_load_relaxed(&h->put_backoff), 0);
+  int64_t before = depot_class_bytes(h, k.cls);
+  for (int n = 0; n < CLASS_BLOCKS; n++) assert_non_null(p[n] = magpie_malloc_async(size, s));
+  assert_true(depot_class_bytes(h, k.cls) < before);
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  atomic_store_relaxed(&h->class_budget_floor, HEAP_CLASS_BUDGET_FLOOR);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_class_surplus_back_to_segments),
+      cmocka_unit_test(test_class_surplus_in_depot_within_budget),
       cmocka_unit_test(test_large_allocation_sends_class_blocks_back),
       cmocka_unit_test(test_class_outflow_to_depot),
       cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),

@@ -399,6 +399,61 @@ static void *kept_large_block_main(void *arg) {
   return NULL;
 }
 
+/* A thread on one stream keeps up to TCACHE_KEEP_BLOCKS large blocks
+ * (past the first, within TCACHE_KEEP_MORE: 4 MiB) with no event; each
+ * request takes the smallest kept block it fits within an eighth, and a
+ * request none fits lets them all go under one seal. */
+static void *kept_large_blocks_main(void *arg) {
+  (void)arg;
+  cudaStream_t s = fake_stream_create(0);
+  const size_t sa = 3 * MiB / 2, sb = 5 * MiB / 4, sc = 9 * MiB / 8; /* 3.875 MiB together */
+  char *a = magpie_malloc_async(sa, s), *b = magpie_malloc_async(sb, s), *c = magpie_malloc_async(sc, s);
+  char *d = magpie_malloc_async(sa, s);
+  assert_true(a && b && c && d);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
+  assert_int_equal(st1.thread_cached_bytes - st0.thread_cached_bytes, sa + sb + sc);
+  check_layers(0);
+  /* A fourth would pass 4 MiB: it goes back to the large layer, sealed. */
+  assert_int_equal(magpie_free_async(d, s), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  assert_int_equal(st0.events_recorded, st1.events_recorded + 1);
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_ERR_DOUBLE_FREE); /* kept: free already */
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  /* Each request gets the smallest kept block it fits within an eighth. */
+  assert_ptr_equal(magpie_malloc_async(sb, s), b);
+  assert_ptr_equal(magpie_malloc_async(sa, s), a);
+  assert_ptr_equal(magpie_malloc_async(11 * MiB / 10, s), c);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
+  check_layers(0);
+  /* Kept again; a request none of them fits: one seal for all three. */
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  char *e = magpie_malloc_async(3 * MiB, s);
+  assert_non_null(e);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
+  assert_int_equal(st0.thread_cached_bytes - st1.thread_cached_bytes, sa + sb + sc);
+  assert_int_equal(magpie_free_async(e, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  check_layers(0);
+  check_snapshot(0);
+  return NULL;
+}
+
+static void test_kept_large_blocks(void **state) {
+  (void)state;
+  run_in_thread(kept_large_blocks_main, NULL);
+}
+
 /* In a thread of its own: a thread keeps blocks only while it allocates
  * on one stream. */
 static void test_kept_large_block(void **state) {
@@ -880,6 +935,7 @@ int main(void) {
       cmocka_unit_test(test_trim_waits_for_release_in_flight),
       cmocka_unit_test(test_large_stream_rules),
       cmocka_unit_test(test_kept_large_block),
+      cmocka_unit_test(test_kept_large_blocks),
       cmocka_unit_test(test_lent_block_freed_elsewhere),
       cmocka_unit_test(test_kept_large_block_default_streams),
       cmocka_unit_test(test_run_of_blocks_freed_on_different_streams),

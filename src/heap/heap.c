@@ -81,6 +81,7 @@ static heap *heap_create(int device) {
   if (cfg->limit_percent) region_set_limit(&h->region, (size_t)((unsigned __int128)total * cfg->limit_percent / 100));
   else if (cfg->limit) region_set_limit(&h->region, cfg->limit);
   h->release_threshold = cfg->release_threshold;
+  atomic_store_relaxed(&h->class_budget_floor, HEAP_CLASS_BUDGET_FLOOR);
   h->reuse_wait = cfg->reuse_wait;
   epoch_table_init(&h->epochs, device, ops);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) depot_init(&h->depots[c]);
@@ -415,8 +416,31 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
  * "The give-back tries the lock and backs off for 4"). */
 #define HEAP_PUT_BACKOFF 4
 
+/* A round trip's magazine stays in the depot, where any thread takes it
+ * without a lock, while the depot's bytes of the segment classes stay
+ * within a budget: an eighth of the bytes in use plus
+ * HEAP_CLASS_BUDGET_FLOOR. Past it, magazines go back to the segments
+ * through the large cache's lock (heap.h: HEAP_CLASS_BUDGET_*), which sixteen threads of the mixed
+ * workload waited on for most of their time (bench/DECISIONS.md, "Class
+ * magazines circulate in the depot within a budget"). The budget follows
+ * the bytes in use, so a program caches more only while it uses more;
+ * heap_recycle gives the depot's class blocks back before any mapping. */
+
+/* Is there room in the budget for m? The depots' byte counts are relaxed
+ * sums kept by their own operations: a heuristic. */
+static int heap_class_within_budget(heap *h, const magazine *m) {
+  int64_t cached = 0;
+  for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++)
+    if (sizeclass_table[c].seg)
+      cached += atomic_load_relaxed(&h->depots[c].ready_bytes) + atomic_load_relaxed(&h->depots[c].pending_bytes);
+  int64_t used = atomic_load_relaxed(&h->stat_in_use_published);
+  size_t budget =
+      ((used > 0 ? (size_t)used : 0) >> HEAP_CLASS_BUDGET_SHIFT) + atomic_load_relaxed(&h->class_budget_floor);
+  return (size_t)(cached > 0 ? cached : 0) + depot_magazine_bytes(m) <= budget;
+}
+
 void heap_put(heap *h, magazine *m, int round_trip) {
-  if (round_trip && sizeclass_table[m->cls].seg) {
+  if (round_trip && sizeclass_table[m->cls].seg && !heap_class_within_budget(h, m)) {
     if (atomic_load_relaxed(&h->put_backoff) > 0) {
       atomic_sub_relaxed(&h->put_backoff, 1);
     } else {
@@ -435,26 +459,28 @@ typedef struct heap_large_req {
   cudaStream_t stream;
   uintptr_t *out;
   size_t *bsize;
+  large_lent *lent;
 } heap_large_req;
 
 static int heap_large_retry(heap *h, void *ctx) {
   heap_large_req *r = ctx;
-  return large_alloc(&h->large, r->size, r->stream_id, r->stream, LARGE_MAY_WAIT_EVENT, r->out, r->bsize);
+  return large_alloc_lent(&h->large, r->size, r->stream_id, r->stream, LARGE_MAY_WAIT_EVENT, r->out, r->bsize, r->lent);
 }
 
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize) {
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize,
+                     large_lent *lent) {
   record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
   /* Reuse before mapping, as for class carves: class blocks cached in the
    * depot may free the room (heap_recycle). */
-  int rc = large_alloc(&h->large, size, stream_id, stream, LARGE_NO_MAP, out, bsize);
+  int rc = large_alloc_lent(&h->large, size, stream_id, stream, LARGE_NO_MAP, out, bsize, lent);
   if (rc == LARGE_WOULD_MAP) {
     heap_recycle(h);
-    rc = large_alloc(&h->large, size, stream_id, stream, 0, out, bsize);
+    rc = large_alloc_lent(&h->large, size, stream_id, stream, 0, out, bsize, lent);
   }
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Before any host-side wait: reuse a block another stream freed by
    * making this stream wait on the free's event. */
-  heap_large_req req = {size, stream_id, stream, out, bsize};
+  heap_large_req req = {size, stream_id, stream, out, bsize, lent};
   rc = heap_large_retry(h, &req);
   return rc == MAGPIE_ERR_OUT_OF_MEMORY ? heap_descend(h, heap_large_retry, &req, size) : rc;
 }

@@ -48,6 +48,13 @@ enum heap_step {
 /* Statistics below are relaxed counters, written by any thread on slow
  * paths and read by magpie_stats_get; none publishes other memory. Byte
  * counters of a layer move when whole magazines move between layers. */
+/* A thread's surplus class blocks of the segment classes stay in the
+ * depot while its bytes of those classes are within an eighth
+ * (HEAP_CLASS_BUDGET_SHIFT) of the bytes in use plus
+ * HEAP_CLASS_BUDGET_FLOOR (heap.c, heap_put). */
+#define HEAP_CLASS_BUDGET_FLOOR ((size_t)4 << 20)
+#define HEAP_CLASS_BUDGET_SHIFT 3
+
 typedef struct heap {
   int device;
   const backend_ops *ops;
@@ -89,6 +96,10 @@ typedef struct heap {
    * down by each such magazine (relaxed, any thread; a heuristic that
    * publishes nothing). */
   _Atomic int32_t put_backoff;
+  /* The depot's budget of segment-class bytes beyond an eighth of the
+   * bytes in use (heap_put): HEAP_CLASS_BUDGET_FLOOR, set at creation;
+   * tests lower it before use. */
+  _Atomic size_t class_budget_floor; /* relaxed: a setting, publishes nothing */
   _Atomic size_t recycle_mark;
   /* Threads inside heap_reap: raised (seq_cst, against heap_capture_hold)
    * on entry, lowered (release) on exit, read with acquire by
@@ -140,8 +151,10 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
 void heap_put(heap *h, magazine *m, int round_trip);
 
 /* A large block of at least size bytes usable by stream_id (handle
- * stream) now; under pressure, goes down the same ladder. */
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize);
+ * stream) now; under pressure, goes down the same ladder. With lent
+ * non-NULL, handed out lent to the caller (large_alloc_lent). */
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize,
+                     large_lent *lent);
 
 /* Run one ladder step; returns nonzero if it freed or readied anything. */
 int heap_relieve(heap *h, enum heap_step step);

@@ -230,8 +230,8 @@ int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, cudaStre
   return rc == MAGPIE_OK ? MAGPIE_ERR_OUT_OF_MEMORY : rc; /* rounds ran out */
 }
 
-int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
-                size_t *bsize) {
+int large_alloc_lent(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                     size_t *bsize, large_lent *lent) {
   if (size > SIZE_MAX - LARGE_QUANTUM) return MAGPIE_ERR_SIZE_OVERFLOW;
   size_t need = large_round(size);
   lticket *deferred = NULL;
@@ -241,9 +241,17 @@ int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t st
   if (rc == MAGPIE_OK) {
     *out = u->base;
     *bsize = u->size;
+    /* Handed out just now (its generation new): lent at once, as a kept
+     * block handed out again is. */
+    if (lent != NULL) *lent = (large_lent){u, large_lend(u)};
   }
   large_unlock(c, deferred);
   return rc;
+}
+
+int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                size_t *bsize) {
+  return large_alloc_lent(c, size, stream_id, stream, flags, out, bsize, NULL);
 }
 
 int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
@@ -254,6 +262,32 @@ int large_lookup(large_cache *c, uintptr_t p, size_t *bsize) {
   if (b) *bsize = b->size;
   pthread_mutex_unlock(&c->lock);
   return b != NULL;
+}
+
+int large_free_kept(large_cache *c, lblock *const *bs, uint32_t n, const epoch_ticket *t) {
+  lticket *lt = NULL, *deferred = NULL;
+  pthread_mutex_lock(&c->lock);
+  /* One reference: this call's, until every block holds its own. */
+  if (t->rec != NULL && (lt = large_ticket_new(c, t)) == NULL) {
+    pthread_mutex_unlock(&c->lock);
+    return MAGPIE_ERR_OUT_OF_MEMORY;
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    lblock *b = large_hash_find(c, bs[i]->base, 1);
+    /* INVARIANT: a kept block is a handed-out block of the hash, its
+     * keeper's until freed. */
+    MAGPIE_ASSERT(b == bs[i] && b->klass == 0 && large_kept_state(b) == LARGE_KEPT);
+    if (b == NULL) continue;
+    large_unkeep(b);
+    atomic_sub_relaxed(&c->in_use_bytes, b->size);
+    b->ticket = lt;
+    large_ticket_ref(lt);
+    large_free_link(c, b);
+    large_coalesce(c, b, &deferred);
+  }
+  large_ticket_unref(lt, &deferred);
+  large_unlock(c, deferred);
+  return MAGPIE_OK;
 }
 
 int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize) {

@@ -88,6 +88,8 @@ typedef struct lblock {
    *     wait for a device synchronisation (heap.c);
    *   LARGE_KEPT_OUT: handed out again by the thread that kept it, which
    *     may keep it again at its free without the lock (large_rekeep).
+   * 0 -> LARGE_KEPT_OUT at a hand-out to a thread that may keep it (under
+   * the lock, large_alloc_lent);
    * 0 or LARGE_KEPT_OUT -> LARGE_KEPT: under the lock (large_keep_block),
    * or LARGE_KEPT_OUT -> LARGE_KEPT by the lending thread without it
    * (compare-and-swap, acq_rel); LARGE_KEPT -> LARGE_KEPT_OUT, 0 or
@@ -249,6 +251,17 @@ void large_init(large_cache *c, region *r, const backend_ops *ops, size_t total_
  * needs memory that cannot be mapped. */
 int large_alloc(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
                 size_t *bsize);
+/* A block handed out lent (LARGE_KEPT_OUT) to the allocating thread, which
+ * may keep it at its free on its stream without the lock (large_rekeep
+ * with word); a free elsewhere frees it as any block. */
+typedef struct large_lent {
+  lblock *b;
+  uint64_t word;
+} large_lent;
+/* As large_alloc; with lent non-NULL the block is handed out lent to the
+ * caller (*lent set on success). */
+int large_alloc_lent(large_cache *c, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                     size_t *bsize, large_lent *lent);
 /* Is p the start of a handed-out large block (not kept)? Sets *bsize. */
 int large_lookup(large_cache *c, uintptr_t p, size_t *bsize);
 /* Free the block at p with the ticket sealed on its freeing stream (taken
@@ -256,6 +269,11 @@ int large_lookup(large_cache *c, uintptr_t p, size_t *bsize);
  * MAGPIE_ERR_DOUBLE_FREE (a kept block included) /
  * MAGPIE_ERR_INVALID_POINTER. */
 int large_free(large_cache *c, uintptr_t p, const epoch_ticket *t, size_t *bsize);
+/* Free the n blocks its caller keeps (LARGE_KEPT), all with the ticket t
+ * (taken over on success), under one hold of the lock. On
+ * MAGPIE_ERR_OUT_OF_MEMORY (no host memory for the ticket) none is freed
+ * and they stay kept. */
+int large_free_kept(large_cache *c, lblock *const *b, uint32_t n, const epoch_ticket *t);
 /* A freed large block at p of at most max bytes, kept by the calling
  * thread for its stream: marked LARGE_KEPT, *out set. 0 (nothing marked)
  * if p is not a handed-out large block, is kept already or is larger. */

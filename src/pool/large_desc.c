@@ -47,7 +47,7 @@ lblock *large_block_new(large_cache *c) {
 }
 
 /* Block descriptors are kept, never given back to the host allocator, so
- * that a stale lblock pointer a thread holds (tslot.lout) still names a
+ * that a stale lblock pointer a thread holds (tslot.lent) still names a
  * descriptor: their number is at most the most blocks the segments held
  * at once. */
 void large_block_drop(large_cache *c, lblock *b) {

@@ -78,39 +78,50 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
               h->total_mem);
     return NULL;
   }
-  lblock *k = ts->lkeep;
-  if (k != NULL) {
-    /* The block kept for this stream, if the request fits it within an
-     * eighth; else it goes back to the large layer first. */
+  if (ts->nkeep > 0) {
+    /* The smallest block kept for this stream that the request fits
+     * within an eighth; if none, they go back to the large layer first. */
     size_t need = large_round(size);
-    if (k->size >= need && k->size - need <= need / 8) {
+    uint32_t best = TCACHE_KEEP_BLOCKS;
+    for (uint32_t i = 0; i < ts->nkeep; i++) {
+      const lblock *b = ts->lkeep[i];
+      if (b->size >= need && b->size - need <= need / 8 &&
+          (best == TCACHE_KEEP_BLOCKS || b->size < ts->lkeep[best]->size))
+        best = i;
+    }
+    if (best != TCACHE_KEEP_BLOCKS) {
+      lblock *k = ts->lkeep[best];
       uintptr_t kp = k->base;
       size_t ks = k->size;
-      tcache_kept_detach(tc, ts);
-      ts->lout_word = large_lend(k);
-      ts->lout = k;
-      ts->lout_base = kp;
+      tcache_kept_detach(tc, ts, best);
+      ts->lent[ts->lent_next++ % TCACHE_LENT] = (struct tslot_lent){k, kp, ks, large_lend(k)};
       /* Published at the next exchange, as the fast paths do. */
       tslot_count(ts, (int64_t)ks);
       if (!tc->check) tc->last = ts;
       return (void *)kp;
     }
-    tcache_kept_out(tc, ts, &s);
   }
   uintptr_t p = 0;
   size_t bsize = 0;
   /* As before a refill, and the slot's class blocks with the outbox, to
-   * their segments (tcache_class_blocks_out). */
+   * their segments (tcache_class_blocks_out), under the kept blocks' seal
+   * when there are any. */
   uint64_t round_trip = ts->round_trip;
   tcache_class_blocks_out(ts, s);
+  tcache_kept_out(tc, ts, &s);
   tcache_outbox_seal(ts, s);
   ts->round_trip = round_trip;
   tcache_relief_context(tc, ts, s);
-  int rc = heap_large_alloc(h, size, id, s, &p, &bsize);
+  /* A thread that may keep large blocks (tcache_keep_large) takes the
+   * block lent: its free here keeps it without the large cache's lock. */
+  large_lent lent = {0};
+  int lends = !tc->check && tc->nalloc == 1 && (tc->kept == NULL || tc->kept == ts);
+  int rc = heap_large_alloc(h, size, id, s, &p, &bsize, lends ? &lent : NULL);
   if (rc != MAGPIE_OK) {
     tcache_oom_error(h, size, rc);
     return NULL;
   }
+  if (lent.b != NULL) ts->lent[ts->lent_next++ % TCACHE_LENT] = (struct tslot_lent){lent.b, p, bsize, lent.word};
   tslot_count(ts, (int64_t)bsize);
   tcache_publish(tc, h);
   if (!tc->check) tc->last = ts;

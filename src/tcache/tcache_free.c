@@ -50,9 +50,10 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * matched by value, as in the fast path; the legacy and per-thread default
  * handles, whose stream depends on the current context, by id, as
  * tcache_free_special does): the slot keeps it for its stream if the
- * thread keeps none and allocates on no other stream (one lock to mark it
- * in the large layer, none if the slot kept it before and handed it out
- * again; no event). PyTorch allocates on the legacy default stream
+ * thread allocates on no other stream and keeps fewer than
+ * TCACHE_KEEP_BLOCKS, within TCACHE_KEEP_MORE past the first (one lock to
+ * mark it in the large layer, none if the slot kept it before and handed
+ * it out again; no event). PyTorch allocates on the legacy default stream
  * unless told otherwise, so the default handles are let in: without them
  * each large free there recorded an event and took the large layer's
  * lock. A thread taking turns on streams would strand the block while on
@@ -60,18 +61,28 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * block: default handles, one stream only"). 0: the slow path. */
 static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   tslot *ts = tc->last;
-  if (tc->check || tc->kept != NULL || tc->nalloc != 1 || sl->cls != SLAB_LARGE || ts->handle != s ||
-      ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 || large_class_of(sl->seg, (uintptr_t)p) >= 0)
+  if (tc->check || (tc->kept != NULL && tc->kept != ts) || ts->nkeep == TCACHE_KEEP_BLOCKS || tc->nalloc != 1 ||
+      sl->cls != SLAB_LARGE || ts->handle != s || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 ||
+      large_class_of(sl->seg, (uintptr_t)p) >= 0)
     return 0;
   if (tcache_special_handle(s) && tcache_stream_id(tc, s) != ts->id) return 0; /* another context's */
+  /* The first block up to TCACHE_KEEP_MAX, more while all stay within
+   * TCACHE_KEEP_MORE. */
+  size_t max = ts->nkeep == 0                      ? TCACHE_KEEP_MAX
+               : ts->keep_bytes < TCACHE_KEEP_MORE ? TCACHE_KEEP_MORE - ts->keep_bytes
+                                                   : 0;
+  if (max == 0) return 0;
   lblock *b = NULL;
-  /* The block this slot lent out, freed here: kept again without the
+  /* A block this slot lent out, freed here: kept again without the
    * large cache's lock where nothing happened to it meanwhile. */
-  if (ts->lout != NULL && ts->lout_base == (uintptr_t)p) {
-    if (large_rekeep(ts->lout, ts->lout_word)) b = ts->lout;
-    ts->lout = NULL;
+  for (uint32_t k = 1; k <= TCACHE_LENT; k++) { /* the newest first */
+    struct tslot_lent *l = &ts->lent[(ts->lent_next - k) % TCACHE_LENT];
+    if (l->b == NULL || l->base != (uintptr_t)p) continue;
+    if (l->size <= max && large_rekeep(l->b, l->word)) b = l->b;
+    l->b = NULL;
+    break;
   }
-  if (b == NULL && !large_keep_block(&ts->heap->large, (uintptr_t)p, TCACHE_KEEP_MAX, &b)) return 0;
+  if (b == NULL && !large_keep_block(&ts->heap->large, (uintptr_t)p, max, &b)) return 0;
   tcache_kept_attach(tc, ts, b);
   tslot_count(ts, -(int64_t)b->size);
   tcache_publish(tc, ts->heap); /* cached now: trim and the threshold see it */

@@ -54,7 +54,7 @@ void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle);
 magazine *tcache_outbox_take(tslot *ts, unsigned c);
 int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int *sealed);
 void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b);
-void tcache_kept_detach(tcache *tc, tslot *ts);
+void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i);
 size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
 size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
 void tcache_class_blocks_out(tslot *ts, cudaStream_t s);

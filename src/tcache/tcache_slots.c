@@ -45,11 +45,13 @@ void tcache_slot_clear(tslot *ts) {
   }
   ts->entries = 0;
   ts->emptied = 0;
-  MAGPIE_ASSERT(ts->nout == 0 && ts->lkeep == NULL); /* emptied before (tcache_slot_out) or never used */
+  MAGPIE_ASSERT(ts->nout == 0 && ts->nkeep == 0); /* emptied before (tcache_slot_out) or never used */
   ts->nout = 0;
   ts->out_bytes = 0;
-  ts->lkeep = NULL;
-  ts->lout = NULL;
+  ts->nkeep = 0;
+  ts->keep_bytes = 0;
+  memset(ts->lent, 0, sizeof ts->lent);
+  ts->lent_next = 0;
 }
 
 /* Bring the slot's entries of tc->alloc_id / alloc_handle up to date. */
@@ -165,42 +167,54 @@ int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int 
 }
 
 /* ts keeps b (LARGE_KEPT) for its stream: the slot, the thread and the
- * statistics say so together; detach undoes it. */
+ * statistics say so together; detach undoes it for lkeep[i]. */
 void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b) {
-  ts->lkeep = b;
+  MAGPIE_ASSERT(ts->nkeep < TCACHE_KEEP_BLOCKS && (tc->kept == NULL || tc->kept == ts));
+  ts->lkeep[ts->nkeep++] = b;
+  ts->keep_bytes += b->size;
   tc->kept = ts;
   atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], (int64_t)b->size);
 }
 
-void tcache_kept_detach(tcache *tc, tslot *ts) {
-  atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], -(int64_t)ts->lkeep->size);
-  ts->lkeep = NULL;
-  tc->kept = NULL;
+void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i) {
+  MAGPIE_ASSERT(i < ts->nkeep);
+  lblock *b = ts->lkeep[i];
+  atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], -(int64_t)b->size);
+  ts->keep_bytes -= b->size;
+  ts->lkeep[i] = ts->lkeep[--ts->nkeep];
+  if (ts->nkeep == 0) tc->kept = NULL;
 }
 
-/* The slot's kept large block leaves: sealed on *seal_on to the large
- * layer, or with seal_on NULL (or a failed seal) to limbo. Returns its
- * bytes (0 if none, or if not even limbo could take it: it stays). */
+/* The slot's kept large blocks leave: to the large layer under one seal on
+ * *seal_on and one hold of its lock, the outbox with them, or with seal_on
+ * NULL (or a failed seal, or no host memory for the large layer's ticket)
+ * to limbo. Returns their bytes (a block not even limbo could take stays,
+ * kept). */
 size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on) {
-  lblock *b = ts->lkeep;
-  if (b == NULL) return 0;
-  uintptr_t p = b->base;
-  size_t size = b->size, bsize = 0;
-  int sealed = 0;
-  tcache_kept_detach(tc, ts);
-  if (seal_on != NULL) {
-    large_unkeep(b);
-    if (tcache_large_release(ts, (void *)p, *seal_on, &bsize, &sealed) == MAGPIE_OK) {
+  uint32_t n = ts->nkeep;
+  if (n == 0) return 0;
+  lblock *out[TCACHE_KEEP_BLOCKS];
+  size_t bytes = ts->keep_bytes;
+  memcpy(out, ts->lkeep, n * sizeof out[0]);
+  while (ts->nkeep > 0) tcache_kept_detach(tc, ts, ts->nkeep - 1);
+  epoch_ticket t = {0};
+  if (seal_on != NULL && epoch_seal(ts->rec, *seal_on, &t) == MAGPIE_OK) {
+    epoch_ticket u = {0};
+    if (ts->nout > 0) epoch_ticket_copy(&t, &u); /* large_free_kept takes t over */
+    if (large_free_kept(&ts->heap->large, out, n, &t) == MAGPIE_OK) {
+      if (u.rec != NULL) tcache_outbox_give(ts, &u);
       heap_note_cached(ts->heap);
-      return size;
+      return bytes;
     }
-    large_kept_set(b, LARGE_KEPT); /* ours still: to limbo */
+    epoch_ticket_release(&t);
+    if (u.rec != NULL) epoch_ticket_release(&u);
   }
-  if (heap_limbo_put_large(ts->heap, b, ts->sdev) != MAGPIE_OK) {
-    tcache_kept_attach(tc, ts, b);
-    return 0;
+  for (uint32_t i = 0; i < n; i++) {
+    if (heap_limbo_put_large(ts->heap, out[i], ts->sdev) == MAGPIE_OK) continue;
+    tcache_kept_attach(tc, ts, out[i]); /* stays: not even limbo could take it */
+    bytes -= out[i]->size;
   }
-  return size;
+  return bytes;
 }
 
 /* The outbox leaves the slot: sealed on *seal_on (as tcache_outbox_seal)

@@ -193,7 +193,7 @@ static void tdrain_seal_one(tcache *tc, heap *h, magazine *m, const epoch_ticket
  * allocation or free of any class takes a slow path, which clears
  * `drained`. */
 int tdrain_slot(tcache *tc, tslot *ts, cudaStream_t s) {
-  MAGPIE_ASSERT(ts->lkeep == NULL); /* the caller sealed it out first */
+  MAGPIE_ASSERT(ts->nkeep == 0); /* the caller sealed it out first */
   ts->drain_at = INT64_MIN;
   epoch_ticket t;
   int rc = epoch_seal(ts->rec, s, &t);

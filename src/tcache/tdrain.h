@@ -65,6 +65,6 @@ static inline void tdrain_slot_reset(tslot *ts) {
 }
 
 /* Is slot ts drained, with nothing that would need a seal to leave it? */
-static inline int tdrain_clean(const tslot *ts) { return ts->drained && ts->nout == 0 && ts->lkeep == NULL; }
+static inline int tdrain_clean(const tslot *ts) { return ts->drained && ts->nout == 0 && ts->nkeep == 0; }
 
 #endif /* MAGPIE_TDRAIN_H */

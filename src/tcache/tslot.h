@@ -30,13 +30,22 @@
  * memory from what threads share (a refill or a large block) and when a
  * large free seals anyway, as keeping it until full held more memory
  * (bench/DECISIONS.md, "One seal for an outbox of magazines"). */
-/* A thread that allocates on one stream keeps one large block freed on it
- * (of at most this size) for that stream's next large allocation that it
- * fits within an eighth: the same stream reuses it at once, with no event
- * and no lock, as it reuses small blocks. Only such threads: the block is
- * stranded, like a slot's magazines, while its thread works on other
- * streams. */
+/* A thread that allocates on one stream keeps large blocks freed on it
+ * (the first of at most TCACHE_KEEP_MAX, more up to TCACHE_KEEP_BLOCKS
+ * while all it keeps stays within TCACHE_KEEP_MORE) for that stream's next
+ * large allocations that one fits within an eighth: the same stream reuses
+ * it at once, with no event and no lock, as it reuses small blocks. Only
+ * such threads: the blocks are stranded, like a slot's magazines, while
+ * their thread works on other streams. An allocation none fits lets all of
+ * them go under one seal; a thread keeping one block recorded an event for
+ * each large free while it kept one (bench/DECISIONS.md, "A thread keeps
+ * up to four large blocks, let go under one seal"). */
 #define TCACHE_KEEP_MAX ((size_t)64 << 20)
+#define TCACHE_KEEP_BLOCKS 4
+#define TCACHE_KEEP_MORE ((size_t)4 << 20)
+/* The large blocks a slot handed out lent that it remembers (tslot.lent):
+ * their frees on its stream keep them without the large cache's lock. */
+#define TCACHE_LENT 16
 
 #define TCACHE_OUTBOX 8
 #define TCACHE_OUTBOX_BYTES ((size_t)1 << 20)
@@ -93,20 +102,29 @@ typedef struct tslot {
   magazine *outbox[TCACHE_OUTBOX];
   uint32_t nout;
   size_t out_bytes;
-  /* The large block kept for this stream (TCACHE_KEEP_MAX; LARGE_KEPT in
-   * the large layer; tcache.kept names this slot), or NULL. It leaves with
-   * the slot's magazines, sealed on a caller's handle or to limbo, or for a
-   * large allocation it does not fit. Owner only. INVARIANT: as for the
-   * magazines. */
-  lblock *lkeep;
-  /* The kept block this slot last handed out again (large_lend), its base
-   * and the word large_rekeep expects, or lout NULL. Its free on this
-   * slot's stream keeps it again without the large cache's lock; the
-   * word decides whether it still may (pool/large.h, lblock.kept), so a
-   * stale entry costs one failed compare-and-swap. Owner only. */
-  lblock *lout;
-  uintptr_t lout_base;
-  uint64_t lout_word;
+  /* The large blocks kept for this stream, lkeep[0..nkeep) (TCACHE_KEEP_*;
+   * LARGE_KEPT in the large layer; tcache.kept names this slot while nkeep
+   * > 0), and their bytes. They leave with the slot's magazines, sealed on
+   * a caller's handle or to limbo, or for a large allocation none fits.
+   * Owner only. INVARIANT: as for the magazines; keep_bytes is the sum of
+   * their sizes. */
+  lblock *lkeep[TCACHE_KEEP_BLOCKS];
+  uint32_t nkeep;
+  size_t keep_bytes;
+  /* The large blocks this slot last handed out lent (a kept block handed
+   * out again, or a new block: large_lend; up to TCACHE_LENT, the oldest
+   * replaced first): each one's base, size
+   * and the word large_rekeep expects, or b NULL. Its free on this slot's
+   * stream keeps it again without the large cache's lock; the word decides
+   * whether it still may (pool/large.h, lblock.kept), so a stale entry
+   * costs one failed compare-and-swap. Owner only. */
+  struct tslot_lent {
+    lblock *b;
+    uintptr_t base;
+    size_t size;
+    uint64_t word;
+  } lent[TCACHE_LENT];
+  uint32_t lent_next;
   /* Per class, while the slot is armed: how many blocks at the bottom of
    * the loaded magazine were ready for every stream when it was installed
    * (a carried magazine's count: tcache.carry; 0 for any other), and the
@@ -217,7 +235,7 @@ typedef struct tcache {
   tslot *relief_slot;
   cudaStream_t relief_stream;
   tslot *last;     /* the fast paths' slot */
-  tslot *kept;     /* the slot keeping a large block (tslot.lkeep), or NULL */
+  tslot *kept;     /* the slot keeping large blocks (tslot.lkeep), or NULL */
   uint32_t nalloc; /* alloc-capable slots in use (nonzero alloc_id entries) */
   const backend_ops *ops;
   int check;
@@ -227,7 +245,7 @@ typedef struct tcache {
    * owner only (relaxed load + store); read (relaxed) by statistics under
    * tcache_st.list_lock. */
   _Atomic int64_t live[HEAP_MAX_DEVICES];
-  /* Bytes of the large block this thread keeps (tcache.kept), per device:
+  /* Bytes of the large blocks this thread keeps (tcache.kept), per device:
    * freed, not in use. Written by whoever owns the cache (the owner, or a
    * reclaimer while the owner is out: tcache_empty_heap), relaxed load +
    * store; read (relaxed) by statistics under tcache_st.list_lock. A counter
