@@ -279,11 +279,7 @@ int large_free_kept(large_cache *c, lblock *const *bs, uint32_t n, const epoch_t
     MAGPIE_ASSERT(b == bs[i] && b->klass == 0 && large_kept_state(b) == LARGE_KEPT);
     if (b == NULL) continue;
     large_unkeep(b);
-    atomic_sub_relaxed(&c->in_use_bytes, b->size);
-    b->ticket = lt;
-    large_ticket_ref(lt);
-    large_free_link(c, b);
-    large_coalesce(c, b, &deferred);
+    large_release_block(c, b, lt, &deferred);
   }
   large_ticket_unref(lt, &deferred);
   large_unlock(c, deferred);

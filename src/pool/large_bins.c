@@ -159,3 +159,14 @@ lblock *large_coalesce_dead(large_cache *c, lblock *b, lticket **deferred, lbloc
 lblock *large_coalesce(large_cache *c, lblock *b, lticket **deferred) {
   return large_coalesce_dead(c, b, deferred, NULL);
 }
+
+/* Handed-out block b (out of the hash) becomes free under a reference of
+ * its own to lt (NULL: ready for every stream): its bytes leave in_use, it
+ * joins the bins and merges with its neighbours. */
+void large_release_block(large_cache *c, lblock *b, lticket *lt, lticket **deferred) {
+  atomic_sub_relaxed(&c->in_use_bytes, b->size);
+  b->ticket = lt;
+  large_ticket_ref(lt);
+  large_free_link(c, b);
+  large_coalesce(c, b, deferred);
+}

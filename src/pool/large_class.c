@@ -55,12 +55,8 @@ int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch
     if (b == NULL) continue;
     atomic_store_relaxed(&b->seg->ucls[(b->base - b->seg->base) / LARGE_QUANTUM], 0);
     atomic_sub_relaxed(&c->class_bytes, b->size);
-    atomic_sub_relaxed(&c->in_use_bytes, b->size);
     b->klass = 0;
-    b->ticket = lt;
-    large_ticket_ref(lt);
-    large_free_link(c, b);
-    large_coalesce(c, b, &deferred);
+    large_release_block(c, b, lt, &deferred);
   }
   large_ticket_unref(lt, &deferred);
   large_unlock(c, deferred);

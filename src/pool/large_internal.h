@@ -71,6 +71,7 @@ void large_uncarve(struct large_cache *c, struct lblock *u, struct lticket **def
 struct lblock *large_coalesce_dead(struct large_cache *c, struct lblock *b, struct lticket **deferred,
                                    struct lblock **dead);
 struct lblock *large_coalesce(struct large_cache *c, struct lblock *b, struct lticket **deferred);
+void large_release_block(struct large_cache *c, struct lblock *b, struct lticket *lt, struct lticket **deferred);
 
 /* large_settle.c */
 int large_query_pending_locked(struct large_cache *c, uint64_t skip_stream, struct lticket **deferred);
