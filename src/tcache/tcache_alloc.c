@@ -94,7 +94,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
       uintptr_t kp = k->base;
       size_t ks = k->size;
       tcache_kept_detach(tc, ts, best);
-      ts->lent[ts->lent_next++ % TCACHE_LENT] = (struct tslot_lent){k, kp, ks, large_lend(k)};
+      tcache_lent_add(ts, k, kp, ks, large_lend(k));
       /* Published at the next exchange, as the fast paths do. */
       tslot_count(ts, (int64_t)ks);
       if (!tc->check) tc->last = ts;
@@ -121,7 +121,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
     tcache_oom_error(h, size, rc);
     return NULL;
   }
-  if (lent.b != NULL) ts->lent[ts->lent_next++ % TCACHE_LENT] = (struct tslot_lent){lent.b, p, bsize, lent.word};
+  if (lent.b != NULL) tcache_lent_add(ts, lent.b, p, bsize, lent.word);
   tslot_count(ts, (int64_t)bsize);
   tcache_publish(tc, h);
   if (!tc->check) tc->last = ts;

@@ -76,7 +76,7 @@ static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   /* A block this slot lent out, freed here: kept again without the
    * large cache's lock where nothing happened to it meanwhile. */
   for (uint32_t k = 1; k <= TCACHE_LENT; k++) { /* the newest first */
-    struct tslot_lent *l = &ts->lent[(ts->lent_next - k) % TCACHE_LENT];
+    struct tslot_lent *l = &ts->lent[(ts->lent_next + TCACHE_LENT - k) % TCACHE_LENT];
     if (l->b == NULL || l->base != (uintptr_t)p) continue;
     if (l->size <= max && large_rekeep(l->b, l->word)) b = l->b;
     l->b = NULL;

@@ -54,6 +54,12 @@ void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle);
 magazine *tcache_outbox_take(tslot *ts, unsigned c);
 int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int *sealed);
 void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b);
+/* Remember a large block the slot handed out lent (tslot.lent), in place
+ * of the oldest; lent_next stays below TCACHE_LENT. */
+static inline void tcache_lent_add(tslot *ts, lblock *b, uintptr_t base, size_t size, uint64_t word) {
+  ts->lent[ts->lent_next] = (struct tslot_lent){b, base, size, word};
+  ts->lent_next = (ts->lent_next + 1) % TCACHE_LENT;
+}
 void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i);
 size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
 size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);

@@ -124,7 +124,7 @@ typedef struct tslot {
     size_t size;
     uint64_t word;
   } lent[TCACHE_LENT];
-  uint32_t lent_next;
+  uint32_t lent_next; /* the next entry to fill: the oldest (below TCACHE_LENT) */
   /* Per class, while the slot is armed: how many blocks at the bottom of
    * the loaded magazine were ready for every stream when it was installed
    * (a carried magazine's count: tcache.carry; 0 for any other), and the
