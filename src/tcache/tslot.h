@@ -113,11 +113,11 @@ typedef struct tslot {
   size_t keep_bytes;
   /* The large blocks this slot last handed out lent (a kept block handed
    * out again, or a new block: large_lend; up to TCACHE_LENT, the oldest
-   * replaced first): each one's base, size
-   * and the word large_rekeep expects, or b NULL. Its free on this slot's
-   * stream keeps it again without the large cache's lock; the word decides
-   * whether it still may (pool/large.h, lblock.kept), so a stale entry
-   * costs one failed compare-and-swap. Owner only. */
+   * replaced first): each one's base, size and the word large_rekeep
+   * expects, or b NULL. Its free on this slot's stream keeps it again
+   * without the large cache's lock; the word decides whether it still may
+   * (pool/large.h, lblock.kept), so a stale entry costs one failed
+   * compare-and-swap. Owner only. */
   struct tslot_lent {
     lblock *b;
     uintptr_t base;
