@@ -418,16 +418,15 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
 
 /* A round trip's magazine stays in the depot, where any thread takes it
  * without a lock, while the depot's bytes of the segment classes stay
- * within a budget: an eighth of the bytes in use plus
- * HEAP_CLASS_BUDGET_FLOOR. Past it, magazines go back to the segments
- * through the large cache's lock (heap.h: HEAP_CLASS_BUDGET_*), which sixteen threads of the mixed
- * workload waited on for most of their time (bench/DECISIONS.md, "Class
- * magazines circulate in the depot within a budget"). The budget follows
- * the bytes in use, so a program caches more only while it uses more;
- * heap_recycle gives the depot's class blocks back before any mapping. */
-
-/* Is there room in the budget for m? The depots' byte counts are relaxed
- * sums kept by their own operations: a heuristic. */
+ * within a budget: an eighth of the bytes in use plus the heap's floor
+ * (heap.h, HEAP_CLASS_BUDGET_*). Past it, magazines go back to the
+ * segments through the large cache's lock, which sixteen threads of the
+ * mixed workload waited on for most of their time (bench/DECISIONS.md,
+ * "Class magazines circulate in the depot within a budget"). The budget
+ * follows the bytes in use, so a program caches more only while it uses
+ * more; heap_recycle gives the depot's class blocks back before any
+ * mapping. Is there room for m? The depots' byte counts are relaxed sums
+ * kept by their own operations: a heuristic. */
 static int heap_class_within_budget(heap *h, const magazine *m) {
   int64_t cached = 0;
   for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++)

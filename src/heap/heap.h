@@ -45,16 +45,16 @@ enum heap_step {
   HEAP_STEP_COUNT = 6
 };
 
-/* Statistics below are relaxed counters, written by any thread on slow
- * paths and read by magpie_stats_get; none publishes other memory. Byte
- * counters of a layer move when whole magazines move between layers. */
 /* A thread's surplus class blocks of the segment classes stay in the
- * depot while its bytes of those classes are within an eighth
+ * depot while the depot's bytes of those classes are within an eighth
  * (HEAP_CLASS_BUDGET_SHIFT) of the bytes in use plus
  * HEAP_CLASS_BUDGET_FLOOR (heap.c, heap_put). */
 #define HEAP_CLASS_BUDGET_FLOOR ((size_t)4 << 20)
 #define HEAP_CLASS_BUDGET_SHIFT 3
 
+/* Statistics below are relaxed counters, written by any thread on slow
+ * paths and read by magpie_stats_get; none publishes other memory. Byte
+ * counters of a layer move when whole magazines move between layers. */
 typedef struct heap {
   int device;
   const backend_ops *ops;

@@ -115,8 +115,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   /* A thread that may keep large blocks (tcache_keep_large) takes the
    * block lent: its free here keeps it without the large cache's lock. */
   large_lent lent = {0};
-  int lends = !tc->check && tc->nalloc == 1 && (tc->kept == NULL || tc->kept == ts);
-  int rc = heap_large_alloc(h, size, id, s, &p, &bsize, lends ? &lent : NULL);
+  int rc = heap_large_alloc(h, size, id, s, &p, &bsize, tcache_keeps_for(tc, ts) ? &lent : NULL);
   if (rc != MAGPIE_OK) {
     tcache_oom_error(h, size, rc);
     return NULL;

@@ -61,9 +61,8 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * block: default handles, one stream only"). 0: the slow path. */
 static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   tslot *ts = tc->last;
-  if (tc->check || (tc->kept != NULL && tc->kept != ts) || ts->nkeep == TCACHE_KEEP_BLOCKS || tc->nalloc != 1 ||
-      sl->cls != SLAB_LARGE || ts->handle != s || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 ||
-      large_class_of(sl->seg, (uintptr_t)p) >= 0)
+  if (!tcache_keeps_for(tc, ts) || ts->nkeep == TCACHE_KEEP_BLOCKS || sl->cls != SLAB_LARGE || ts->handle != s ||
+      ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 || large_class_of(sl->seg, (uintptr_t)p) >= 0)
     return 0;
   if (tcache_special_handle(s) && tcache_stream_id(tc, s) != ts->id) return 0; /* another context's */
   /* The first block up to TCACHE_KEEP_MAX, more while all stay within

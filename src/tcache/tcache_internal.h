@@ -54,6 +54,12 @@ void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle);
 magazine *tcache_outbox_take(tslot *ts, unsigned c);
 int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int *sealed);
 void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b);
+/* Does tc keep large blocks for slot ts (tcache_keep_large), and so take
+ * them lent (tcache_alloc_large)? Not in checked mode, only while it
+ * allocates on ts's stream alone and keeps for no other slot. */
+static inline int tcache_keeps_for(const tcache *tc, const tslot *ts) {
+  return !tc->check && tc->nalloc == 1 && (tc->kept == NULL || tc->kept == ts);
+}
 /* Remember a large block the slot handed out lent (tslot.lent), in place
  * of the oldest; lent_next stays below TCACHE_LENT. */
 static inline void tcache_lent_add(tslot *ts, lblock *b, uintptr_t base, size_t size, uint64_t word) {
