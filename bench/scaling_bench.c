@@ -11,7 +11,10 @@
  * events magpie recorded per operation (magpie_stats.events_recorded),
  * the mechanism behind most of a mixed workload's slow paths.
  *
- *   scaling_bench [max_threads] [seconds_per_point] [window] [max_kib] [rounds] */
+ *   scaling_bench [max_threads] [seconds_per_point] [window] [max_kib] [rounds]
+ *
+ * SCALING_BENCH_POW2=1 draws powers of 2 from 256 B to max_kib instead
+ * (magpie_bench's workload 2 with --mix 256,MAX). */
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -25,6 +28,7 @@
 enum { ALLOC_MAGPIE, ALLOC_GLIBC, ALLOC_POOL };
 
 static unsigned spread_top; /* log2 of the largest size when spread, else 0 */
+static int pow2_sizes;      /* SCALING_BENCH_POW2=1: powers of 2 from 256 B to max_kib (workload 2's --mix) */
 
 typedef struct worker {
   int index, kind, window;
@@ -77,6 +81,8 @@ static void *worker_main(void *arg) {
       }
       if (spread_top == 0) {
         sz[i] = (size_t)256 << ((r >> 32) % 9);
+      } else if (pow2_sizes) {
+        sz[i] = (size_t)256 << ((r >> 32) % (spread_top - 7)); /* 256 B .. max */
       } else {
         size_t e = (size_t)1 << (8 + (r >> 32) % (spread_top - 8)); /* 256 B .. max/2 */
         sz[i] = e + (size_t)((r >> 8) & 0xFFFFFF) % e;
@@ -157,11 +163,15 @@ int main(int argc, char **argv) {
   int pool = cuda && devshim_pool_prepare() == 0;
   const char *only_env = getenv("SCALING_BENCH_MAGPIE_ONLY");
   int only = only_env != NULL && only_env[0] == '1';
+  const char *pow2_env = getenv("SCALING_BENCH_POW2");
+  pow2_sizes = spread_top != 0 && pow2_env != NULL && pow2_env[0] == '1';
   cudaStream_t *streams = calloc((size_t)max_threads, sizeof *streams);
   for (int i = 0; i < max_threads; i++)
     if ((streams[i] = devshim_stream_create()) == NULL) return 1;
   if (spread_top == 0) printf("scaling_bench: window %d live blocks/thread, 256 B-64 KiB", window);
-  else printf("scaling_bench: window %d live blocks/thread, 256 B-%ld KiB spread", window, max_kib);
+  else
+    printf("scaling_bench: window %d live blocks/thread, 256 B-%ld KiB %s", window, max_kib,
+           pow2_sizes ? "powers of 2" : "spread");
   printf(", %.1f s per point, %ld cpus, device: %s", seconds, ncpu, cuda ? "GPU (CUDA backend)" : "simulated");
   if (rounds > 1) printf(", medians of %d rounds", rounds);
   printf("\n");

@@ -130,17 +130,22 @@ static void test_class_outflow_to_depot(void **state) {
   }
 }
 
-/* A large allocation first sends the slot's cached class blocks back to
- * their segments (with the outbox it seals anyway) past the depot's
- * budget (none here), where they coalesce with the free space around them
- * instead of keeping it apart; not to the depot. */
-static void test_large_allocation_sends_class_blocks_back(void **state) {
+/* An allocation that would map first sends the slot's cached class blocks
+ * back to their segments (with its outbox, under one seal; past the
+ * depot's budget, none here), where they coalesce with the free space
+ * around them instead of keeping it apart; not to the depot. (Here they
+ * still wait on s, and a block waiting on a stream joins no neighbour
+ * that is partly unmapped: the large block is mapped anew.) */
+static void test_allocation_that_would_map_sends_class_blocks_back(void **state) {
   (void)state;
   const size_t size = 90000; /* the 96 KiB class, which no other test here uses */
   heap *h = heap_get(0);
   atomic_store_relaxed(&h->class_budget_floor, 0);
   unsigned cls = sizeclass_of(size);
   assert_true(sizeclass_table[cls].seg);
+  /* No free mapped memory left (the allocation below must map), and the
+   * calling thread's caches empty. */
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
   cudaStream_t s = fake_stream_create(0);
   void *p[2];
   for (int i = 0; i < 2; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
@@ -149,10 +154,14 @@ static void test_large_allocation_sends_class_blocks_back(void **state) {
   assert_non_null(ts);
   assert_true(ts->cl[cls].loaded->count + ts->prev[cls]->count > 0);
   int64_t depot0 = depot_class_bytes(h, cls);
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   void *big = magpie_malloc_async((size_t)2 << 20, s);
   assert_non_null(big);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(ts->cl[cls].loaded->count + ts->prev[cls]->count, 0);
   assert_int_equal(depot_class_bytes(h, cls), depot0);
+  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
   /* The slot's next block of the class comes from the segments. */
   void *q = magpie_malloc_async(size, s);
   assert_non_null(q);
@@ -211,7 +220,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_class_surplus_back_to_segments),
       cmocka_unit_test(test_class_surplus_in_depot_within_budget),
-      cmocka_unit_test(test_large_allocation_sends_class_blocks_back),
+      cmocka_unit_test(test_allocation_that_would_map_sends_class_blocks_back),
       cmocka_unit_test(test_class_outflow_to_depot),
       cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),
   };

@@ -75,11 +75,16 @@ static void test_default_stream_free_follows_device(void **state) {
 }
 
 /* Blocks freed on A go through the depot sealed; B must not receive any of
- * them until A's work completed; after that, B may. */
+ * them until A's work completed; after that, B may. The thread allocates
+ * on both streams from the start: on one stream alone its outbox would
+ * keep all of them (tcache_outbox_full). */
 static void test_cross_stream_waits_for_epoch(void **state) {
   (void)state;
   cudaStream_t a = fake_stream_create(0), b = fake_stream_create(0);
   static void *pa[N_BLOCKS], *pb[N_BLOCKS];
+  void *first = magpie_malloc_async(3000, b);
+  assert_non_null(first);
+  assert_int_equal(magpie_free_async(first, b), MAGPIE_OK);
   for (int i = 0; i < N_BLOCKS; i++) assert_non_null(pa[i] = magpie_malloc_async(3000, a));
   for (int i = 0; i < N_BLOCKS; i++) assert_int_equal(magpie_free_async(pa[i], a), MAGPIE_OK);
   magpie_stats before;

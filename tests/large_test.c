@@ -344,8 +344,8 @@ static void check_snapshot(int dev);
  * next request it fits within an eighth: the same pointer, no event. The
  * kept block is free for every other purpose: a second free is a double
  * free, block queries and record_stream find no block there, another
- * stream's request does not get it. A request it does not fit sends it
- * back to the large layer, sealed on its stream. */
+ * stream's request does not get it. A request it does not fit leaves it
+ * kept. */
 /* On a thread that allocates on s alone: a 16 MiB block, then 100 frees
  * each followed by a request the block fits within an eighth, which gets
  * it back with no event. Returns the block, allocated. */
@@ -386,12 +386,16 @@ static void *kept_large_block_main(void *arg) {
   assert_int_equal(magpie_free_async(r, t), MAGPIE_OK);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
-  /* Not fitting within an eighth: p goes back, sealed on s. */
+  /* Not fitting within an eighth, and one block kept (fewer than
+   * TCACHE_KEEP_MISS): p stays kept, no event; the request gets another
+   * block. */
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   char *u = magpie_malloc_async(4 * MiB, s);
   assert_non_null(u);
+  assert_true(u < p || u >= p + 16 * MiB);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
-  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
+  assert_int_equal(st1.thread_cached_bytes, st0.thread_cached_bytes);
   assert_int_equal(magpie_free_async(u, s), MAGPIE_OK);
   fake_stream_complete(s);
   fake_stream_complete(t);
@@ -400,29 +404,32 @@ static void *kept_large_block_main(void *arg) {
 }
 
 /* A thread on one stream keeps up to TCACHE_KEEP_BLOCKS large blocks
- * (past the first, within TCACHE_KEEP_MORE: 4 MiB) with no event; each
+ * (past the first, within TCACHE_KEEP_MORE: 32 MiB) with no event; each
  * request takes the smallest kept block it fits within an eighth, and a
- * request none fits lets them all go under one seal. */
+ * request none of TCACHE_KEEP_MISS (4) or more fits lets them all go under
+ * one seal. */
 static void *kept_large_blocks_main(void *arg) {
   (void)arg;
   cudaStream_t s = fake_stream_create(0);
-  const size_t sa = 3 * MiB / 2, sb = 5 * MiB / 4, sc = 9 * MiB / 8; /* 3.875 MiB together */
+  const size_t sa = 3 * MiB / 2, sb = 5 * MiB / 4, sc = 9 * MiB / 8, sd = 2 * MiB; /* 5.875 MiB together */
   char *a = magpie_malloc_async(sa, s), *b = magpie_malloc_async(sb, s), *c = magpie_malloc_async(sc, s);
-  char *d = magpie_malloc_async(sa, s);
-  assert_true(a && b && c && d);
+  char *d = magpie_malloc_async(sd, s), *x = magpie_malloc_async(27 * MiB, s);
+  assert_true(a && b && c && d && x);
   magpie_stats st0, st1;
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
   assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
   assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(d, s), MAGPIE_OK);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(st1.events_recorded, st0.events_recorded);
-  assert_int_equal(st1.thread_cached_bytes - st0.thread_cached_bytes, sa + sb + sc);
+  assert_int_equal(st1.thread_cached_bytes - st0.thread_cached_bytes, sa + sb + sc + sd);
   check_layers(0);
-  /* A fourth would pass 4 MiB: it goes back to the large layer, sealed. */
-  assert_int_equal(magpie_free_async(d, s), MAGPIE_OK);
+  /* A fifth would pass 32 MiB: it goes back to the large layer, sealed. */
+  assert_int_equal(magpie_free_async(x, s), MAGPIE_OK);
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   assert_int_equal(st0.events_recorded, st1.events_recorded + 1);
+  assert_int_equal(st0.thread_cached_bytes, st1.thread_cached_bytes);
   assert_int_equal(magpie_free_async(b, s), MAGPIE_ERR_DOUBLE_FREE); /* kept: free already */
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   /* Each request gets the smallest kept block it fits within an eighth. */
@@ -432,7 +439,8 @@ static void *kept_large_blocks_main(void *arg) {
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(st1.events_recorded, st0.events_recorded);
   check_layers(0);
-  /* Kept again; a request none of them fits: one seal for all three. */
+  /* Kept again, four with d; a request none of them fits: one seal for
+   * all four. */
   assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
   assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
   assert_int_equal(magpie_free_async(c, s), MAGPIE_OK);
@@ -441,7 +449,7 @@ static void *kept_large_blocks_main(void *arg) {
   assert_non_null(e);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
-  assert_int_equal(st0.thread_cached_bytes - st1.thread_cached_bytes, sa + sb + sc);
+  assert_int_equal(st0.thread_cached_bytes - st1.thread_cached_bytes, sa + sb + sc + sd);
   assert_int_equal(magpie_free_async(e, s), MAGPIE_OK);
   fake_stream_complete(s);
   check_layers(0);

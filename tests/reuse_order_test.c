@@ -50,6 +50,11 @@ static void test_cross_stream_reuse(void **state) {
   cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
   assert_non_null(a);
   assert_non_null(b);
+  /* The thread allocates on both streams from the start: on A alone its
+   * outbox would keep A's blocks in the thread (src/tcache/tslot.h). */
+  void *first = magpie_malloc_async(SIZE, b);
+  assert_non_null(first);
+  assert_int_equal(magpie_free_async(first, b), MAGPIE_OK);
   void *p[N];
   for (int i = 0; i < N; i++) assert_non_null(p[i] = magpie_malloc_async(SIZE, a));
   atomic_store(&ran, 0);

@@ -1,7 +1,9 @@
 /* The thread cache (src/front/tcache.c) against the deterministic fake
  * device (fake_backend.c), through the public API and the calling
- * thread's slots: magazine capacity per slot and class, and the outbox
- * whose full magazines are sealed together. */
+ * thread's slots: magazine capacity per slot and class, the outbox whose
+ * full magazines are sealed together, and what a slot caches going back
+ * before an allocation would map. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -85,15 +87,31 @@ static void test_magazine_capacity_bursts(void **state) {
   fake_stream_complete(s);
 }
 
+/* In a thread of its own, so that the thread allocates on the streams
+ * fn chooses alone (a thread on one stream caches more: tslot.h). */
+static void run_in_thread(void *(*fn)(void *), void *arg) {
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, fn, arg), 0);
+  assert_int_equal(pthread_join(t, NULL), 0);
+}
+
 /* Full magazines leaving a thread wait in its outbox and are sealed
- * together: one event for TCACHE_OUTBOX of them (small blocks, far below
- * TCACHE_OUTBOX_BYTES). Until the freeing stream's work completes,
- * another stream gets none of their blocks. */
-enum { OUTBOX_BLOCKS = 4000 };
-static void test_outbox_seals_together(void **state) {
-  (void)state;
-  const size_t size = 700; /* 768 B: a class no other test here uses */
+ * together: one event for TCACHE_OUTBOX_FEW of them on a thread that
+ * allocates on several streams (small blocks, far below
+ * TCACHE_OUTBOX_FEW_BYTES), TCACHE_OUTBOX on a thread on one stream.
+ * Until the freeing stream's work completes, another stream gets none of
+ * their blocks. */
+enum { OUTBOX_BLOCKS = 8000 };
+static void *outbox_seals_together_main(void *arg) {
+  int several = arg != NULL;
+  const size_t size = several ? 700 : 1000; /* 768 B, 1 KiB: classes no other test here uses */
+  unsigned per_seal = several ? TCACHE_OUTBOX_FEW : TCACHE_OUTBOX;
   cudaStream_t s = fake_stream_create(0), t = fake_stream_create(0);
+  if (several) {
+    void *first = magpie_malloc_async(size, t);
+    assert_non_null(first);
+    assert_int_equal(magpie_free_async(first, t), MAGPIE_OK);
+  }
   void **p = calloc(OUTBOX_BLOCKS, sizeof *p);
   assert_non_null(p);
   for (int i = 0; i < OUTBOX_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
@@ -109,7 +127,8 @@ static void test_outbox_seals_together(void **state) {
   freed++;
   /* One seal, and it sent a whole outbox to the depot. */
   assert_int_equal(st.events_recorded, st0.events_recorded + 1);
-  assert_int_equal(st.depot_exchanges, st0.depot_exchanges + TCACHE_OUTBOX);
+  assert_int_equal(st.depot_exchanges, st0.depot_exchanges + per_seal);
+  assert_true((size_t)freed * sizeclass_table[sizeclass_of(size)].size < TCACHE_OUTBOX_FEW_BYTES * (several ? 1 : 8));
   /* s is still running: t must not reuse what s freed. */
   for (int k = 0; k < 256; k++) {
     void *q = magpie_malloc_async(size, t);
@@ -121,13 +140,20 @@ static void test_outbox_seals_together(void **state) {
   fake_stream_complete(s);
   fake_stream_complete(t);
   free(p);
+  return NULL;
 }
 
-/* Before a slot takes memory from what threads share (here a refill of
- * another class), its outbox is sealed and goes to the depot, where its
- * slabs can serve others: one event for all of it. */
-static void test_outbox_sealed_before_refill(void **state) {
+static void test_outbox_seals_together(void **state) {
   (void)state;
+  run_in_thread(outbox_seals_together_main, (void *)1); /* several streams */
+  run_in_thread(outbox_seals_together_main, NULL);      /* one */
+}
+
+/* A refill (here of another class) takes from what threads share and
+ * leaves the outbox as it was, with no event; the outbox's own class takes
+ * its magazine back. */
+static void *outbox_kept_across_refills_main(void *arg) {
+  (void)arg;
   const size_t a = 1400, b = 2900; /* classes no other test here uses */
   cudaStream_t s = fake_stream_create(0);
   void **p = calloc(OUTBOX_BLOCKS, sizeof *p);
@@ -143,21 +169,67 @@ static void test_outbox_sealed_before_refill(void **state) {
   void *q = magpie_malloc_async(b, s);
   assert_non_null(q);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
-  assert_int_equal(ts->nout, 0);
-  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
+  assert_int_equal(ts->nout, 1);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
   assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
-  for (int i = freed; i < OUTBOX_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  /* The outbox's magazine comes back once loaded and prev ran out. */
+  for (int i = 0; i < freed; i++) assert_non_null(p[i] = magpie_malloc_async(a, s));
+  assert_int_equal(ts->nout, 0);
+  for (int i = 0; i < OUTBOX_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
   fake_stream_complete(s);
   free(p);
+  return NULL;
+}
+
+static void test_outbox_kept_across_refills(void **state) {
+  (void)state;
+  run_in_thread(outbox_kept_across_refills_main, NULL);
+}
+
+/* Before an allocation of a slot would map device memory, what the slot
+ * caches goes back under one seal (tcache_own_out): here three kept large
+ * blocks (fewer than TCACHE_KEEP_MISS, so a request none fits leaves them
+ * kept), which coalesce and serve the request that none of them fits, with
+ * no memory mapped. */
+static void *caches_go_before_map_main(void *arg) {
+  (void)arg;
+  const size_t MiB = (size_t)1 << 20;
+  cudaStream_t s = fake_stream_create(0);
+  char *p[3];
+  for (int i = 0; i < 3; i++) assert_non_null(p[i] = magpie_malloc_async(2 * MiB, s));
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  for (int i = 0; i < 3; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded);
+  assert_int_equal(st1.thread_cached_bytes - st0.thread_cached_bytes, 6 * MiB);
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  assert_int_equal(ts->nkeep, 3);
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  char *q = magpie_malloc_async(6 * MiB, s);
+  assert_non_null(q);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(ts->nkeep, 0);
+  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
+  assert_int_equal(st1.reserved_bytes, st0.reserved_bytes);
+  assert_true(q >= p[0] && q < p[0] + 6 * MiB);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  return NULL;
+}
+
+static void test_caches_go_before_map(void **state) {
+  (void)state;
+  run_in_thread(caches_go_before_map_main, NULL);
 }
 
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_magazine_capacity_adapts),
-      cmocka_unit_test(test_magazine_capacity_bursts),
-      cmocka_unit_test(test_outbox_seals_together),
-      cmocka_unit_test(test_outbox_sealed_before_refill),
+      cmocka_unit_test(test_magazine_capacity_adapts), cmocka_unit_test(test_magazine_capacity_bursts),
+      cmocka_unit_test(test_outbox_seals_together),    cmocka_unit_test(test_outbox_kept_across_refills),
+      cmocka_unit_test(test_caches_go_before_map),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

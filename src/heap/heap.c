@@ -346,7 +346,8 @@ static int heap_carve_from(heap *h, unsigned cls, uint64_t stream_id, cudaStream
  * "Slabs of a class are carved one thread at a time"). Whoever waited
  * looks at the depot again first. A carve that would map recycles first
  * (heap_recycle). */
-static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int pressure, magazine **out) {
+static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int pressure, int flags,
+                      magazine **out) {
   depot *d = &h->depots[cls];
   pthread_mutex_lock(&d->carve_lock);
   magazine *m = depot_take(d, stream_id);
@@ -356,8 +357,9 @@ static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t st
   } else {
     rc = heap_carve_from(h, cls, stream_id, stream, 0, pressure, out);
     if (rc == SLAB_WOULD_MAP) {
-      heap_recycle(h);
-      rc = heap_carve_from(h, cls, stream_id, stream, 1, pressure, out);
+      int recycled = heap_recycle(h);
+      if (!(flags & HEAP_NO_MAP)) rc = heap_carve_from(h, cls, stream_id, stream, 1, pressure, out);
+      else if (recycled) rc = heap_carve_from(h, cls, stream_id, stream, 0, pressure, out);
     }
   }
   pthread_mutex_unlock(&d->carve_lock);
@@ -374,17 +376,19 @@ typedef struct heap_refill_req {
 
 static int heap_refill_retry(heap *h, void *ctx) {
   heap_refill_req *r = ctx;
-  return heap_carve(h, r->cls, r->stream_id, r->stream, 1, r->out);
+  return heap_carve(h, r->cls, r->stream_id, r->stream, 1, 0, r->out);
 }
 
-int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out) {
+_Static_assert(HEAP_WOULD_MAP == SLAB_WOULD_MAP && HEAP_WOULD_MAP == LARGE_WOULD_MAP, "one would-map value");
+
+int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int flags, magazine **out) {
   record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
   magazine *m = depot_take(&h->depots[cls], stream_id);
   if (m != NULL) {
     *out = m;
     return MAGPIE_OK;
   }
-  int rc = heap_carve(h, cls, stream_id, stream, 0, out);
+  int rc = heap_carve(h, cls, stream_id, stream, 0, flags, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Pressure: order this stream after another stream's free (a stream
    * wait) before any host-side wait. Only under pressure: small refills
@@ -466,15 +470,17 @@ static int heap_large_retry(heap *h, void *ctx) {
   return large_alloc_lent(&h->large, r->size, r->stream_id, r->stream, LARGE_MAY_WAIT_EVENT, r->out, r->bsize, r->lent);
 }
 
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize,
-                     large_lent *lent) {
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                     size_t *bsize, large_lent *lent) {
   record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
   /* Reuse before mapping, as for class carves: class blocks cached in the
    * depot may free the room (heap_recycle). */
   int rc = large_alloc_lent(&h->large, size, stream_id, stream, LARGE_NO_MAP, out, bsize, lent);
   if (rc == LARGE_WOULD_MAP) {
-    heap_recycle(h);
-    rc = large_alloc_lent(&h->large, size, stream_id, stream, 0, out, bsize, lent);
+    int recycled = heap_recycle(h);
+    if (!(flags & HEAP_NO_MAP)) rc = large_alloc_lent(&h->large, size, stream_id, stream, 0, out, bsize, lent);
+    else if (recycled) rc = large_alloc_lent(&h->large, size, stream_id, stream, LARGE_NO_MAP, out, bsize, lent);
+    if (rc == LARGE_WOULD_MAP) return HEAP_WOULD_MAP;
   }
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Before any host-side wait: reuse a block another stream freed by

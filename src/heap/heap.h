@@ -76,12 +76,16 @@ typedef struct heap {
   magazine *lpart[SIZECLASS_COUNT];
   large_cache large;
   gpool_set graphs;
-  span_set spans;                        /* granules shared by classes' slabs */
-  slab_set slabs;                        /* class slabs, for release and snapshots */
-  record_table records;                  /* blocks with record_stream entries */
-  _Atomic int64_t stat_in_use_published; /* sum of threads' published live bytes */
+  span_set spans; /* granules shared by classes' slabs */
+  slab_set slabs; /* class slabs, for release and snapshots */
+  /* Lines of their own: every refill and large allocation reads
+   * records.parked_count, and threads' publications (tcache_publish)
+   * write the two counters below; on one line, each publication took the
+   * line from every reader. */
+  _Alignas(64) record_table records;                  /* blocks with record_stream entries */
+  _Alignas(64) _Atomic int64_t stat_in_use_published; /* sum of threads' published live bytes */
   _Atomic size_t stat_peak_in_use;
-  _Atomic uint64_t stat_limbo;
+  _Alignas(64) _Atomic uint64_t stat_limbo;
   _Atomic uint64_t stat_device_syncs; /* limbo drains that synchronised the device */
   _Atomic int64_t stat_limbo_bytes;
   _Atomic int64_t stat_kept_limbo_bytes; /* kept large blocks in limbo (part of stat_limbo_bytes) */
@@ -141,7 +145,13 @@ heap *heap_peek(int device);
  * another stream's pending magazine, then down the ladder (which waits
  * for pending epochs and gives back cached large blocks) before failing
  * with MAGPIE_ERR_OUT_OF_MEMORY. */
-int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, magazine **out);
+int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int flags, magazine **out);
+/* flags of heap_refill and heap_large_alloc: memory mapped already only
+ * (after the heap's own recycling), else HEAP_WOULD_MAP (a return value)
+ * with nothing mapped. A thread cache lets its own cached blocks go before
+ * it asks again without it (tcache_alloc.c). */
+#define HEAP_NO_MAP 1
+#define HEAP_WOULD_MAP 1
 /* A non-empty magazine leaving a thread's slot (its ticket taken over):
  * to the depot, except that class blocks (the classes without slabs)
  * that came and went in that slot (round_trip: the thread allocates their
@@ -152,9 +162,10 @@ void heap_put(heap *h, magazine *m, int round_trip);
 
 /* A large block of at least size bytes usable by stream_id (handle
  * stream) now; under pressure, goes down the same ladder. With lent
- * non-NULL, handed out lent to the caller (large_alloc_lent). */
-int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, uintptr_t *out, size_t *bsize,
-                     large_lent *lent);
+ * non-NULL, handed out lent to the caller (large_alloc_lent). flags: as
+ * heap_refill's. */
+int heap_large_alloc(heap *h, size_t size, uint64_t stream_id, cudaStream_t stream, int flags, uintptr_t *out,
+                     size_t *bsize, large_lent *lent);
 
 /* Run one ladder step; returns nonzero if it freed or readied anything. */
 int heap_relieve(heap *h, enum heap_step step);

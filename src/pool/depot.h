@@ -33,11 +33,13 @@ typedef struct depot {
    * takes from that carve instead of mapping a slab of its own. */
   pthread_mutex_t carve_lock;
   /* Statistics of this class, relaxed counters written by any thread on
-   * slow paths, summed by magpie_stats_get; none publishes other memory. */
-  _Atomic int64_t ready_bytes;   /* bytes in full */
-  _Atomic int64_t pending_bytes; /* bytes in pending */
-  _Atomic int64_t thread_in;     /* bytes of magazines handed to threads */
-  _Atomic int64_t thread_out;    /* bytes of magazines threads gave back */
+   * slow paths, summed by magpie_stats_get; none publishes other memory.
+   * On a line of their own: the stacks' heads above take compare-and-swaps
+   * from every thread exchanging this class. */
+  _Alignas(64) _Atomic int64_t ready_bytes; /* bytes in full */
+  _Atomic int64_t pending_bytes;            /* bytes in pending */
+  _Atomic int64_t thread_in;                /* bytes of magazines handed to threads */
+  _Atomic int64_t thread_out;               /* bytes of magazines threads gave back */
   _Atomic uint64_t exchanges;
   _Atomic uint64_t migrations;
   _Atomic uint64_t same_stream;

@@ -80,7 +80,7 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   }
   if (ts->nkeep > 0) {
     /* The smallest block kept for this stream that the request fits
-     * within an eighth; if none, they go back to the large layer first. */
+     * within an eighth. */
     size_t need = large_round(size);
     uint32_t best = TCACHE_KEEP_BLOCKS;
     for (uint32_t i = 0; i < ts->nkeep; i++) {
@@ -103,19 +103,18 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
   }
   uintptr_t p = 0;
   size_t bsize = 0;
-  /* As before a refill, and the slot's class blocks with the outbox, to
-   * their segments (tcache_class_blocks_out), under the kept blocks' seal
-   * when there are any. */
-  uint64_t round_trip = ts->round_trip;
-  tcache_class_blocks_out(ts, s);
-  tcache_kept_out(tc, ts, &s);
-  tcache_outbox_seal(ts, s);
-  ts->round_trip = round_trip;
+  /* Kept blocks none fits: they go (the outbox with them, one seal) once
+   * there are TCACHE_KEEP_MISS of them. */
+  if (ts->nkeep >= TCACHE_KEEP_MISS) tcache_kept_out(tc, ts, &s);
   tcache_relief_context(tc, ts, s);
   /* A thread that may keep large blocks (tcache_keep_large) takes the
    * block lent: its free here keeps it without the large cache's lock. */
-  large_lent lent = {0};
-  int rc = heap_large_alloc(h, size, id, s, &p, &bsize, tcache_keeps_for(tc, ts) ? &lent : NULL);
+  large_lent lent = {0}, *lentp = tcache_keeps_for(tc, ts) ? &lent : NULL;
+  int rc = heap_large_alloc(h, size, id, s, tcache_own_cached(ts) ? HEAP_NO_MAP : 0, &p, &bsize, lentp);
+  if (rc == HEAP_WOULD_MAP) {
+    tcache_own_out(tc, ts, s);
+    rc = heap_large_alloc(h, size, id, s, 0, &p, &bsize, lentp);
+  }
   if (rc != MAGPIE_OK) {
     tcache_oom_error(h, size, rc);
     return NULL;
@@ -208,7 +207,7 @@ void tcache_note_held(tslot *ts, unsigned c) {
 
 /* n blocks from the bottom of m (untouched the longest) into the outbox;
  * they stay in m if host memory for a magazine ran out. */
-static void tcache_shed(tslot *ts, unsigned c, magazine *m, uint32_t n, cudaStream_t s) {
+static void tcache_shed(tcache *tc, tslot *ts, unsigned c, magazine *m, uint32_t n, cudaStream_t s) {
   magazine *e = magazine_get_empty(c);
   if (e == NULL) return;
   memcpy(e->slots, m->slots, n * sizeof m->slots[0]);
@@ -217,14 +216,14 @@ static void tcache_shed(tslot *ts, unsigned c, magazine *m, uint32_t n, cudaStre
   e->cap = m->cap;
   m->count -= n;
   if (m == ts->cl[c].loaded) ts->clean[c] = ts->clean[c] > n ? (uint8_t)(ts->clean[c] - n) : 0;
-  tcache_outbox_add(ts, e, s);
+  tcache_outbox_add(tc, ts, e, s);
 }
 
-static void tcache_refill_trim(tslot *ts, unsigned c, magazine *fresh, cudaStream_t s) {
-  tcache_shed(ts, c, fresh, fresh->count - ts->fill[c], s);
+static void tcache_refill_trim(tcache *tc, tslot *ts, unsigned c, magazine *fresh, cudaStream_t s) {
+  tcache_shed(tc, ts, c, fresh, fresh->count - ts->fill[c], s);
 }
 
-static void tcache_slot_decay(tslot *ts, cudaStream_t s) {
+static void tcache_slot_decay(tcache *tc, tslot *ts, cudaStream_t s) {
   ts->entries = 0;
   int shed = 0;
   for (uint64_t used = ts->used; used != 0; used &= used - 1) {
@@ -243,12 +242,12 @@ static void tcache_slot_decay(tslot *ts, cudaStream_t s) {
       if (magazine_is_real(pv) && pv->count > 0 && pv->count <= n) {
         n -= pv->count;
         ts->prev[c] = &magazine_sentinel;
-        tcache_outbox_add(ts, pv, s);
+        tcache_outbox_add(tc, ts, pv, s);
         shed = 1;
       }
       if (n > m->count) n = m->count;
       if (n > 0) {
-        tcache_shed(ts, c, m, n, s);
+        tcache_shed(tc, ts, c, m, n, s);
         shed = 1;
       }
       fill = fill / 2 > 0 ? fill / 2 : 1;
@@ -317,7 +316,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
    * thread's slots drain (on TDRAIN_SLOTS streams or more, tdrain.c):
    * what a visit leaves goes at its end already. */
   if (ts != tc->last && ++ts->entries >= TCACHE_DECAY_ENTRIES && !tcache_special_handle(s) && tc->nalloc < TDRAIN_SLOTS)
-    tcache_slot_decay(ts, s);
+    tcache_slot_decay(tc, ts, s);
   if (ts != tc->last || ts->drained) tdrain_enter(tc, ts);
   if (size > SIZECLASS_MAX_SIZE)
     return tcache_capture_refused(tc, s, size) ? NULL : tcache_alloc_large(tc, ts, size, id, s);
@@ -339,12 +338,18 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       int carried = 0;
       if (fresh == NULL && (fresh = tdrain_carry_take(tc, ts, c)) != NULL) carried = 1; /* an armed slot's */
       if (fresh == NULL) {
-        /* Taking from what all threads share: what waits in the outbox
-         * goes there first, so that its slabs and segments may serve. */
+        /* From what all threads share; what this slot caches goes there
+         * first if the refill would map (tcache_own_out). */
         if (tcache_capture_refused(tc, s, size)) return NULL;
-        tcache_outbox_seal(ts, s);
+        /* An outbox filled while the thread was on this stream alone is
+         * bounded as a thread's on several (tcache_outbox_full) now. */
+        if (tcache_outbox_full(tc, ts)) tcache_outbox_seal(ts, s);
         tcache_relief_context(tc, ts, s);
-        int rc = heap_refill(ts->heap, c, id, s, &fresh);
+        int rc = heap_refill(ts->heap, c, id, s, tcache_own_cached(ts) ? HEAP_NO_MAP : 0, &fresh);
+        if (rc == HEAP_WOULD_MAP) {
+          tcache_own_out(tc, ts, s);
+          rc = heap_refill(ts->heap, c, id, s, 0, &fresh);
+        }
         if (rc != MAGPIE_OK) {
           tcache_oom_error(ts->heap, size, rc);
           return NULL;
@@ -353,7 +358,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       }
       ts->emptied |= (uint64_t)1 << c;
       if (!carried && !sizeclass_table[c].seg && ts->fill[c] != 0 && fresh->count > ts->fill[c])
-        tcache_refill_trim(ts, c, fresh, s);
+        tcache_refill_trim(tc, ts, c, fresh, s);
       ts->mark[c] = tslot_allocs(ts, c);
       if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
       ts->prev[c] = ts->cl[c].loaded;

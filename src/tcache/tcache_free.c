@@ -278,13 +278,13 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
         uint64_t bit = (uint64_t)1 << c;
         ts->out_blocks[c] += ts->cl[c].loaded->count;
         ts->round_trip = ts->out_blocks[c] <= tslot_allocs(ts, c) ? ts->round_trip | bit : ts->round_trip & ~bit;
-        tcache_outbox_add(ts, ts->cl[c].loaded, s);
+        tcache_outbox_add(tc, ts, ts->cl[c].loaded, s);
       } else {
         e->cap = tcache_next_cap(ts, c);
         /* The previous magazine is full: it leaves through the outbox,
          * sealed on the stream its blocks were freed on (s names it: its
          * id matched). */
-        if (magazine_is_real(pv)) tcache_outbox_add(ts, pv, s);
+        if (magazine_is_real(pv)) tcache_outbox_add(tc, ts, pv, s);
         ts->prev[c] = ts->cl[c].loaded;
       }
       ts->cl[c].loaded = e;

@@ -41,7 +41,10 @@ extern tcache_state tcache_st;
 /* tcache.c */
 int tcache_barrier(void);
 tcache *tcache_create(void);
+/* The thread's bytes in use for h's device, into the heap's count: past
+ * a band (tcache.c), or exactly (a slot retired or recycled, a trim). */
 void tcache_publish(tcache *tc, heap *h);
+void tcache_publish_exact(tcache *tc, heap *h);
 void tcache_honour_ask(tcache *tc);
 void tcache_enter_slow(tcache *tc);
 
@@ -50,7 +53,7 @@ void tcache_slot_clear(tslot *ts);
 void tcache_slot_index(tcache *tc, const tslot *ts);
 uint32_t tcache_next_cap(tslot *ts, unsigned c);
 void tcache_outbox_seal(tslot *ts, cudaStream_t handle);
-void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle);
+void tcache_outbox_add(tcache *tc, tslot *ts, magazine *m, cudaStream_t handle);
 magazine *tcache_outbox_take(tslot *ts, unsigned c);
 int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int *sealed);
 void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b);
@@ -59,6 +62,12 @@ void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b);
  * allocates on ts's stream alone and keeps for no other slot. */
 static inline int tcache_keeps_for(const tcache *tc, const tslot *ts) {
   return !tc->check && tc->nalloc == 1 && (tc->kept == NULL || tc->kept == ts);
+}
+/* Has slot ts's outbox reached its bounds: TCACHE_OUTBOX_* for a thread
+ * on its stream alone (as tcache_keeps_for), TCACHE_OUTBOX_FEW* else? */
+static inline int tcache_outbox_full(const tcache *tc, const tslot *ts) {
+  if (tcache_keeps_for(tc, ts)) return ts->nout >= TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES;
+  return ts->nout >= TCACHE_OUTBOX_FEW || ts->out_bytes >= TCACHE_OUTBOX_FEW_BYTES;
 }
 /* Remember a large block the slot handed out lent (tslot.lent), in place
  * of the oldest; lent_next stays below TCACHE_LENT. */
@@ -69,7 +78,14 @@ static inline void tcache_lent_add(tslot *ts, lblock *b, uintptr_t base, size_t 
 void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i);
 size_t tcache_kept_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
 size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on);
-void tcache_class_blocks_out(tslot *ts, cudaStream_t s);
+/* Does slot ts cache what it could let go before its allocation maps
+ * device memory: an outbox, kept large blocks, magazines of class blocks?
+ * Then tcache_own_out lets them go under one seal on s (the slot's
+ * stream's handle, just passed): class blocks and the outbox to the depot
+ * or, past the depot's budget, their segments (heap_put), kept blocks to
+ * the large cache. */
+int tcache_own_cached(const tslot *ts);
+void tcache_own_out(tcache *tc, tslot *ts, cudaStream_t s);
 size_t tcache_slot_empty(tcache *tc, tslot *ts);
 void tcache_slot_retire(tcache *tc, tslot *ts);
 tslot *tcache_slot_for_alloc(tcache *tc, cudaStream_t s, uint64_t id);

@@ -149,5 +149,6 @@ void tcache_flush_self(heap *h) {
   if (tc == NULL) return;
   tcache_enter_slow(tc);
   tcache_empty_heap(tc, h);
+  tcache_publish_exact(tc, h); /* a trim sees this thread's bytes in use as they are */
   tcache_leave(tc);
 }

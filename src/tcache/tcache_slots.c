@@ -130,11 +130,11 @@ void tcache_outbox_seal(tslot *ts, cudaStream_t handle) {
 
 /* A full magazine leaves loaded/prev on a free on `handle` (as above): into
  * the outbox, sealed with the others once it is full. */
-void tcache_outbox_add(tslot *ts, magazine *m, cudaStream_t handle) {
+void tcache_outbox_add(tcache *tc, tslot *ts, magazine *m, cudaStream_t handle) {
   MAGPIE_ASSERT(ts->nout < TCACHE_OUTBOX && m->count > 0);
   ts->outbox[ts->nout++] = m;
   ts->out_bytes += depot_magazine_bytes(m);
-  if (ts->nout == TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES) tcache_outbox_seal(ts, handle);
+  if (tcache_outbox_full(tc, ts)) tcache_outbox_seal(ts, handle);
 }
 
 /* An outbox magazine of class c, taken back (NULL if none). */
@@ -253,24 +253,35 @@ size_t tcache_slot_out(tcache *tc, tslot *ts, const cudaStream_t *seal_on) {
   return bytes;
 }
 
-/* Before a large allocation, the slot's magazines of class blocks (the
- * classes without slabs) join the outbox, to go back to their segments
- * with it (heap_put, as the slot's own: their classes are marked round
- * trips in ts->round_trip, which the caller restores after its seal). Cached
- * in the thread they sit between the segments' free holes and keep them
- * apart, so the segments grew beside them. Sent back, they hold less
- * memory; the price is that class blocks come from the segments' lock more
- * often, which slows a single thread, and doing it only where the segments
- * were about to grow held more (bench/DECISIONS.md, "Class blocks go back
- * before a large allocation"). The outbox is sealed before every large
- * allocation anyway, so this adds no event. */
-void tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
+/* Before the slot's allocation maps device memory, its magazines of class
+ * blocks (the classes without slabs) join the outbox, to go back to their
+ * segments with it (heap_put, as the slot's own: their classes are marked
+ * round trips in ts->round_trip, which the caller restores after its
+ * seal). Cached in the thread they sit between the segments' free holes
+ * and keep them apart, so the segments grew beside them
+ * (bench/DECISIONS.md, "Class blocks go back before a large allocation"). */
+static void tcache_class_blocks_out(tslot *ts, cudaStream_t s) {
   for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++) {
     if (!sizeclass_table[c].seg) continue;
     uint64_t round_trip = ts->round_trip;
     ts->round_trip |= (uint64_t)1 << c; /* for a seal of a full outbox too */
     if (tcache_class_to_outbox(ts, c, &s) == 0) ts->round_trip = round_trip;
   }
+}
+
+int tcache_own_cached(const tslot *ts) {
+  if (ts->nout > 0 || ts->nkeep > 0) return 1;
+  for (unsigned c = SIZECLASS_FINE_COUNT; c < SIZECLASS_COUNT; c++)
+    if (sizeclass_table[c].seg && (ts->cl[c].loaded->count > 0 || ts->prev[c]->count > 0)) return 1;
+  return 0;
+}
+
+void tcache_own_out(tcache *tc, tslot *ts, cudaStream_t s) {
+  uint64_t round_trip = ts->round_trip;
+  tcache_class_blocks_out(ts, s);
+  tcache_kept_out(tc, ts, &s); /* the outbox goes under its seal */
+  tcache_outbox_seal(ts, s);
+  ts->round_trip = round_trip;
 }
 
 /* Hand a slot's non-empty magazines to limbo (the slot stays). */
@@ -303,7 +314,7 @@ void tcache_slot_retire(tcache *tc, tslot *ts) {
     if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
   }
   tcache_slot_fold(ts);
-  tcache_publish(tc, ts->heap);
+  tcache_publish_exact(tc, ts->heap);
   epoch_stream_release(ts->rec);
   if (tc->last == ts) tc->last = &tc->dummy;
   tcache_slot_clear(ts);
@@ -320,7 +331,7 @@ void tcache_slot_retire(tcache *tc, tslot *ts) {
  * slot is recycled, not retired"). */
 static void tcache_slot_recycle(tcache *tc, tslot *ts) {
   MAGPIE_ASSERT(tdrain_clean(ts));
-  tcache_publish(tc, ts->heap);
+  tcache_publish_exact(tc, ts->heap);
   epoch_stream_release(ts->rec);
   if (tc->last == ts) tc->last = &tc->dummy;
   ts->rec = NULL;

@@ -24,31 +24,46 @@
 
 #define TCACHE_SLOTS 32
 
-/* The outbox (tslot.outbox): at most this many magazines or bytes wait
- * for one seal, as a seal per magazine made event records a large share
- * of a thread's time. The outbox is sealed early when its slot takes
- * memory from what threads share (a refill or a large block) and when a
- * large free seals anyway, as keeping it until full held more memory
- * (bench/DECISIONS.md, "One seal for an outbox of magazines"). */
+/* The outbox (tslot.outbox): full magazines leaving loaded/prev wait
+ * there, for this stream's next allocations of their class, until
+ * TCACHE_OUTBOX of them or TCACHE_OUTBOX_BYTES wait, for a thread that
+ * allocates on this stream alone, or TCACHE_OUTBOX_FEW(_BYTES) for one on
+ * several, whose slots strand what they hold while it works elsewhere;
+ * then one seal sends them all to the depot, as a seal per magazine made
+ * event records a large share of a thread's time (bench/DECISIONS.md, "One
+ * seal for an outbox of magazines"). It also leaves, with the slot's kept
+ * large blocks and class blocks, before an allocation of the slot would
+ * map device memory (tcache_own_out), so what a thread caches never makes
+ * the device's memory grow; sealing it at every refill instead sent a
+ * thread's mixed sizes around through the depot and the segments' lock
+ * (bench/DECISIONS.md, "A thread's caches go back before memory grows"). */
+#define TCACHE_OUTBOX 64
+#define TCACHE_OUTBOX_BYTES ((size_t)8 << 20)
+#define TCACHE_OUTBOX_FEW 8
+#define TCACHE_OUTBOX_FEW_BYTES ((size_t)1 << 20)
 /* A thread that allocates on one stream keeps large blocks freed on it
  * (the first of at most TCACHE_KEEP_MAX, more up to TCACHE_KEEP_BLOCKS
  * while all it keeps stays within TCACHE_KEEP_MORE) for that stream's next
  * large allocations that one fits within an eighth: the same stream reuses
  * it at once, with no event and no lock, as it reuses small blocks. Only
  * such threads: the blocks are stranded, like a slot's magazines, while
- * their thread works on other streams. An allocation none fits lets all of
- * them go under one seal; a thread keeping one block recorded an event for
- * each large free while it kept one (bench/DECISIONS.md, "A thread keeps
- * up to four large blocks, let go under one seal"). */
+ * their thread works on other streams. They all go under one seal before
+ * an allocation of the slot would map (above), and at one that none of
+ * TCACHE_KEEP_MISS or more fits: their sizes do not match what the thread
+ * asks for, and sixteen threads keeping such blocks held half as much
+ * again as their peaks; sending fewer back at every miss sent blocks of
+ * varying sizes through the large cache's lock (bench/DECISIONS.md, "A
+ * thread's caches go back before memory grows"). A thread keeping one
+ * block recorded an event for each large free while it kept one
+ * (bench/DECISIONS.md, "A thread keeps up to four large blocks, let go
+ * under one seal"). */
 #define TCACHE_KEEP_MAX ((size_t)64 << 20)
-#define TCACHE_KEEP_BLOCKS 4
-#define TCACHE_KEEP_MORE ((size_t)4 << 20)
+#define TCACHE_KEEP_BLOCKS 16
+#define TCACHE_KEEP_MORE ((size_t)32 << 20)
+#define TCACHE_KEEP_MISS 4
 /* The large blocks a slot handed out lent that it remembers (tslot.lent):
  * their frees on its stream keep them without the large cache's lock. */
-#define TCACHE_LENT 16
-
-#define TCACHE_OUTBOX 8
-#define TCACHE_OUTBOX_BYTES ((size_t)1 << 20)
+#define TCACHE_LENT 32
 
 typedef struct tclass {
   magazine *loaded;
@@ -92,9 +107,9 @@ typedef struct tslot {
   magazine *prev[SIZECLASS_COUNT];
   /* Full magazines that left loaded/prev on a free, not sealed yet: one
    * event seals them all once TCACHE_OUTBOX of them or TCACHE_OUTBOX_BYTES
-   * wait, before the slot refills or allocates a large block, and with a
-   * large block's free (tcache.c, tcache_outbox_seal); an allocation of
-   * their class takes one back first (no seal needed on the slot's own
+   * wait, before the slot's allocation would map device memory, and with a
+   * large block's free (tcache_slots.c, tcache_outbox_seal); an allocation
+   * of their class takes one back first (no seal needed on the slot's own
    * stream). They count as the thread's until sealed. Owner only.
    * INVARIANT: as for loaded/prev, every block in them may be used by work
    * enqueued on the slot's stream after now; out_bytes is the sum of
