@@ -84,19 +84,20 @@ tcache *tcache_create(void) {
   return tc;
 }
 
-/* A thread publishes its bytes in use once they rose TCACHE_PUBLISH_UP or
- * fell TCACHE_PUBLISH_DOWN since it last did: the heap's count is one
- * word all threads add to, and sixteen threads of mixed sizes publishing
- * at every slow path spent a third of their time on it (bench/DECISIONS.md,
- * "In-use bytes published past a band"). The peak so misses at most
- * TCACHE_PUBLISH_UP per thread; falls wait longer, as they raise no peak. */
+/* A thread publishes a rise of its bytes in use once it reaches
+ * TCACHE_PUBLISH_UP, a fall at once: the heap's count is one word all
+ * threads add to, and sixteen threads of mixed sizes publishing every
+ * change at every slow path spent a third of their time on it
+ * (bench/DECISIONS.md, "Rises of the bytes in use published past 1 MiB").
+ * The peak so misses at most TCACHE_PUBLISH_UP per thread and never
+ * passes the true one: a fall that waited would leave the count above
+ * what is in use while another thread's rise raised the peak. */
 #define TCACHE_PUBLISH_UP ((int64_t)1 << 20)
-#define TCACHE_PUBLISH_DOWN ((int64_t)4 << 20)
 
 void tcache_publish(tcache *tc, heap *h) {
   int d = h->device;
   int64_t delta = atomic_load_relaxed(&tc->live[d]) - tc->published[d];
-  if (delta >= TCACHE_PUBLISH_UP || delta <= -TCACHE_PUBLISH_DOWN) tcache_publish_exact(tc, h);
+  if (delta >= TCACHE_PUBLISH_UP || delta < 0) tcache_publish_exact(tc, h);
 }
 
 void tcache_publish_exact(tcache *tc, heap *h) {

@@ -50,7 +50,9 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * matched by value, as in the fast path; the legacy and per-thread default
  * handles, whose stream depends on the current context, by id, as
  * tcache_free_special does): the slot keeps it for its stream if the
- * thread allocates on no other stream and keeps fewer than
+ * thread allocates on no other stream, has blocks of its own out through
+ * the slot (held > 0: a thread freeing another's blocks would keep what
+ * only that one uses) and keeps fewer than
  * TCACHE_KEEP_BLOCKS, within TCACHE_KEEP_MORE past the first (one lock to
  * mark it in the large layer, none if the slot kept it before and handed
  * it out again; no event). PyTorch allocates on the legacy default stream
@@ -61,8 +63,9 @@ static int tcache_free_large(tcache *tc, tslot *ts, void *p, cudaStream_t s) {
  * block: default handles, one stream only"). 0: the slow path. */
 static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   tslot *ts = tc->last;
-  if (!tcache_keeps_for(tc, ts) || ts->nkeep == TCACHE_KEEP_BLOCKS || sl->cls != SLAB_LARGE || ts->handle != s ||
-      ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 || large_class_of(sl->seg, (uintptr_t)p) >= 0)
+  if (!tcache_keeps_for(tc, ts) || ts->held <= 0 || ts->nkeep == TCACHE_KEEP_BLOCKS || sl->cls != SLAB_LARGE ||
+      ts->handle != s || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 ||
+      large_class_of(sl->seg, (uintptr_t)p) >= 0)
     return 0;
   if (tcache_special_handle(s) && tcache_stream_id(tc, s) != ts->id) return 0; /* another context's */
   /* The first block up to TCACHE_KEEP_MAX, more while all stay within

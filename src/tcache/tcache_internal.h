@@ -41,8 +41,9 @@ extern tcache_state tcache_st;
 /* tcache.c */
 int tcache_barrier(void);
 tcache *tcache_create(void);
-/* The thread's bytes in use for h's device, into the heap's count: past
- * a band (tcache.c), or exactly (a slot retired or recycled, a trim). */
+/* The thread's bytes in use for h's device, into the heap's count: a
+ * fall, or a rise past TCACHE_PUBLISH_UP (tcache.c); or exactly (a slot
+ * retired or recycled, a trim). */
 void tcache_publish(tcache *tc, heap *h);
 void tcache_publish_exact(tcache *tc, heap *h);
 void tcache_honour_ask(tcache *tc);
@@ -64,9 +65,12 @@ static inline int tcache_keeps_for(const tcache *tc, const tslot *ts) {
   return !tc->check && tc->nalloc == 1 && (tc->kept == NULL || tc->kept == ts);
 }
 /* Has slot ts's outbox reached its bounds: TCACHE_OUTBOX_* for a thread
- * on its stream alone (as tcache_keeps_for), TCACHE_OUTBOX_FEW* else? */
+ * on its stream alone (as tcache_keeps_for) that gave back through the
+ * slot no more than it took there, TCACHE_OUTBOX_FEW* else (a thread
+ * freeing another's blocks would hold what only that one uses)? */
 static inline int tcache_outbox_full(const tcache *tc, const tslot *ts) {
-  if (tcache_keeps_for(tc, ts)) return ts->nout >= TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES;
+  if (tcache_keeps_for(tc, ts) && ts->held >= 0)
+    return ts->nout >= TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES;
   return ts->nout >= TCACHE_OUTBOX_FEW || ts->out_bytes >= TCACHE_OUTBOX_FEW_BYTES;
 }
 /* Remember a large block the slot handed out lent (tslot.lent), in place
