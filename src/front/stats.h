@@ -6,7 +6,8 @@
  *   in_use_bytes + cached_bytes == reserved_bytes
  *   in_use_bytes <= peak_in_use_bytes, reserved_bytes <= peak_reserved_bytes
  * peak_in_use_bytes is sampled on slow paths: it may miss a peak by at most
- * what threads handed out from their magazines since their last slow path. */
+ * what threads handed out from their magazines since their last slow path
+ * and their rises not yet published (below 1 MiB each, tcache_publish). */
 #ifndef MAGPIE_STATS_H
 #define MAGPIE_STATS_H
 
