@@ -224,12 +224,56 @@ static void test_caches_go_before_map(void **state) {
   run_in_thread(caches_go_before_map_main, NULL);
 }
 
+/* The peak in use never passes what was in use: a thread's fall below
+ * TCACHE_PUBLISH_DOWN is not published yet, so the heap's count stays
+ * above what is in use; another thread's rise that takes the count past
+ * the peak raises the peak to the threads' own counts, not to the count. */
+static pthread_barrier_t peak_barrier;
+
+static void *peak_faller_main(void *arg) {
+  (void)arg;
+  const size_t MiB = (size_t)1 << 20;
+  cudaStream_t s = fake_stream_create(0);
+  void *p = magpie_malloc_async(3 * MiB + MiB / 2, s);
+  assert_non_null(p);
+  assert_int_equal(magpie_free_async(p, s), MAGPIE_OK); /* kept: a fall of 3.5 MiB, not published */
+  pthread_barrier_wait(&peak_barrier);                  /* the riser runs */
+  pthread_barrier_wait(&peak_barrier);                  /* it is done: this thread may exit */
+  fake_stream_complete(s);
+  return NULL;
+}
+
+static void test_peak_never_passes_in_use(void **state) {
+  (void)state;
+  const size_t MiB = (size_t)1 << 20;
+  magpie_stats st;
+  assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  size_t base = st.in_use_bytes;
+  assert_int_equal(magpie_stats_reset_peaks(0), MAGPIE_OK);
+  assert_int_equal(pthread_barrier_init(&peak_barrier, NULL, 2), 0);
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, peak_faller_main, NULL), 0);
+  pthread_barrier_wait(&peak_barrier);
+  cudaStream_t s = fake_stream_create(0);
+  void *q = magpie_malloc_async(3 * MiB, s); /* the count: 6.5 MiB above base; in use: 3 MiB */
+  assert_non_null(q);
+  assert_int_equal(magpie_stats_get(0, &st), MAGPIE_OK);
+  assert_true(st.peak_in_use_bytes <= base + 3 * MiB + MiB / 2);
+  assert_true(st.peak_in_use_bytes >= base + 3 * MiB);
+  pthread_barrier_wait(&peak_barrier);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(pthread_barrier_destroy(&peak_barrier), 0);
+  assert_int_equal(magpie_free_async(q, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_magazine_capacity_adapts), cmocka_unit_test(test_magazine_capacity_bursts),
       cmocka_unit_test(test_outbox_seals_together),    cmocka_unit_test(test_outbox_kept_across_refills),
-      cmocka_unit_test(test_caches_go_before_map),
+      cmocka_unit_test(test_caches_go_before_map),     cmocka_unit_test(test_peak_never_passes_in_use),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,7 +7,8 @@
  *   in_use_bytes <= peak_in_use_bytes, reserved_bytes <= peak_reserved_bytes
  * peak_in_use_bytes is sampled on slow paths: it may miss a peak by at most
  * what threads handed out from their magazines since their last slow path
- * and their rises not yet published (below 1 MiB each, tcache_publish). */
+ * and their rises not yet published (below 1 MiB each, tcache_publish);
+ * it is raised to the threads' own counts, never to the published sum. */
 #ifndef MAGPIE_STATS_H
 #define MAGPIE_STATS_H
 

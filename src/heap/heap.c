@@ -118,9 +118,15 @@ heap *heap_get(int device) {
 }
 
 void heap_publish_in_use(heap *h, int64_t delta) {
-  int64_t now = atomic_add_relaxed(&h->stat_in_use_published, delta) + delta;
-  if (now > 0) atomic_max_size_relaxed(&h->stat_peak_in_use, (size_t)now);
+  int64_t now = heap_count_in_use(h, delta);
+  if (now > 0) heap_raise_peak(h, (size_t)now);
 }
+
+int64_t heap_count_in_use(heap *h, int64_t delta) {
+  return atomic_add_relaxed(&h->stat_in_use_published, delta) + delta;
+}
+
+void heap_raise_peak(heap *h, size_t bytes) { atomic_max_size_relaxed(&h->stat_peak_in_use, bytes); }
 
 /* Are kept large blocks in limbo? */
 static int heap_klimbo_any(heap *h) {

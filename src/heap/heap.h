@@ -230,7 +230,13 @@ void heap_graph_retire(heap *h, uintptr_t p, size_t size, int sdev);
  * thread, so that exit does not wait for it. */
 void heap_after_fork_child(void);
 
-/* Add a thread's unpublished in-use delta and raise the peak. */
+/* Add an in-use delta (a graph pool's block) and raise the peak to the
+ * count. */
 void heap_publish_in_use(heap *h, int64_t delta);
+/* Add a thread's unpublished in-use delta; returns the count. The thread
+ * caches raise the peak themselves (heap_raise_peak), from what they find
+ * in use: their counts are published late (tcache.c, tcache_publish). */
+int64_t heap_count_in_use(heap *h, int64_t delta);
+void heap_raise_peak(heap *h, size_t bytes);
 
 #endif /* MAGPIE_HEAP_H */

@@ -84,29 +84,47 @@ tcache *tcache_create(void) {
   return tc;
 }
 
-/* A thread publishes a rise of its bytes in use once it reaches
- * TCACHE_PUBLISH_UP, a fall at once: the heap's count is one word all
- * threads add to, and sixteen threads of mixed sizes publishing every
+/* A thread publishes its bytes in use once they rose TCACHE_PUBLISH_UP or
+ * fell TCACHE_PUBLISH_DOWN since it last did: the heap's count is one word
+ * all threads add to, and sixteen threads of mixed sizes publishing every
  * change at every slow path spent a third of their time on it
- * (bench/DECISIONS.md, "Rises of the bytes in use published past 1 MiB").
- * The peak so misses at most TCACHE_PUBLISH_UP per thread and never
- * passes the true one: a fall that waited would leave the count above
- * what is in use while another thread's rise raised the peak. */
+ * (bench/DECISIONS.md, "In-use bytes published past a band"). The count
+ * so runs up to TCACHE_PUBLISH_DOWN per thread above what is in use, and
+ * raising the peak to it read a third above the truth: a rise that takes
+ * the count past the peak raises it to the sum of the threads' own counts
+ * instead (tcache_raise_peak), which misses a peak by at most what
+ * threads have not published yet and never passes one. */
 #define TCACHE_PUBLISH_UP ((int64_t)1 << 20)
+#define TCACHE_PUBLISH_DOWN ((int64_t)4 << 20)
+
+/* The heap's peak in use raised to what is in use now: the threads' counts
+ * (as statistics read them) and graph pools' blocks. Only tries the list's
+ * lock: a thread that finds it held leaves the raise to a later one. */
+static void tcache_raise_peak(heap *h) {
+  int d = h->device;
+  if (pthread_mutex_trylock(&tcache_st.list_lock) != 0) return;
+  int64_t sum = tcache_st.retired_live[d];
+  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[d]);
+  pthread_mutex_unlock(&tcache_st.list_lock);
+  sum += (int64_t)atomic_load_relaxed(&h->graphs.bytes);
+  if (sum > 0) heap_raise_peak(h, (size_t)sum);
+}
+
+static void tcache_publish_delta(tcache *tc, heap *h, int64_t live) {
+  int64_t delta = live - tc->published[h->device];
+  tc->published[h->device] = live;
+  int64_t now = heap_count_in_use(h, delta);
+  if (delta > 0 && now > 0 && (size_t)now > atomic_load_relaxed(&h->stat_peak_in_use)) tcache_raise_peak(h);
+}
 
 void tcache_publish(tcache *tc, heap *h) {
-  int d = h->device;
-  int64_t delta = atomic_load_relaxed(&tc->live[d]) - tc->published[d];
-  if (delta >= TCACHE_PUBLISH_UP || delta < 0) tcache_publish_exact(tc, h);
+  int64_t live = atomic_load_relaxed(&tc->live[h->device]), delta = live - tc->published[h->device];
+  if (delta >= TCACHE_PUBLISH_UP || delta <= -TCACHE_PUBLISH_DOWN) tcache_publish_delta(tc, h, live);
 }
 
 void tcache_publish_exact(tcache *tc, heap *h) {
-  int d = h->device;
-  int64_t live = atomic_load_relaxed(&tc->live[d]);
-  if (live != tc->published[d]) {
-    heap_publish_in_use(h, live - tc->published[d]);
-    tc->published[d] = live;
-  }
+  int64_t live = atomic_load_relaxed(&tc->live[h->device]);
+  if (live != tc->published[h->device]) tcache_publish_delta(tc, h, live);
 }
 
 /* A reclaimer asked this thread (the owner) to give back: every

@@ -41,9 +41,8 @@ extern tcache_state tcache_st;
 /* tcache.c */
 int tcache_barrier(void);
 tcache *tcache_create(void);
-/* The thread's bytes in use for h's device, into the heap's count: a
- * fall, or a rise past TCACHE_PUBLISH_UP (tcache.c); or exactly (a slot
- * retired or recycled, a trim). */
+/* The thread's bytes in use for h's device, into the heap's count: past
+ * a band (tcache.c), or exactly (a slot retired or recycled, a trim). */
 void tcache_publish(tcache *tc, heap *h);
 void tcache_publish_exact(tcache *tc, heap *h);
 void tcache_honour_ask(tcache *tc);
