@@ -208,7 +208,7 @@ void tcache_note_held(tslot *ts, unsigned c) {
 /* n blocks from the bottom of m (untouched the longest) into the outbox;
  * they stay in m if host memory for a magazine ran out. */
 static void tcache_shed(tcache *tc, tslot *ts, unsigned c, magazine *m, uint32_t n, cudaStream_t s) {
-  magazine *e = magazine_get_empty(c);
+  magazine *e = tcache_spare_take(tc, c);
   if (e == NULL) return;
   memcpy(e->slots, m->slots, n * sizeof m->slots[0]);
   memmove(m->slots, m->slots + n, (m->count - n) * sizeof m->slots[0]);
@@ -360,7 +360,7 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
       if (!carried && !sizeclass_table[c].seg && ts->fill[c] != 0 && fresh->count > ts->fill[c])
         tcache_refill_trim(tc, ts, c, fresh, s);
       ts->mark[c] = tslot_allocs(ts, c);
-      if (magazine_is_real(ts->prev[c])) magazine_put_empty(ts->prev[c]);
+      tcache_spare_give(tc, ts->prev[c]);
       ts->prev[c] = ts->cl[c].loaded;
       ts->cl[c].loaded = fresh;
       publish = 1;

@@ -268,7 +268,7 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
       ts->prev[c] = ts->cl[c].loaded;
       ts->cl[c].loaded = pv;
     } else {
-      magazine *e = pv_empty ? pv : magazine_get_empty(c);
+      magazine *e = pv_empty ? pv : tcache_spare_take(tc, c);
       if (e == NULL) {
         if (tc->check) tcache_mark_used(sl, (uintptr_t)p, bi);
         return error_set(MAGPIE_ERR_OUT_OF_MEMORY,

@@ -41,20 +41,6 @@ static void tdrain_leave(heap *h, magazine *m, int ready) {
   depot_put(d, m);
 }
 
-/* An empty magazine of class c: the thread's spare, else a shared one. */
-static magazine *tdrain_spare_take(tcache *tc, unsigned c) {
-  magazine *m = tc->spare[c];
-  if (m == NULL) return magazine_get_empty(c);
-  tc->spare[c] = NULL;
-  return m;
-}
-
-static void tdrain_spare_give(tcache *tc, magazine *m) {
-  m->count = 0;
-  if (tc->spare[m->cls] == NULL) tc->spare[m->cls] = m;
-  else magazine_put_empty(m);
-}
-
 /* The carried blocks leave for their heap's depot, ready. Returns their
  * bytes. */
 static size_t tdrain_carry_flush(tcache *tc) {
@@ -120,7 +106,7 @@ static void tdrain_carry_add(tcache *tc, heap *h, magazine *m) {
   } else if (k->count + m->count <= k->cap) {
     memcpy(&k->slots[k->count], m->slots, m->count * sizeof m->slots[0]);
     k->count += m->count;
-    tdrain_spare_give(tc, m);
+    tcache_spare_give(tc, m);
   } else {
     depot *d = &h->depots[c];
     depot_note_thread_out(d, m);
@@ -233,7 +219,7 @@ int tdrain_slot(tcache *tc, tslot *ts, cudaStream_t s) {
       if (keep < m->count) {
         /* The blocks above the untouched ones were freed on s, or handed
          * out since: sealed, in a magazine of their own if some stay. */
-        magazine *top = keep > 0 ? tdrain_spare_take(tc, c) : m;
+        magazine *top = keep > 0 ? tcache_spare_take(tc, c) : m;
         if (top == NULL) {
           top = m; /* out of host memory for a magazine: all of it sealed */
           keep = 0;
@@ -251,7 +237,7 @@ int tdrain_slot(tcache *tc, tslot *ts, cudaStream_t s) {
       } else if (m != NULL) {
         /* Empty: kept in prev for the slot's next frees. */
         if (!magazine_is_real(ts->prev[c])) ts->prev[c] = m;
-        else tdrain_spare_give(tc, m);
+        else tcache_spare_give(tc, m);
       }
     }
     if (magazine_is_real(ts->prev[c])) still |= (uint64_t)1 << c;
@@ -299,10 +285,8 @@ magazine *tdrain_carry_take(tcache *tc, tslot *ts, unsigned c) {
 }
 
 void tdrain_release_spares(tcache *tc) {
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
-    if (tc->spare[c] != NULL) magazine_put_empty(tc->spare[c]);
-    tc->spare[c] = NULL;
-  }
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
+    while (tc->nspare[c] > 0) magazine_put_empty(tc->spare[c][--tc->nspare[c]]);
 }
 
 void tdrain_inspect(tcache *tc, heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx) {

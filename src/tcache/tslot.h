@@ -37,6 +37,13 @@
  * the device's memory grow; sealing it at every refill instead sent a
  * thread's mixed sizes around through the depot and the segments' lock
  * (bench/DECISIONS.md, "A thread's caches go back before memory grows"). */
+/* Empty magazines a thread keeps per class (tcache.spare): a thread whose
+ * class blocks come and go through its outbox took an empty magazine from
+ * the shared stacks at each free that filled one and gave one back at each
+ * refill; sixteen threads of mixed sizes spent about a fifth of their time on
+ * those stacks and the depot's (bench/DECISIONS.md, "Empty magazines kept
+ * per thread"). */
+#define TCACHE_SPARES 4
 #define TCACHE_OUTBOX 64
 #define TCACHE_OUTBOX_BYTES ((size_t)8 << 20)
 #define TCACHE_OUTBOX_FEW 8
@@ -295,9 +302,12 @@ typedef struct tcache {
    * reclaimer while the owner is out). */
   magazine *carry[SIZECLASS_COUNT];
   heap *carry_heap;
-  /* Per class, one empty magazine kept for the next drain's split (what
-   * joining the carried blocks emptied), or NULL. Owner only. */
-  magazine *spare[SIZECLASS_COUNT];
+  /* Per class, up to TCACHE_SPARES empty magazines, spare[c][0..nspare[c]),
+   * kept for the thread's next frees that need one (a full magazine
+   * leaving for the outbox) and drains' splits, and given back there by
+   * refills (tcache_spare_take / tcache_spare_give). Owner only. */
+  magazine *spare[SIZECLASS_COUNT][TCACHE_SPARES];
+  uint8_t nspare[SIZECLASS_COUNT];
   tslot dummy;
   tslot slots[TCACHE_SLOTS];
 } tcache;
@@ -312,6 +322,24 @@ static inline void tslot_count(tslot *ts, int64_t delta) {
 /* Allocations of class c through slot ts so far. */
 static inline uint64_t tslot_allocs(const tslot *ts, unsigned c) {
   return atomic_load_relaxed(&ts->cl[c].hits) + atomic_load_relaxed(&ts->cl[c].misses);
+}
+
+/* An empty magazine of class c: one the thread kept (tcache.spare), else
+ * a shared one; NULL if host memory ran out. */
+static inline magazine *tcache_spare_take(tcache *tc, unsigned c) {
+  if (tc->nspare[c] == 0) return magazine_get_empty(c);
+  magazine *m = tc->spare[c][--tc->nspare[c]];
+  m->cap = sizeclass_table[c].mag_cap; /* as a shared one's */
+  return m;
+}
+/* An empty magazine (or the sentinel) the thread no longer needs: kept
+ * while it keeps fewer than TCACHE_SPARES of its class, else shared. */
+static inline void tcache_spare_give(tcache *tc, magazine *m) {
+  if (!magazine_is_real(m)) return;
+  MAGPIE_ASSERT(m->ticket.rec == NULL);
+  m->count = 0;
+  if (tc->nspare[m->cls] < TCACHE_SPARES) tc->spare[m->cls][tc->nspare[m->cls]++] = m;
+  else magazine_put_empty(m);
 }
 
 #endif /* MAGPIE_TSLOT_H */
