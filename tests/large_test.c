@@ -505,6 +505,47 @@ static void test_lent_block_freed_elsewhere(void **state) {
   assert_int_equal(magpie_trim(0, 0), MAGPIE_OK);
 }
 
+/* A thread that frees on its stream blocks another thread allocated there
+ * (it gave back through its slot more than it took) keeps none of them:
+ * only the allocating thread would use them. Its free of a large block
+ * seals it back to the large layer, as any large free that keeps nothing.
+ * (Its first free, a small block's, makes its slot the one a keep
+ * needs.) */
+typedef struct two_frees {
+  char *small, *big;
+  cudaStream_t s;
+  int rc;
+} two_frees;
+
+static void *two_frees_main(void *arg) {
+  two_frees *f = arg;
+  f->rc = magpie_free_async(f->small, f->s);
+  if (f->rc == MAGPIE_OK) f->rc = magpie_free_async(f->big, f->s);
+  return NULL;
+}
+
+static void *consumer_keeps_nothing_main(void *arg) {
+  (void)arg;
+  two_frees f = {.s = fake_stream_create(0), .rc = -1};
+  assert_non_null(f.small = magpie_malloc_async(4096, f.s));
+  assert_non_null(f.big = magpie_malloc_async(16 * MiB, f.s));
+  magpie_stats st0, st1;
+  assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
+  run_in_thread(two_frees_main, &f);
+  assert_int_equal(f.rc, MAGPIE_OK);
+  assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
+  assert_int_equal(st1.events_recorded, st0.events_recorded + 1);
+  assert_int_equal(magpie_usable_size(f.big), 0);
+  fake_stream_complete(f.s);
+  check_layers(0);
+  return NULL;
+}
+
+static void test_consumer_keeps_nothing(void **state) {
+  (void)state;
+  run_in_thread(consumer_keeps_nothing_main, NULL);
+}
+
 /* The same on the legacy and per-thread default streams (PyTorch's
  * default stream is the legacy one), each in a thread of its own: matched
  * by id, they keep the block too; once the thread's current device has
@@ -945,6 +986,7 @@ int main(void) {
       cmocka_unit_test(test_kept_large_block),
       cmocka_unit_test(test_kept_large_blocks),
       cmocka_unit_test(test_lent_block_freed_elsewhere),
+      cmocka_unit_test(test_consumer_keeps_nothing),
       cmocka_unit_test(test_kept_large_block_default_streams),
       cmocka_unit_test(test_run_of_blocks_freed_on_different_streams),
       cmocka_unit_test(test_idle_thread_gives_back),
