@@ -97,14 +97,25 @@ tcache *tcache_create(void) {
 #define TCACHE_PUBLISH_UP ((int64_t)1 << 20)
 #define TCACHE_PUBLISH_DOWN ((int64_t)4 << 20)
 
+/* Under tcache_st.list_lock: the live bytes of every thread, past and
+ * present, for device, and (kept non-NULL) the bytes of the large blocks
+ * they keep. */
+static int64_t tcache_live_sum_locked(int device, int64_t *kept) {
+  int64_t sum = tcache_st.retired_live[device], k = tcache_st.retired_kept[device];
+  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) {
+    sum += atomic_load_relaxed(&tc->live[device]);
+    if (kept != NULL) k += atomic_load_relaxed(&tc->kept_bytes[device]);
+  }
+  if (kept != NULL) *kept = k;
+  return sum;
+}
+
 /* The heap's peak in use raised to what is in use now: the threads' counts
  * (as statistics read them) and graph pools' blocks. Only tries the list's
  * lock: a thread that finds it held leaves the raise to a later one. */
 static void tcache_raise_peak(heap *h) {
-  int d = h->device;
   if (pthread_mutex_trylock(&tcache_st.list_lock) != 0) return;
-  int64_t sum = tcache_st.retired_live[d];
-  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) sum += atomic_load_relaxed(&tc->live[d]);
+  int64_t sum = tcache_live_sum_locked(h->device, NULL);
   pthread_mutex_unlock(&tcache_st.list_lock);
   sum += (int64_t)atomic_load_relaxed(&h->graphs.bytes);
   if (sum > 0) heap_raise_peak(h, (size_t)sum);
@@ -181,12 +192,7 @@ int64_t tcache_live_bytes(int device, int64_t *kept) {
   *kept = 0;
   if (device < 0 || device >= HEAP_MAX_DEVICES) return 0;
   pthread_mutex_lock(&tcache_st.list_lock);
-  int64_t sum = tcache_st.retired_live[device];
-  *kept = tcache_st.retired_kept[device];
-  for (tcache *tc = tcache_st.list; tc; tc = tc->lnext) {
-    sum += atomic_load_relaxed(&tc->live[device]);
-    *kept += atomic_load_relaxed(&tc->kept_bytes[device]);
-  }
+  int64_t sum = tcache_live_sum_locked(device, kept);
   pthread_mutex_unlock(&tcache_st.list_lock);
   return sum;
 }
