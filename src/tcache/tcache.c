@@ -175,7 +175,7 @@ static void tcache_destroy(void *arg) {
   pthread_mutex_unlock(&tcache_st.list_lock);
   while ((atomic_load_acquire(&tc->steal) & TCACHE_CLAIMED) != 0) sched_yield();
   tdrain_flush(tc, NULL);
-  tdrain_release_spares(tc);
+  tcache_spare_release(tc);
   for (int i = 0; i < TCACHE_SLOTS; i++)
     if (tc->slots[i].heap != NULL) tcache_slot_retire(tc, &tc->slots[i]);
   pthread_mutex_lock(&tcache_st.list_lock);

@@ -284,11 +284,6 @@ magazine *tdrain_carry_take(tcache *tc, tslot *ts, unsigned c) {
   return m;
 }
 
-void tdrain_release_spares(tcache *tc) {
-  for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
-    while (tc->nspare[c] > 0) magazine_put_empty(tc->spare[c][--tc->nspare[c]]);
-}
-
 void tdrain_inspect(tcache *tc, heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx) {
   for (uint32_t j = 0; j < tc->sealed_n; j++) {
     const tsealed *e = tdrain_at(tc, j);

@@ -50,8 +50,6 @@ void tdrain_promote(tcache *tc);
 /* Every drained magazine of heap h (any heap: NULL) goes to its depot
  * with its ticket, and the carried blocks of h as ready. Their bytes. */
 size_t tdrain_flush(tcache *tc, heap *h);
-/* Thread exit: the spare empty magazines go back. */
-void tdrain_release_spares(tcache *tc);
 /* Snapshots (tcache_inspect): fn on every drained magazine of heap h and
  * every carried one of h, as not loaded. */
 void tdrain_inspect(tcache *tc, heap *h, void (*fn)(void *ctx, const magazine *m, int loaded), void *ctx);

@@ -341,5 +341,11 @@ static inline void tcache_spare_give(tcache *tc, magazine *m) {
   if (tc->nspare[m->cls] < TCACHE_SPARES) tc->spare[m->cls][tc->nspare[m->cls]++] = m;
   else magazine_put_empty(m);
 }
+/* Thread exit: the thread's spare empty magazines go back to the shared
+ * stacks. */
+static inline void tcache_spare_release(tcache *tc) {
+  for (unsigned c = 0; c < SIZECLASS_COUNT; c++)
+    while (tc->nspare[c] > 0) magazine_put_empty(tc->spare[c][--tc->nspare[c]]);
+}
 
 #endif /* MAGPIE_TSLOT_H */
