@@ -338,10 +338,11 @@ void magpie_release(const Block &b) {
 
 // A tensor's Block record (its DataPtr's context) comes from the
 // allocating thread's spare records and goes back to the freeing thread's:
-// new and delete cost about 19 ns a pair on an H200's host, a fifth of the
-// tensor path's own work (bench/DECISIONS.md). A thread keeps up to kMax
-// spares; its last thread-local destructor deletes them, and records freed
-// after that are deleted at once.
+// new and delete were a large share of the tensor path's own work
+// (bench/DECISIONS.md, "PyTorch's tensor path: records reused per thread,
+// one profiler lookup"). A thread keeps up to kMax spares; its last
+// thread-local destructor deletes them, and records freed after that are
+// deleted at once.
 class BlockRecords {
  public:
   static Block *take(const Block &b) {

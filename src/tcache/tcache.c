@@ -86,14 +86,13 @@ tcache *tcache_create(void) {
 
 /* A thread publishes its bytes in use once they rose TCACHE_PUBLISH_UP or
  * fell TCACHE_PUBLISH_DOWN since it last did: the heap's count is one word
- * all threads add to, and sixteen threads of mixed sizes publishing every
- * change at every slow path spent a third of their time on it
- * (bench/DECISIONS.md, "In-use bytes published past a band"). The count
- * so runs up to TCACHE_PUBLISH_DOWN per thread above what is in use, and
- * raising the peak to it read a third above the truth: a rise that takes
- * the count past the peak raises it to the sum of the threads' own counts
- * instead (tcache_raise_peak), which misses a peak by at most what
- * threads have not published yet and never passes one. */
+ * all threads add to, and threads publishing every change at every slow
+ * path contended on it (bench/DECISIONS.md, "In-use bytes published past a
+ * band"). The count so runs up to TCACHE_PUBLISH_DOWN per thread above
+ * what is in use, and raising the peak to it overstated the peak: a rise
+ * that takes the count past the peak raises it to the sum of the threads'
+ * own counts instead (tcache_raise_peak), which misses a peak by at most
+ * what threads have not published yet and never passes one. */
 #define TCACHE_PUBLISH_UP ((int64_t)1 << 20)
 #define TCACHE_PUBLISH_DOWN ((int64_t)4 << 20)
 

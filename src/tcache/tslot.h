@@ -40,9 +40,8 @@
 /* Empty magazines a thread keeps per class (tcache.spare): a thread whose
  * class blocks come and go through its outbox took an empty magazine from
  * the shared stacks at each free that filled one and gave one back at each
- * refill; sixteen threads of mixed sizes spent about a fifth of their time on
- * those stacks and the depot's (bench/DECISIONS.md, "Empty magazines kept
- * per thread"). */
+ * refill, and many threads contended on those stacks (bench/DECISIONS.md,
+ * "Empty magazines kept per thread"). */
 #define TCACHE_SPARES 4
 #define TCACHE_OUTBOX 64
 #define TCACHE_OUTBOX_BYTES ((size_t)8 << 20)
@@ -57,9 +56,9 @@
  * their thread works on other streams. They all go under one seal before
  * an allocation of the slot would map (above), and at one that none of
  * TCACHE_KEEP_MISS or more fits: their sizes do not match what the thread
- * asks for, and sixteen threads keeping such blocks held half as much
- * again as their peaks; sending fewer back at every miss sent blocks of
- * varying sizes through the large cache's lock (bench/DECISIONS.md, "A
+ * asks for, and threads keeping such blocks held far more than their
+ * peaks; letting them go at every miss sent blocks of varying sizes
+ * through the large cache's lock (bench/DECISIONS.md, "A
  * thread's caches go back before memory grows"). A thread keeping one
  * block recorded an event for each large free while it kept one
  * (bench/DECISIONS.md, "A thread keeps up to four large blocks, let go
