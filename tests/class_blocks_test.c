@@ -47,6 +47,16 @@ static class_case class_case_start(size_t size, void **p) {
   return k;
 }
 
+/* Free the case's blocks on its stream while this thread holds the large
+ * cache's lock (a give-back that tries it finds it held): the depot then
+ * holds more of their class than before. */
+static void class_case_free_locked(const class_case *k, void **p) {
+  pthread_mutex_lock(&k->h->large.lock);
+  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], k->s), MAGPIE_OK);
+  pthread_mutex_unlock(&k->h->large.lock);
+  assert_true(depot_class_bytes(k->h, k->cls) > k->depot0);
+}
+
 /* Class blocks (classes above 32 KiB) that come and go in one thread's
  * slot: what leaves the slot past the depot's budget is the thread's
  * surplus and goes back to the segments (heap_put), not to the depot,
@@ -179,15 +189,10 @@ static void test_class_surplus_to_depot_when_lock_busy(void **state) {
   const size_t size = 300000; /* the 384 KiB class, which no other test here uses */
   void *p[CLASS_BLOCKS];
   class_case k = class_case_start(size, p);
-  heap *h = k.h;
-  cudaStream_t s = k.s;
-  pthread_mutex_lock(&h->large.lock);
-  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
-  pthread_mutex_unlock(&h->large.lock);
-  assert_true(depot_class_bytes(h, k.cls) > k.depot0);
-  assert_true(atomic_load_relaxed(&h->put_backoff) > 0);
-  atomic_store_relaxed(&h->put_backoff, 0); /* for the tests after this one */
-  fake_stream_complete(s);
+  class_case_free_locked(&k, p);
+  assert_true(atomic_load_relaxed(&k.h->put_backoff) > 0);
+  atomic_store_relaxed(&k.h->put_backoff, 0); /* for the tests after this one */
+  fake_stream_complete(k.s);
 }
 
 /* Within the depot's budget the surplus stays in the depot, with no lock
@@ -202,10 +207,7 @@ static void test_class_surplus_in_depot_within_budget(void **state) {
   atomic_store_relaxed(&h->class_budget_floor, (size_t)64 << 20);
   /* Held by this thread: a give-back would find it busy (and set the
    * back-off); within the budget none is tried. */
-  pthread_mutex_lock(&h->large.lock);
-  for (int i = 0; i < CLASS_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
-  pthread_mutex_unlock(&h->large.lock);
-  assert_true(depot_class_bytes(h, k.cls) > k.depot0);
+  class_case_free_locked(&k, p);
   assert_int_equal(atomic_load_relaxed(&h->put_backoff), 0);
   int64_t before = depot_class_bytes(h, k.cls);
   for (int n = 0; n < CLASS_BLOCKS; n++) assert_non_null(p[n] = magpie_malloc_async(size, s));
