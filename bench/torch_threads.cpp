@@ -12,7 +12,9 @@
 //   torch_threads MODE LIBMAGPIE [SIZE] [SECONDS]
 //   MODE: native | pluggable | magpie | direct
 //   (magpie: $MAGPIE_TORCH_NATIVE names the built torch_native library)
-// Prints one line per thread count: total alloc+free pairs per second.
+// Prints one line per form: total alloc+free pairs per second at each thread
+// count ($MAGPIE_BENCH_THREADS, default 1 2 4 8 16). $MAGPIE_BENCH_FORMS
+// ("allocate", "raw") runs only the forms it names.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -135,8 +137,10 @@ int main(int argc, char **argv) {
     t = end;
   }
   if (counts.empty()) counts = {1, 2, 4, 8, 16};
+  const char *forms = std::getenv("MAGPIE_BENCH_FORMS"); // "allocate", "raw" or both (default)
   for (bool raw : {false, true}) {
     if (raw && mode == "direct") break;
+    if (forms != nullptr && std::strstr(forms, raw ? "raw" : "allocate") == nullptr) continue;
     std::printf("%s, %s, %zu-byte blocks, one stream per thread, M pairs/s at", mode.c_str(),
                 mode == "direct" ? "magpie_malloc_async/magpie_free_async"
                 : raw            ? "raw_alloc_with_stream"

@@ -17,6 +17,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 
@@ -68,11 +69,31 @@ def _cuda_includes(torch_root):
     return out
 
 
-def _flags(torch, native, header_dir=None):
+def _tls_flags(cxx):
+    """Thread-local variables through TLS descriptors where the compiler
+    has them (gcc on x86-64; aarch64 uses them already). The library is
+    dlopened: with the default model every access of the tensor path's
+    thread-local records and counters calls __tls_get_addr, while a
+    descriptor of a library whose few thread-local bytes got static TLS
+    costs one instruction (bench/DECISIONS.md, "PyTorch's tensor path:
+    where the time goes"). A compiler that refuses the option builds
+    without it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flag = "-mtls-dialect=gnu2"
+    try:
+        r = subprocess.run([cxx, flag, "-x", "c++", "-c", "-o", os.devnull, "-"], input="", capture_output=True,
+                           text=True)
+    except OSError:
+        return []
+    return [flag] if r.returncode == 0 else []
+
+
+def _flags(torch, native, header_dir=None, cxx="c++"):
     root = os.path.dirname(os.path.abspath(torch.__file__))
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     lib = os.path.join(root, "lib")
-    flags = [
+    flags = _tls_flags(cxx) + [
         "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-isystem", os.path.join(root, "include"),
@@ -93,7 +114,8 @@ def build(torch, source=_SRC):
         src = f.read()
     native = source == _NATIVE
     header_dir = _header_dir() if native else None
-    abi, flags = _flags(torch, native, header_dir)
+    cxx = os.environ.get("CXX", "c++")
+    abi, flags = _flags(torch, native, header_dir, cxx)
     if header_dir is not None:
         with open(os.path.join(header_dir, "magpie.h"), "rb") as f:
             src += f.read()  # the struct layouts it compiles against
@@ -108,7 +130,6 @@ def build(torch, source=_SRC):
     if os.path.isfile(out):
         return out
     os.makedirs(d, exist_ok=True)
-    cxx = os.environ.get("CXX", "c++")
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=d)
     os.close(fd)
     try:

@@ -194,12 +194,10 @@ void *magpie_checked(void *p, size_t size, cudaStream_t stream, bool custom) {
 // torch.profiler(profile_memory=True) hears of each allocation and free, as
 // from PyTorch's allocator, with magpie's device totals. The reporter is
 // looked up once (c10::memoryProfilingEnabled and
-// c10::reportMemoryUsageToProfiler would each look it up again): the
-// thread's debug information, one lookup while no profiler listens.
-void report_to_profiler(void *ptr, int64_t size, int device) {
-  auto *r =
-      static_cast<c10::MemoryReportingInfoBase *>(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE));
-  if (C10_LIKELY(r == nullptr) || !r->memoryProfilingEnabled()) return;
+// c10::reportMemoryUsageToProfiler would each look it up again), inline:
+// while no profiler listens that lookup is all the tensor path pays.
+[[gnu::noinline]] void report_memory(c10::MemoryReportingInfoBase *r, void *ptr, int64_t size, int device) {
+  if (!r->memoryProfilingEnabled()) return;
   magpie_stats st;
   size_t in_use = 0, reserved = 0;
   if (fns.stats_get(device, &st) == 0) {
@@ -208,6 +206,11 @@ void report_to_profiler(void *ptr, int64_t size, int device) {
   }
   r->reportMemoryUsage(ptr, size, in_use, reserved,
                        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+inline void report_to_profiler(void *ptr, int64_t size, int device) {
+  auto *r =
+      static_cast<c10::MemoryReportingInfoBase *>(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE));
+  if (C10_UNLIKELY(r != nullptr)) report_memory(r, ptr, size, device);
 }
 
 // PyTorch's memory fraction (set_per_process_memory_fraction) covers every

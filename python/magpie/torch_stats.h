@@ -54,8 +54,8 @@ class Stats {
   static constexpr int kDevices = 64;
 
   // A block of bytes (requested: what was asked) handed out on device.
-  void alloc(int device, size_t bytes, size_t requested) { change(device, bytes, requested, +1); }
-  void free(int device, size_t bytes, size_t requested) { change(device, bytes, requested, -1); }
+  C10_ALWAYS_INLINE void alloc(int device, size_t bytes, size_t requested) { change(device, bytes, requested, +1); }
+  C10_ALWAYS_INLINE void free(int device, size_t bytes, size_t requested) { change(device, bytes, requested, -1); }
 
   // The figures of device into out's allocation, active, allocated_bytes,
   // active_bytes and requested_bytes.
@@ -99,16 +99,18 @@ class Stats {
 
  private:
   // Per pool (all, small, large; PyTorch's StatType order) and kind:
-  // allocated and freed running totals. A thread counts its small and
-  // large blocks only (kCounted fields); the sums fill in "all".
+  // allocated and freed running totals (the readers' sums, kFields).
   static constexpr int kPools = 3, kKinds = 3;
   static constexpr int kCount = 0, kBytes = 1, kRequested = 2;
   static constexpr int kFields = kPools * kKinds * 2;
-  static constexpr int kCounted = (kPools - 1) * kKinds * 2;
-  static constexpr size_t kSmallSize = (size_t)1 << 20; // PyTorch's small pool: 1 MiB and under
   static int field(int pool, int kind, int freed) { return (pool * kKinds + kind) * 2 + freed; }
-  // Counters' index of a small (1) or large (2) pool's field.
-  static int counted(int pool, int kind, int freed) { return field(pool - 1, kind, freed); }
+  // A thread counts its small and large blocks only (kCounted figures),
+  // each pool as the kinds' allocated totals, then their current figures
+  // (allocated less freed by this thread: below 0 where it frees other
+  // threads' blocks): a free writes three figures, an allocation six.
+  static constexpr int kCounted = (kPools - 1) * 2 * kKinds;
+  static int counted(int pool, int current, int kind) { return ((pool - 1) * 2 + current) * kKinds + kind; }
+  static constexpr size_t kSmallSize = (size_t)1 << 20; // PyTorch's small pool: 1 MiB and under
   static int64_t current(const int64_t *sum, int pool, int kind) {
     return sum[field(pool, kind, 0)] - sum[field(pool, kind, 1)];
   }
@@ -127,23 +129,32 @@ class Stats {
   // One thread's counters of one device (small and large pools); written
   // by that thread only.
   struct alignas(64) Counters {       // a cache line of its own: threads' counters never share one
-    std::atomic<int64_t> f[kCounted]; // running totals, for readers
-    int64_t cur[kPools][kKinds];      // the current figures, "all" included (owner only)
+    std::atomic<int64_t> f[kCounted]; // by counted(): written by the owner, summed by readers
     int64_t mark[kPools][kKinds];     // past these, the owner sums (owner only)
     uint64_t epoch = 0;               // the device's epoch the marks belong to
     Counters() {
       for (auto &x : f) x.store(0, std::memory_order_relaxed);
-      for (int p = 0; p < kPools; p++)
-        for (int k = 0; k < kKinds; k++) cur[p][k] = mark[p][k] = 0;
+      for (auto &p : mark)
+        for (auto &k : p) k = 0;
+    }
+    // The owner's current figure of pool (0: all) and kind.
+    C10_ALWAYS_INLINE int64_t mine(int pool, int kind) const {
+      int64_t small = f[counted(1, 1, kind)].load(std::memory_order_relaxed);
+      int64_t large = f[counted(2, 1, kind)].load(std::memory_order_relaxed);
+      return pool == 1 ? small : pool == 2 ? large : small + large;
     }
   };
 
-  // The counters of the calling thread, by device (null until its first
-  // block there): a plain thread-local array, so that the allocation path
+  struct Thread;
+  // The calling thread's Thread (null until its first block, and again once
+  // it ended): a plain thread-local pointer, so that the allocation path
   // reads it without the initialisation check of a thread_local object.
-  static Counters **local() {
-    static thread_local Counters *dev[kDevices];
-    return dev;
+  // The library's thread-local data stays a few bytes: small enough for
+  // the static TLS a dlopened library's TLS descriptors may be given,
+  // where its access costs one instruction.
+  static Thread *&local() {
+    static thread_local Thread *t;
+    return t;
   }
   // Set once the calling thread's Thread was destroyed (it is ending): its
   // blocks freed or allocated after that (by later thread-local
@@ -153,8 +164,9 @@ class Stats {
     return g;
   }
 
-  // A thread's counters as readers find them; its destructor (the thread
-  // ending) folds them into the retired totals.
+  // A thread's counters by device, as its owner and readers find them
+  // (written by the owner under lock_); its destructor (the thread ending)
+  // folds them into the retired totals.
   struct Thread {
     Stats *owner;
     std::atomic<Counters *> dev[kDevices];
@@ -163,7 +175,7 @@ class Stats {
     }
     ~Thread() {
       owner->retire(this);
-      for (int d = 0; d < kDevices; d++) local()[d] = nullptr;
+      local() = nullptr;
       gone() = true;
     }
   };
@@ -181,7 +193,7 @@ class Stats {
       std::lock_guard<std::mutex> g(lock_); // readers walk dev[] under the lock
       t->dev[device].store(c, std::memory_order_release);
     }
-    local()[device] = c;
+    local() = t.get();
     return c;
   }
 
@@ -190,33 +202,37 @@ class Stats {
   C10_ALWAYS_INLINE void change(int device, size_t bytes, size_t requested, int sign) {
     if (C10_UNLIKELY(device < 0 || device >= kDevices)) return;
     int pool = bytes <= kSmallSize ? 1 : 2;
-    int freed = sign < 0 ? 1 : 0;
-    const int64_t add[kKinds] = {1, static_cast<int64_t>(bytes), static_cast<int64_t>(requested)};
-    Counters *c = local()[device];
+    const int64_t add[kKinds] = {sign, sign * static_cast<int64_t>(bytes), sign * static_cast<int64_t>(requested)};
+    Thread *t = local();
+    Counters *c = C10_LIKELY(t != nullptr) ? t->dev[device].load(std::memory_order_relaxed) : nullptr;
     if (C10_UNLIKELY(c == nullptr)) {
-      c = counters_slow(device, pool, freed, add);
+      c = counters_slow(device, pool, add);
       if (c == nullptr) return;
     }
-    for (int k = 0; k < kKinds; k++) {
-      std::atomic<int64_t> &x = c->f[counted(pool, k, freed)];
-      x.store(x.load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
-      c->cur[0][k] += sign * add[k];
-      c->cur[pool][k] += sign * add[k];
-    }
+    std::atomic<int64_t> *got = &c->f[counted(pool, 0, 0)], *now = &c->f[counted(pool, 1, 0)];
+#pragma GCC unroll 3
+    for (int k = 0; k < kKinds; k++)
+      now[k].store(now[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
     if (sign < 0) return;
+#pragma GCC unroll 3
+    for (int k = 0; k < kKinds; k++)
+      got[k].store(got[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
     // After an allocation: a figure past the thread's mark (or marks of
     // before a reset) makes it sum, raise the peaks and set its marks again.
     bool past = c->epoch != devices_[device].epoch.load(std::memory_order_acquire);
-    for (int k = 0; k < kKinds; k++) past |= (c->cur[0][k] > c->mark[0][k]) | (c->cur[pool][k] > c->mark[pool][k]);
+#pragma GCC unroll 3
+    for (int k = 0; k < kKinds; k++) past |= (c->mine(0, k) > c->mark[0][k]) | (c->mine(pool, k) > c->mark[pool][k]);
     if (C10_UNLIKELY(past)) raise(device, c);
   }
 
   // The calling thread's counters of device on its first block there; null
   // (the block counted in late_) once the thread's Thread is gone.
-  [[gnu::noinline]] Counters *counters_slow(int device, int pool, int freed, const int64_t *add) {
+  [[gnu::noinline]] Counters *counters_slow(int device, int pool, const int64_t *add) {
     if (!gone()) return first(device);
-    for (int k = 0; k < kKinds; k++)
-      late_[device][counted(pool, k, freed)].fetch_add(add[k], std::memory_order_relaxed);
+    for (int k = 0; k < kKinds; k++) {
+      late_[device][counted(pool, 1, k)].fetch_add(add[k], std::memory_order_relaxed);
+      if (add[k] > 0) late_[device][counted(pool, 0, k)].fetch_add(add[k], std::memory_order_relaxed);
+    }
     return nullptr;
   }
 
@@ -230,7 +246,7 @@ class Stats {
         int64_t now = current(sum, p, k), seen = d.peak[p][k].load(std::memory_order_relaxed);
         while (now > seen && !d.peak[p][k].compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
         }
-        c->mark[p][k] = c->cur[p][k] + (std::max(now, seen) - now);
+        c->mark[p][k] = c->mine(p, k) + (std::max(now, seen) - now);
       }
   }
 
@@ -241,16 +257,23 @@ class Stats {
 
   // Every field, "all" as small plus large.
   void total_locked(int device, int64_t *sum) {
-    for (int f = 0; f < kCounted; f++)
-      sum[kKinds * 2 + f] = retired_[device][f] + late_[device][f].load(std::memory_order_relaxed);
+    int64_t c[kCounted];
+    for (int f = 0; f < kCounted; f++) c[f] = retired_[device][f] + late_[device][f].load(std::memory_order_relaxed);
     for (Thread *t : threads_) {
-      Counters *c = t->dev[device].load(std::memory_order_acquire);
-      if (c == nullptr) continue;
-      for (int f = 0; f < kCounted; f++) sum[kKinds * 2 + f] += c->f[f].load(std::memory_order_relaxed);
+      Counters *x = t->dev[device].load(std::memory_order_acquire);
+      if (x == nullptr) continue;
+      for (int f = 0; f < kCounted; f++) c[f] += x->f[f].load(std::memory_order_relaxed);
     }
-    for (int k = 0; k < kKinds; k++)
-      for (int freed = 0; freed < 2; freed++)
-        sum[field(0, k, freed)] = sum[field(1, k, freed)] + sum[field(2, k, freed)];
+    for (int k = 0; k < kKinds; k++) {
+      sum[field(0, k, 0)] = sum[field(0, k, 1)] = 0;
+      for (int p = 1; p < kPools; p++) {
+        int64_t got = c[counted(p, 0, k)], now = c[counted(p, 1, k)];
+        sum[field(p, k, 0)] = got;
+        sum[field(p, k, 1)] = got - now;
+        sum[field(0, k, 0)] += got;
+        sum[field(0, k, 1)] += got - now;
+      }
+    }
   }
 
   void fill_stat(c10::CachingAllocator::Stat &s, Device &d, const int64_t *sum, int pool, int kind) {
