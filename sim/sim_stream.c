@@ -114,6 +114,13 @@ struct sim_stream {
    * thread blocks when a stream's queue is full. Orders nothing: the queue
    * itself carries the work's happens-before edges. */
   _Atomic uint32_t launches;
+  /* Nodes pushed and not yet run to their end: raised (relaxed) by each
+   * producer before its push, lowered (release) by the worker after the
+   * node's work. A recorder reading 0 (acquire) knows that everything
+   * pushed before its record ran, and its effects are visible: the marker
+   * may complete at once, without waking the worker (as a GPU completes
+   * an event recorded on an idle stream). INVARIANT: never below 0. */
+  _Atomic uint32_t pending;
   /* The stream-order checker's state: host threads only, under the
    * checker's lock (sim_check.c); the worker never touches it. */
   struct sim_check_stream *chk;
@@ -306,6 +313,7 @@ int sim_set_current_device(int device) {
 enum { SIM_WAKE_NONE = 0, SIM_WAKE_TOKEN = 1, SIM_WAKE_SLEEPING = 2 };
 
 static void sim_stream_push(struct sim_stream *s, struct sim_node *n) {
+  atomic_fetch_add_explicit(&s->pending, 1, memory_order_relaxed);
   atomic_store_explicit(&n->next, NULL, memory_order_relaxed);
   struct sim_node *prev = atomic_exchange_explicit(&s->tail, n, memory_order_acq_rel);
   atomic_store_explicit(&prev->next, n, memory_order_release);
@@ -337,8 +345,16 @@ static struct sim_node *sim_stream_pop(struct sim_stream *s) {
   return next;
 }
 
-/* Runs one node's work; returns 1 for EXIT. */
+static int sim_stream_run_node(struct sim_stream *s, struct sim_node *n);
+
+/* Runs one node's work, then counts it done; returns 1 for EXIT. */
 static int sim_stream_run(struct sim_stream *s, struct sim_node *n) {
+  int exit = sim_stream_run_node(s, n);
+  atomic_fetch_sub_explicit(&s->pending, 1, memory_order_release);
+  return exit;
+}
+
+static int sim_stream_run_node(struct sim_stream *s, struct sim_node *n) {
   switch (n->kind) {
   case SIM_NODE_CLOSURE:
     n->fn(n->arg);
@@ -433,6 +449,7 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   exit_node->kind = SIM_NODE_EXIT;
   s->exit_node = exit_node;
   atomic_init(&s->wake, SIM_WAKE_NONE);
+  atomic_init(&s->pending, 0);
   int rc = sim_stream_reg_claim(device, &s->reg_index);
   if (rc != MAGPIE_OK) goto fail_reg;
 
@@ -686,6 +703,12 @@ static int sim_stream_enqueue(struct sim_stream *s, enum sim_node_kind kind, voi
 }
 
 int sim_stream_enqueue_marker(struct sim_stream *s, struct sim_cell *c) {
+  if (atomic_load_explicit(&s->pending, memory_order_acquire) == 0) {
+    /* Idle: the marker's work, done here (see sim_stream.pending). */
+    sim_event_cell_complete(c);
+    sim_event_cell_unref(c);
+    return MAGPIE_OK;
+  }
   return sim_stream_enqueue(s, SIM_NODE_MARKER, NULL, NULL, c);
 }
 
