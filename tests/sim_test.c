@@ -360,6 +360,37 @@ static void test_events(void **state) {
   gated_fini(&g2);
 }
 
+/* An event recorded on a stream whose work all ran completes at once (no
+ * worker wake-up), and its completion still orders that work before the
+ * observer: under ThreadSanitizer a missing edge reads as a race on done. */
+static void test_event_on_idle_stream_completes_at_once(void **state) {
+  (void)state;
+  magpie_sim_event e = magpie_sim_event_create();
+  assert_non_null(e);
+  cudaStream_t s = magpie_sim_stream_create();
+  assert_int_equal(magpie_sim_event_record(e, s), MAGPIE_OK); /* nothing ever pushed */
+  assert_int_equal(magpie_sim_event_query(e), MAGPIE_OK);
+
+  struct gated g;
+  gated_init(&g);
+  assert_int_equal(magpie_sim_launch(s, gated_run, &g), MAGPIE_OK);
+  assert_int_equal(magpie_sim_event_record(e, s), MAGPIE_OK);
+  assert_int_equal(magpie_sim_event_query(e), MAGPIE_SIM_NOT_READY); /* work queued: pending */
+  sem_post(&g.gate);
+  /* Once the worker is done with everything, a record completes at once. */
+  int at_once = 0;
+  for (int i = 0; i < 5000 && !at_once; i++) {
+    assert_int_equal(magpie_sim_event_record(e, s), MAGPIE_OK);
+    at_once = magpie_sim_event_query(e) == MAGPIE_OK;
+    if (!at_once) sleep_ms(1);
+  }
+  assert_true(at_once);
+  assert_int_equal(g.done, 1);
+  assert_int_equal(magpie_sim_event_destroy(e), MAGPIE_OK);
+  magpie_sim_stream_destroy(s);
+  gated_fini(&g);
+}
+
 /* A destroyed event's pending record still orders a stream wait made
  * before the destroy. */
 static void test_stream_wait_event_orders_work(void **state) {
@@ -543,6 +574,7 @@ int main(void) {
       cmocka_unit_test(test_default_stream_per_device),
       cmocka_unit_test(test_devices),
       cmocka_unit_test(test_events),
+      cmocka_unit_test(test_event_on_idle_stream_completes_at_once),
       cmocka_unit_test(test_stream_wait_event_orders_work),
       cmocka_unit_test(test_many_producers_one_stream),
       cmocka_unit_test(test_churn_with_device_synchronize),
