@@ -114,13 +114,22 @@ struct sim_stream {
    * thread blocks when a stream's queue is full. Orders nothing: the queue
    * itself carries the work's happens-before edges. */
   _Atomic uint32_t launches;
-  /* Nodes pushed and not yet run to their end: raised (relaxed) by each
-   * producer before its push, lowered (release) by the worker after the
-   * node's work. A recorder reading 0 (acquire) knows that everything
-   * pushed before its record ran, and its effects are visible: the marker
-   * may complete at once, without waking the worker (as a GPU completes
-   * an event recorded on an idle stream). INVARIANT: never below 0. */
-  _Atomic uint32_t pending;
+  /* Nodes pushed and not yet run to their end (the low bits), and
+   * SIM_RAN_WORK once the worker ran a launch or a stream wait. Raised by
+   * one (relaxed) by each producer before its push; the worker sets
+   * SIM_RAN_WORK (relaxed) after such a node, then lowers the count
+   * (release) after every node. A recorder that reads 0 (relaxed) knows
+   * that everything pushed before its record ran and that the worker never
+   * ran work: it may complete its marker at once, without waking the
+   * worker (as a GPU completes an event recorded on an idle stream), after
+   * an acquire fence that orders the earlier markers' completions before
+   * it. Every value read as 0 precedes the flag in this word's order, so
+   * that fence orders no device work before the recorder, which a record
+   * must not do (it would hide the host's unsynchronized reads from
+   * ThreadSanitizer); once the stream ran work, every marker goes through
+   * the worker as before. INVARIANT: the count never goes below 0; the
+   * flag is never cleared. */
+  _Atomic uint64_t busy;
   /* The stream-order checker's state: host threads only, under the
    * checker's lock (sim_check.c); the worker never touches it. */
   struct sim_check_stream *chk;
@@ -311,9 +320,10 @@ int sim_set_current_device(int device) {
 /* ---------------------------------------------------------------- workers */
 
 enum { SIM_WAKE_NONE = 0, SIM_WAKE_TOKEN = 1, SIM_WAKE_SLEEPING = 2 };
+#define SIM_RAN_WORK ((uint64_t)1 << 63) /* in sim_stream.busy */
 
 static void sim_stream_push(struct sim_stream *s, struct sim_node *n) {
-  atomic_fetch_add_explicit(&s->pending, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&s->busy, 1, memory_order_relaxed);
   atomic_store_explicit(&n->next, NULL, memory_order_relaxed);
   struct sim_node *prev = atomic_exchange_explicit(&s->tail, n, memory_order_acq_rel);
   atomic_store_explicit(&prev->next, n, memory_order_release);
@@ -349,8 +359,10 @@ static int sim_stream_run_node(struct sim_stream *s, struct sim_node *n);
 
 /* Runs one node's work, then counts it done; returns 1 for EXIT. */
 static int sim_stream_run(struct sim_stream *s, struct sim_node *n) {
+  int work = n->kind == SIM_NODE_CLOSURE || n->kind == SIM_NODE_WAIT;
   int exit = sim_stream_run_node(s, n);
-  atomic_fetch_sub_explicit(&s->pending, 1, memory_order_release);
+  if (work) atomic_fetch_or_explicit(&s->busy, SIM_RAN_WORK, memory_order_relaxed);
+  atomic_fetch_sub_explicit(&s->busy, 1, memory_order_release);
   return exit;
 }
 
@@ -449,7 +461,7 @@ static int sim_stream_new(int device, struct sim_stream **out) {
   exit_node->kind = SIM_NODE_EXIT;
   s->exit_node = exit_node;
   atomic_init(&s->wake, SIM_WAKE_NONE);
-  atomic_init(&s->pending, 0);
+  atomic_init(&s->busy, 0);
   int rc = sim_stream_reg_claim(device, &s->reg_index);
   if (rc != MAGPIE_OK) goto fail_reg;
 
@@ -703,8 +715,10 @@ static int sim_stream_enqueue(struct sim_stream *s, enum sim_node_kind kind, voi
 }
 
 int sim_stream_enqueue_marker(struct sim_stream *s, struct sim_cell *c) {
-  if (atomic_load_explicit(&s->pending, memory_order_acquire) == 0) {
-    /* Idle: the marker's work, done here (see sim_stream.pending). */
+  if (atomic_load_explicit(&s->busy, memory_order_relaxed) == 0) {
+    /* Idle, and never ran work: the marker's work, done here (see
+     * sim_stream.busy). */
+    atomic_thread_fence(memory_order_acquire);
     sim_event_cell_complete(c);
     sim_event_cell_unref(c);
     return MAGPIE_OK;

@@ -1,14 +1,17 @@
 /* The simulator's honesty under ThreadSanitizer: it must report a data race
  * exactly where CUDA would not order two accesses to device memory.
  *
- * Not part of the Bazel suite (it needs a ThreadSanitizer build). Run:
+ * sim_race_demo_test runs every mode and checks the outcomes below in the
+ * ThreadSanitizer build (`bazel test --config=tsan //tests:sim_race_demo_test`;
+ * in other builds it has nothing to check and says so). By hand:
  *
  *   clang -fsanitize=thread -g -O1 -std=c11 -D_GNU_SOURCE -Iinclude -Isrc -I. \
- *     sim/backend_sim.c sim/sim_check.c sim/sim_event.c sim/sim_memory.c \
- *     sim/sim_stream.c src/device/detail.c src/device/observer.c \
+ *     sim/*.c src/device/detail.c src/device/observer.c \
  *     tests/sim_race_demo.c -o /tmp/sim_race_demo -lpthread
- *   for m in nowait wait event rerecord host-nosync host-sync destroyed devsync; do
+ *   for m in nowait wait event rerecord host-nosync host-record host-sync destroyed devsync; do
  *     /tmp/sim_race_demo $m; echo "$m: exit $?"; done
+ *
+ * Mode "tsan" exits 0 in a ThreadSanitizer build, 3 otherwise.
  *
  * (the simulator alone, on the device interface: no allocator.)
  *
@@ -23,6 +26,9 @@
  *   host-nosync  race  (the host reads what A wrote without synchronizing;
  *                       later launches, stream creation and destruction must
  *                       not order A's work before the host)
+ *   host-record  race  (the host records an event on A once A's work is done
+ *                       and reads without querying it: a record orders
+ *                       nothing before the host)
  *   host-sync    clean (magpie_sim_stream_synchronize(A) before the read)
  *   destroyed    race  (A destroyed after its write; the handle recycled)
  *   devsync      clean (A destroyed, then magpie_sim_device_synchronize)
@@ -31,6 +37,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "magpie_sim.h"
 
@@ -87,8 +94,20 @@ static void wait_written(void) {
   }
 }
 
+#if defined(__SANITIZE_THREAD__)
+#define DEMO_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define DEMO_TSAN 1
+#endif
+#endif
+#ifndef DEMO_TSAN
+#define DEMO_TSAN 0
+#endif
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "nowait";
+  if (strcmp(mode, "tsan") == 0) return DEMO_TSAN ? 0 : 3;
   cudaStream_t a = magpie_sim_stream_create(), b = magpie_sim_stream_create();
   if (a == NULL || b == NULL) {
     fprintf(stderr, "%s\n", magpie_sim_last_error_message());
@@ -124,6 +143,15 @@ int main(int argc, char **argv) {
     cudaStream_t c = magpie_sim_stream_create();
     magpie_sim_stream_destroy(c);
     seen = buffer[0];
+  } else if (strcmp(mode, "host-record") == 0) {
+    wait_written();
+    struct timespec pause = {0, 20 * 1000 * 1000}; /* A's worker finishes its node */
+    nanosleep(&pause, NULL);
+    magpie_sim_event e = magpie_sim_event_create();
+    magpie_sim_event_record(e, a);
+    seen = buffer[0];
+    magpie_sim_event_synchronize(e);
+    magpie_sim_event_destroy(e);
   } else if (strcmp(mode, "host-sync") == 0) {
     magpie_sim_stream_synchronize(a);
     seen = buffer[0];
