@@ -210,17 +210,14 @@ class Stats {
       if (c == nullptr) return;
     }
     std::atomic<int64_t> *got = &c->f[counted(pool, 0, 0)], *now = &c->f[counted(pool, 1, 0)];
-#pragma GCC unroll 3
     for (int k = 0; k < kKinds; k++)
       now[k].store(now[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
     if (sign < 0) return;
-#pragma GCC unroll 3
     for (int k = 0; k < kKinds; k++)
       got[k].store(got[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
     // After an allocation: a figure past the thread's mark (or marks of
     // before a reset) makes it sum, raise the peaks and set its marks again.
     bool past = c->epoch != devices_[device].epoch.load(std::memory_order_acquire);
-#pragma GCC unroll 3
     for (int k = 0; k < kKinds; k++) past |= (c->mine(0, k) > c->mark[0][k]) | (c->mine(pool, k) > c->mark[pool][k]);
     if (C10_UNLIKELY(past)) raise(device, c);
   }
