@@ -77,7 +77,9 @@ def _tls_flags(cxx):
     descriptor of a library whose few thread-local bytes got static TLS
     costs one instruction (bench/DECISIONS.md, "PyTorch's tensor path:
     where the time goes"). A compiler that refuses the option builds
-    without it."""
+    without it. Asked only when a build happens: like the compiler
+    itself, the answer is not part of the cached library's name, so a
+    process that finds its library built starts no compiler."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return []
     flag = "-mtls-dialect=gnu2"
@@ -89,11 +91,11 @@ def _tls_flags(cxx):
     return [flag] if r.returncode == 0 else []
 
 
-def _flags(torch, native, header_dir=None, cxx="c++"):
+def _flags(torch, native, header_dir=None):
     root = os.path.dirname(os.path.abspath(torch.__file__))
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     lib = os.path.join(root, "lib")
-    flags = _tls_flags(cxx) + [
+    flags = [
         "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-isystem", os.path.join(root, "include"),
@@ -114,8 +116,7 @@ def build(torch, source=_SRC):
         src = f.read()
     native = source == _NATIVE
     header_dir = _header_dir() if native else None
-    cxx = os.environ.get("CXX", "c++")
-    abi, flags = _flags(torch, native, header_dir, cxx)
+    abi, flags = _flags(torch, native, header_dir)
     if header_dir is not None:
         with open(os.path.join(header_dir, "magpie.h"), "rb") as f:
             src += f.read()  # the struct layouts it compiles against
@@ -130,10 +131,11 @@ def build(torch, source=_SRC):
     if os.path.isfile(out):
         return out
     os.makedirs(d, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=d)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, source, "-o", tmp] + flags, capture_output=True, text=True)
+        r = subprocess.run([cxx, source, "-o", tmp] + _tls_flags(cxx) + flags, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(
                 f"magpie: building {source} against PyTorch {version} failed ({cxx} exited {r.returncode}):\n"
