@@ -357,6 +357,14 @@ static struct sim_node *sim_stream_pop(struct sim_stream *s) {
 
 static int sim_stream_run_node(struct sim_stream *s, struct sim_node *n);
 
+/* A marker's work, by the worker or, on a stream that never ran work, by
+ * the recorder (sim_stream_enqueue_marker): its cell completes and the
+ * marker's reference to it goes. */
+static void sim_stream_mark(struct sim_cell *c) {
+  sim_event_cell_complete(c);
+  sim_event_cell_unref(c);
+}
+
 /* Runs one node's work, then counts it done; returns 1 for EXIT. */
 static int sim_stream_run(struct sim_stream *s, struct sim_node *n) {
   int work = n->kind == SIM_NODE_CLOSURE || n->kind == SIM_NODE_WAIT;
@@ -374,10 +382,7 @@ static int sim_stream_run_node(struct sim_stream *s, struct sim_node *n) {
     if (atomic_fetch_sub_explicit(&s->launches, 1, memory_order_relaxed) >= MAGPIE_SIM_QUEUE_DEPTH)
       sim_futex_wake_all(&s->launches);
     return 0;
-  case SIM_NODE_MARKER:
-    sim_event_cell_complete(n->cell);
-    sim_event_cell_unref(n->cell);
-    return 0;
+  case SIM_NODE_MARKER: sim_stream_mark(n->cell); return 0;
   case SIM_NODE_WAIT:
     sim_event_cell_wait(n->cell);
     sim_event_cell_unref(n->cell);
@@ -719,8 +724,7 @@ int sim_stream_enqueue_marker(struct sim_stream *s, struct sim_cell *c) {
     /* Idle, and never ran work: the marker's work, done here (see
      * sim_stream.busy). */
     atomic_thread_fence(memory_order_acquire);
-    sim_event_cell_complete(c);
-    sim_event_cell_unref(c);
+    sim_stream_mark(c);
     return MAGPIE_OK;
   }
   return sim_stream_enqueue(s, SIM_NODE_MARKER, NULL, NULL, c);
