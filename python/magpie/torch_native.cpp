@@ -592,21 +592,34 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
                                                          bool include_traces) override {
     c10::cuda::CUDACachingAllocator::SnapshotInfo out;
     history.snapshot(out, c10::cuda::device_count(), mempool_id, include_traces);
+    // One segment per magpie block or custom pool segment, its blocks in
+    // address order (blocks() lists them so).
+    std::unordered_map<void *, size_t> seg_of;
     for (const magpie_torch::PoolBlock &b : pools.blocks(mempool_id)) {
-      c10::cuda::CUDACachingAllocator::SegmentInfo seg;
-      seg.device = static_cast<c10::DeviceIndex>(b.device);
-      seg.address = reinterpret_cast<size_t>(b.ptr);
-      seg.total_size = b.size;
-      seg.requested_size = seg.allocated_size = seg.active_size = b.used ? b.size : 0;
-      seg.stream = b.stream;
-      seg.is_large = true;
-      seg.owner_private_pool_id = b.pool;
+      auto at = seg_of.find(b.segment);
+      if (at == seg_of.end()) {
+        c10::cuda::CUDACachingAllocator::SegmentInfo seg;
+        seg.device = static_cast<c10::DeviceIndex>(b.device);
+        seg.address = reinterpret_cast<size_t>(b.segment);
+        seg.total_size = b.segment_size;
+        seg.requested_size = seg.allocated_size = seg.active_size = 0;
+        seg.stream = b.stream;
+        seg.is_large = true;
+        seg.owner_private_pool_id = b.pool;
+        at = seg_of.emplace(b.segment, out.segments.size()).first;
+        out.segments.push_back(std::move(seg));
+      }
+      c10::cuda::CUDACachingAllocator::SegmentInfo &seg = out.segments[at->second];
+      if (b.used) {
+        seg.requested_size += b.size;
+        seg.allocated_size += b.size;
+        seg.active_size += b.size;
+      }
       c10::CachingDeviceAllocator::BlockInfo blk;
       blk.size = b.size;
       blk.requested_size = b.used ? b.size : 0;
       blk.allocated = blk.active = b.used;
       seg.blocks.push_back(std::move(blk));
-      out.segments.push_back(std::move(seg));
     }
     return out;
   }

@@ -9,15 +9,17 @@
 //     until it is released; a block a capture was handed stays in it until
 //     then (the graph replays into it).
 //   a custom allocator's (MemPool(allocator=...), as vLLM's sleep mode makes
-//     them): every block comes from that allocator (raw_alloc_with_stream)
-//     and goes back to it (raw_delete) only at the pool's empty_cache,
-//     torch.cuda.empty_cache once the pool is no longer used, or as freed
-//     once the pool is gone, as under PyTorch's allocator. A freed block
-//     serves the pool's later requests of its size: at once on its own
-//     stream, on another once an event recorded at the free completed;
-//     a larger one serves when the memory fraction leaves no room for a
-//     new block (PyTorch's allocator would split it). Its blocks count
-//     against the memory fraction, as under PyTorch's allocator.
+//     them): every segment comes from that allocator (raw_alloc_with_stream)
+//     and goes back to it (raw_delete), whole, only at the pool's
+//     empty_cache, torch.cuda.empty_cache once the pool is no longer used,
+//     or as freed once the pool is gone, as under PyTorch's allocator. A
+//     request takes the smallest free block of the pool that fits it
+//     before the allocator is asked, split as PyTorch's allocator splits
+//     (the rest stays free when it is 512 bytes or more, past 1 MiB when
+//     the request is over 1 MiB); free neighbours of one segment merge. A
+//     free block serves its own stream at once, another once an event
+//     recorded at the free completed. Its segments count against the
+//     memory fraction, as under PyTorch's allocator.
 //
 // Uses are counted as PyTorch counts them: one by createOrIncrefPool (a
 // MemPool's creation) and one by each beginAllocateToPool (a capture, or a
@@ -35,8 +37,10 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -72,6 +76,8 @@ struct PoolBlock {
   size_t size;
   bool used;
   cudaStream_t stream;
+  void *segment; // the segment it is part of (a custom pool's), else ptr
+  size_t segment_size;
 };
 
 class Pools {
@@ -143,7 +149,7 @@ class Pools {
         magpie = p.magpie;
       } else {
         *is_custom = true;
-        void *q = take_cached(p, size, stream, false);
+        void *q = take_cached(id, p, size, stream);
         if (q != nullptr) return q;
         custom = p.custom;
         device = p.device;
@@ -153,7 +159,7 @@ class Pools {
     if (!fns_->admit(device, size)) {
       std::lock_guard<std::mutex> g(lock_);
       auto it = pools_.find(id);
-      void *q = it == pools_.end() ? nullptr : take_cached(it->second, size, stream, true);
+      void *q = it == pools_.end() ? nullptr : take_cached(id, it->second, size, stream);
       refused() = q == nullptr;
       return q;
     }
@@ -169,7 +175,9 @@ class Pools {
       fns_->held(device, -static_cast<int64_t>(size));
       TORCH_CHECK(false, "magpie: pool (", id.first, ", ", id.second, ") ended during an allocation");
     }
-    it->second.custom_blocks[q] = CustomBlock{size, stream, true, nullptr};
+    Pool &p = it->second;
+    p.segments[q] = size;
+    p.pieces[q] = Piece{size, q, stream, true, false, nullptr, 0};
     owner_[q] = id;
     return q;
   }
@@ -208,11 +216,16 @@ class Pools {
       std::lock_guard<std::mutex> g(lock_);
       auto o = owner_.find(p);
       if (o == owner_.end()) return false;
-      PoolId id = o->second; /* collect may erase p's entry */
+      PoolId id = o->second;
+      owner_.erase(o);
       Pool &pool = pools_.at(id);
-      CustomBlock &b = pool.custom_blocks.at(p);
-      b.used = false;
-      b.event = event_after(b.stream);
+      auto b = pool.pieces.find(p);
+      if (b == pool.pieces.end() || !b->second.used) return false; /* cannot be: owner_ lists used pieces */
+      b->second.used = false;
+      b->second.ready = false;
+      b->second.event = event_after(b->second.stream);
+      b->second.freed = ++frees_;
+      coalesce(pool);
       if (pool.uses == 0) collect(pool, false, &give);
       maybe_drop(id);
     }
@@ -287,8 +300,9 @@ class Pools {
       if (!all && kv.first != id) continue;
       Pool &p = kv.second;
       if (p.custom != nullptr) {
-        for (auto &b : p.custom_blocks)
-          out.push_back(PoolBlock{kv.first, p.device, b.first, b.second.size, b.second.used, b.second.stream});
+        for (auto &b : p.pieces)
+          out.push_back(PoolBlock{kv.first, p.device, b.first, b.second.size, b.second.used, b.second.stream,
+                                  b.second.segment, p.segments.at(b.second.segment)});
         continue;
       }
       size_t n = 0;
@@ -296,17 +310,23 @@ class Pools {
       std::vector<magpie_pool_block> mb(n + 16);
       if (fns_->blocks(p.magpie, mb.data(), mb.size(), &n) != 0) continue;
       for (size_t i = 0; i < n && i < mb.size(); i++)
-        out.push_back(PoolBlock{kv.first, p.device, mb[i].ptr, mb[i].size, mb[i].in_use != 0, nullptr});
+        out.push_back(
+            PoolBlock{kv.first, p.device, mb[i].ptr, mb[i].size, mb[i].in_use != 0, nullptr, mb[i].ptr, mb[i].size});
     }
     return out;
   }
 
  private:
-  struct CustomBlock {
+  // A block of a custom pool: a segment (the allocator's block) or part
+  // of one.
+  struct Piece {
     size_t size;
+    void *segment;       // the segment it is part of
     cudaStream_t stream; // of its allocation, where PyTorch frees it
     bool used;
-    cudaEvent_t event; // recorded at its free (nullptr: none needed)
+    bool ready;        // free, and the work its stream had before the free completed: any stream may take it
+    cudaEvent_t event; // recorded at its free (nullptr: ready, or freed while its stream captured)
+    uint64_t freed;    // its free's order among the pools' frees
   };
   struct Pool {
     c10::DeviceIndex device = 0;
@@ -315,7 +335,8 @@ class Pools {
     CustomAllocator custom;
     int uses = 0;
     bool use_on_oom = false;
-    std::unordered_map<void *, CustomBlock> custom_blocks;
+    std::map<void *, Piece> pieces;              // by address, so that neighbours are next to each other
+    std::unordered_map<void *, size_t> segments; // the allocator's blocks: base -> size
   };
   struct Active {
     PoolId id;
@@ -350,7 +371,7 @@ class Pools {
     if (it == pools_.end() || it->second.uses > 0) return;
     Pool &p = it->second;
     if (p.custom != nullptr) {
-      if (!p.custom_blocks.empty()) return;
+      if (!p.segments.empty()) return;
       custom_count_.fetch_sub(1, std::memory_order_release);
     } else if (!p.magpie_released) {
       return;
@@ -380,55 +401,110 @@ class Pools {
     return e;
   }
 
-  // Whether free block b's stream work completed (its event; none: only
-  // when wait, after a device synchronisation). Lock held.
-  static bool settled(CustomBlock &b, bool wait) {
-    if (b.event == nullptr) return wait && cudaDeviceSynchronize() == cudaSuccess;
+  // Free piece b is made ready once its free's event completed (waiting
+  // for it, or for the device when it has none, when wait). Lock held.
+  static void settle(Piece &b, bool wait) {
+    if (b.used || b.ready) return;
+    if (b.event == nullptr) {
+      b.ready = wait && cudaDeviceSynchronize() == cudaSuccess;
+      if (!b.ready) (void)cudaGetLastError();
+      return;
+    }
     cudaError_t rc = wait ? cudaEventSynchronize(b.event) : cudaEventQuery(b.event);
-    if (rc == cudaErrorNotReady) {
+    if (rc != cudaSuccess) {
       (void)cudaGetLastError();
-      return false;
+      return;
     }
     cudaEventDestroy(b.event);
     b.event = nullptr;
-    return true;
+    b.ready = true;
   }
 
-  // A free block of custom pool p for size bytes on stream, at most a
-  // quarter larger unless any_size. Lock held.
-  void *take_cached(Pool &p, size_t size, cudaStream_t stream, bool any_size) {
+  // Whether free pieces a and b may become one: both ready, or freed on
+  // one stream (the later free's event then covers both).
+  static bool mergeable(const Piece &a, const Piece &b) {
+    return a.segment == b.segment && !a.used && !b.used && ((a.ready && b.ready) || a.stream == b.stream);
+  }
+
+  // Adjacent free pieces of p that may become one do. Lock held.
+  void coalesce(Pool &p) {
+    for (auto it = p.pieces.begin(); it != p.pieces.end();) {
+      auto next = std::next(it);
+      if (next == p.pieces.end()) break;
+      Piece &a = it->second, &b = next->second;
+      if (static_cast<char *>(it->first) + a.size != next->first || !mergeable(a, b)) {
+        it = next;
+        continue;
+      }
+      if (!(a.ready && b.ready)) {
+        // One stream: the piece waits as its pieces that were not ready
+        // did: behind the later free's event, or, when one was freed during
+        // a capture (no event), until a device synchronisation.
+        Piece *wait[2] = {a.ready ? &b : &a, a.ready || b.ready ? nullptr : &b};
+        bool capture = wait[0]->event == nullptr || (wait[1] != nullptr && wait[1]->event == nullptr);
+        Piece *later = wait[1] != nullptr && wait[1]->freed > wait[0]->freed ? wait[1] : wait[0];
+        cudaEvent_t keep = capture ? nullptr : later->event;
+        for (Piece *w : wait)
+          if (w != nullptr && w->event != nullptr && w->event != keep) cudaEventDestroy(w->event);
+        a.ready = false;
+        a.event = keep;
+        a.freed = std::max(a.freed, b.freed);
+      }
+      a.size += b.size;
+      p.pieces.erase(next);
+    }
+  }
+
+  // The smallest free piece of custom pool p that serves size bytes on
+  // stream, split as PyTorch's allocator splits; nullptr if none. Lock
+  // held.
+  void *take_cached(PoolId id, Pool &p, size_t size, cudaStream_t stream) {
+    if (size == 0) return nullptr;
+    for (auto &kv : p.pieces) settle(kv.second, false);
+    coalesce(p);
     void *best = nullptr;
     size_t best_size = 0;
-    for (auto &kv : p.custom_blocks) {
-      CustomBlock &b = kv.second;
-      if (b.used || b.size < size || (!any_size && b.size > size + size / 4)) continue;
-      if (best != nullptr && b.size >= best_size) continue;
-      if (b.stream != stream && !settled(b, false)) continue;
+    for (auto &kv : p.pieces) {
+      Piece &b = kv.second;
+      if (b.used || b.size < size || (best != nullptr && b.size >= best_size)) continue;
+      if (!b.ready && b.stream != stream) continue;
       best = kv.first;
       best_size = b.size;
     }
     if (best == nullptr) return nullptr;
-    CustomBlock &b = p.custom_blocks.at(best);
-    if (b.event != nullptr) {
+    Piece &b = p.pieces.at(best);
+    size_t cut = std::min(b.size, (size + 511) / 512 * 512);
+    size_t rest = b.size - cut;
+    if (rest >= 512 && (size <= kSmallSize || rest > kSmallSize)) {
+      // The rest stays free as it was: ready, or behind the free's event.
+      p.pieces[static_cast<char *>(best) + cut] = Piece{rest, b.segment, b.stream, false, b.ready, b.event, b.freed};
+      b.event = nullptr;
+      b.size = cut;
+    } else if (b.event != nullptr) {
       cudaEventDestroy(b.event);
       b.event = nullptr;
     }
     b.used = true;
+    b.ready = false;
     b.stream = stream;
+    owner_[best] = id;
     return best;
   }
 
-  // p's free blocks whose streams' work completed (all, waiting, when
-  // wait) leave it onto *give. Lock held.
+  // p's segments that are one free piece whose stream's work completed
+  // (all free ones, waiting, when wait) leave it onto *give. Lock held.
   void collect(Pool &p, bool wait, std::vector<Given> *give) {
-    for (auto it = p.custom_blocks.begin(); it != p.custom_blocks.end();) {
-      if (it->second.used || !settled(it->second, wait)) {
+    for (auto &kv : p.pieces) settle(kv.second, wait);
+    coalesce(p);
+    for (auto it = p.pieces.begin(); it != p.pieces.end();) {
+      Piece &b = it->second;
+      if (b.used || !b.ready || it->first != b.segment || b.size != p.segments.at(b.segment)) {
         ++it;
         continue;
       }
-      give->push_back(Given{p.custom, it->first, it->second.size, p.device});
-      owner_.erase(it->first);
-      it = p.custom_blocks.erase(it);
+      give->push_back(Given{p.custom, it->first, b.size, p.device});
+      p.segments.erase(b.segment);
+      it = p.pieces.erase(it);
     }
   }
 
@@ -446,7 +522,9 @@ class Pools {
   std::unordered_map<void *, PoolId> owner_; // custom pools' blocks
   std::vector<Active> active_;
   std::atomic<size_t> active_count_{0};
-  std::atomic<size_t> custom_count_{0}; // custom pools alive
+  std::atomic<size_t> custom_count_{0};                 // custom pools alive
+  uint64_t frees_ = 0;                                  // custom pools' frees so far (Piece::freed)
+  static constexpr size_t kSmallSize = (size_t)1 << 20; // PyTorch's small blocks: 1 MiB and under
 };
 
 } // namespace magpie_torch

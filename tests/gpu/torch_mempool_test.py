@@ -20,6 +20,11 @@ CUDAPluggableAllocator, as vLLM's sleep mode makes one):
                their data; a freed block serves the next request of its size
                without a call; the allocator gets everything back when the
                pool ends
+  split        a freed 40 MiB segment serves two 20 MiB tensors without a
+               call (one segment, two blocks, in the snapshot); freed, the
+               halves merge and serve 40 MiB again; at the memory fraction,
+               a use_on_oom pool's freed segment serves two tensors made
+               outside it (PyTorch's test_deleted_mempool_not_used_on_oom)
 Memory history:
   history      _record_memory_history(context "all", stacks "all"): the trace
                has an alloc and free_completed per tensor with this file's
@@ -189,6 +194,71 @@ def test_custom():
           (lib.mempool_allocs(), lib.mempool_frees(), lib.mempool_live_bytes()))
 
 
+def test_split():
+    path = os.environ.get("MEMPOOL_ALLOC_LIB") or os.path.join(HERE, "bin", "libmempool_alloc.so")
+    lib = ctypes.CDLL(path)
+    for fn in ("mempool_allocs", "mempool_frees", "mempool_live_bytes"):
+        getattr(lib, fn).restype = ctypes.c_long
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "mempool_alloc", "mempool_free")
+    mib = 1 << 20
+    pool = torch.cuda.MemPool(allocator=alloc.allocator())
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.empty(40 * mib, dtype=torch.uint8, device="cuda")
+    base, calls = a.data_ptr(), lib.mempool_allocs()
+    del a
+    with torch.cuda.use_mem_pool(pool):
+        b = torch.full((20 * mib,), 1, dtype=torch.uint8, device="cuda")
+        c = torch.full((20 * mib,), 2, dtype=torch.uint8, device="cuda")
+    check("split: two 20 MiB tensors from the freed 40 MiB, no call",
+          lib.mempool_allocs() == calls and {b.data_ptr(), c.data_ptr()} == {base, base + 20 * mib},
+          (lib.mempool_allocs() - calls, hex(base), hex(b.data_ptr()), hex(c.data_ptr())))
+    check("split: data", bool((b == 1).all()) and bool((c == 2).all()))
+    segs = pool.snapshot()
+    states = [blk["state"] for s in segs for blk in s["blocks"]]
+    check("split: the snapshot shows one 40 MiB segment with both blocks",
+          len(segs) == 1 and segs[0]["total_size"] == 40 * mib and states.count("active_allocated") == 2,
+          [(s["total_size"], [(blk["size"], blk["state"]) for blk in s["blocks"]]) for s in segs])
+    del b, c
+    with torch.cuda.use_mem_pool(pool):
+        d = torch.empty(40 * mib, dtype=torch.uint8, device="cuda")
+    check("split: the freed halves merged: 40 MiB again, no call",
+          d.data_ptr() == base and lib.mempool_allocs() == calls, (hex(d.data_ptr()), lib.mempool_allocs() - calls))
+    del d, pool
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    check("split: the segment went back whole when the pool ended", lib.mempool_live_bytes() == 0,
+          lib.mempool_live_bytes())
+
+    # PyTorch's test_deleted_mempool_not_used_on_oom: room for 40 MiB more
+    # than magpie holds; a use_on_oom pool's freed 40 MiB serves what magpie
+    # cannot.
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    torch.cuda.set_per_process_memory_fraction((40 * mib + torch.cuda.memory_reserved()) / total)
+    try:
+        oom = torch.cuda.MemPool(allocator=alloc.allocator(), use_on_oom=True)
+        with torch.cuda.use_mem_pool(oom):
+            a = torch.empty(40 * mib, dtype=torch.uint8, device="cuda")
+        base = a.data_ptr()
+        del a
+        b = torch.empty(20 * mib, dtype=torch.uint8, device="cuda")
+        c = torch.empty(20 * mib, dtype=torch.uint8, device="cuda")
+        check("split: at the memory fraction, the use_on_oom pool's freed segment serves two tensors",
+              {b.data_ptr(), c.data_ptr()} == {base, base + 20 * mib}, (hex(base), hex(b.data_ptr()), hex(c.data_ptr())))
+        del b, c, oom
+    except torch.OutOfMemoryError as e:
+        check("split: at the memory fraction, the use_on_oom pool's freed segment serves two tensors", False,
+              str(e)[:300])
+    finally:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    check("split: everything back to the allocator", lib.mempool_live_bytes() == 0, lib.mempool_live_bytes())
+
+
 def probe_frames():
     return torch.empty(3 << 20, device="cuda")
 
@@ -241,7 +311,7 @@ def main():
     magpie.torch.use()
     print(f"magpie {magpie.version()}, kind {magpie.torch.kind()}, torch {torch.__version__}", flush=True)
     for name, fn in (("own", test_own), ("nested", test_nested), ("threads", test_threads), ("graph", test_graph),
-                     ("custom", test_custom), ("history", lambda: test_history(out_dir))):
+                     ("custom", test_custom), ("split", test_split), ("history", lambda: test_history(out_dir))):
         try:
             fn()
         except Exception as e:  # a failure of one check group, reported as such
