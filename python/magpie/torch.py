@@ -278,16 +278,30 @@ def torch_snapshot(device_count, native=None, args=()):
     if native is None:
         return out
     t = native(*args)
-    frames, pooled = {}, []
+    # The history's live allocations (segments of pool (0, 0)) give their
+    # blocks the frames and the size requested; its segments without blocks,
+    # magpie's segments mapped while it recorded, theirs.
+    frames, requested, segment_frames, pooled = {}, {}, {}, []
     for seg in t["segments"]:
         if tuple(seg["segment_pool_id"]) == (0, 0):
+            if not seg["blocks"]:
+                segment_frames[(seg["device"], seg["address"])] = seg.get("frames", [])
             for b in seg["blocks"]:
                 frames[(seg["device"], b["address"])] = b.get("frames", [])
+                requested[(seg["device"], b["address"])] = b["requested_size"]
         else:
             pooled.append(seg)
+
+    def from_history(seg, blocks):
+        for b in blocks:
+            key = (seg["device"], b["address"])
+            b["frames"] = frames.get(key, [])
+            if b["state"] == "active_allocated" and key in requested:
+                b["requested_size"] = requested[key]
+        seg["requested_size"] = sum(b["requested_size"] for b in blocks if b["state"] == "active_allocated")
+
     for seg in pooled:
-        for b in seg["blocks"]:
-            b["frames"] = frames.get((seg["device"], b["address"]), [])
+        from_history(seg, seg["blocks"])
         seg["segment_type"] = "large"
     pool_id = args[0] if args else None
     if pool_id is not None and tuple(pool_id) != (0, 0):
@@ -301,9 +315,8 @@ def torch_snapshot(device_count, native=None, args=()):
             seg["allocated_size"] = sum(b["size"] for b in kept if b["state"] == "active_allocated")
             seg["active_size"] = seg["allocated_size"] + sum(
                 b["size"] for b in kept if b["state"] == "active_pending_free")
-            seg["requested_size"] = seg["allocated_size"]
-            for b in kept:
-                b["frames"] = frames.get((seg["device"], b["address"]), [])
+            from_history(seg, kept)
+            seg["frames"] = segment_frames.get((seg["device"], seg["address"]), [])
         out["segments"] = [s for s in segments if s["blocks"]] + pooled
     out["device_traces"] = t.get("device_traces", out["device_traces"])
     out["allocator_settings"] = t.get("allocator_settings", {})

@@ -14,10 +14,19 @@
 //                   free bytes)
 // Each entry carries the user metadata set last (_set_memory_metadata) and
 // the innermost torch.compile region ("N/A" outside any).
-// segment_alloc / segment_free are not recorded: magpie maps and unmaps
-// device memory below the allocator interface (slabs and large segments,
-// shared by all of a device's threads and streams); the snapshot's segments
-// show what is mapped now.
+//   segment_alloc   a slab or large segment magpie made for a recorded
+//                   allocation (its reserved bytes or segment counts
+//                   changed, and the segment was not there), with that
+//                   allocation's frames (context "alloc" or "all"), which
+//                   the segment carries in the snapshot, as PyTorch's
+//                   segments carry theirs
+//   segment_free    a segment torch.cuda.empty_cache released, with its
+//                   caller's frames (context "all"); one magpie released on
+//                   its own is recorded, without frames, when the history
+//                   next looks
+// The segments are magpie's (magpie_snapshot_json), compared before and
+// after; magpie maps and unmaps below the allocator interface, shared by
+// all of a device's threads and streams.
 //
 // Cost while not recording: one relaxed load per allocation and free.
 // While recording, one lock per event, plus the context recorder (PyTorch's
@@ -29,6 +38,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -43,6 +53,33 @@ using TraceEntry = c10::CachingDeviceAllocator::TraceEntry;
 class History {
  public:
   bool on() const { return on_.load(std::memory_order_relaxed); }
+
+  // Where the segment events look: magpie's segments of a device (base ->
+  // size), a figure that changes when they may have (its reserved bytes
+  // and segment counts), and the number of devices.
+  struct SegmentSource {
+    std::map<uintptr_t, size_t> (*segments)(int device);
+    uint64_t (*signature)(int device);
+    int (*devices)();
+  };
+  void set_segment_source(SegmentSource s) {
+    std::lock_guard<std::mutex> g(lock_);
+    source_ = s;
+  }
+
+  // torch.cuda.empty_cache while recording: release_begin before magpie
+  // gives memory back (the caller's frames, at context "all"), release_end
+  // after (a segment_free per segment released).
+  std::shared_ptr<c10::GatheredContext> release_begin() { return on() ? gather(CCA::RecordContext::ALL) : nullptr; }
+  void release_end(const std::shared_ptr<c10::GatheredContext> &ctx) {
+    if (!on()) return;
+    std::lock_guard<std::mutex> g(lock_);
+    if (!recording_ || source_.segments == nullptr) return;
+    for (int d = 0; d < source_.devices() && d < kDevices; d++) {
+      seen_[d] = source_.signature(d);
+      compare_segments(d, nullptr, ctx);
+    }
+  }
 
   // PyTorch's recordHistory: enabled records the trace, with the
   // recorder's frames as when asks (NEVER: none; STATE: the live
@@ -62,6 +99,13 @@ class History {
       for (Ring &r : rings_) r = Ring{};
     }
     if (!enabled) live_.clear();
+    segment_ctx_.clear();
+    for (int d = 0; d < kDevices; d++) known_[d].clear();
+    // The segments mapped before recording began are no event.
+    for (int d = 0; enabled && source_.segments != nullptr && d < source_.devices() && d < kDevices; d++) {
+      known_[d] = source_.segments(d);
+      seen_[d] = source_.signature(d);
+    }
     recording_ = enabled;
     on_.store(enabled, std::memory_order_relaxed);
   }
@@ -130,6 +174,17 @@ class History {
       seg.blocks.push_back(std::move(b));
       out.segments.push_back(std::move(seg));
     }
+    // The frames of the segments mapped while recording: a segment of pool
+    // {0, 0} without blocks at each one's base.
+    for (const auto &kv : segment_ctx_) {
+      if (!all || kv.first.first >= devices) continue;
+      CCA::SegmentInfo seg;
+      seg.device = static_cast<c10::DeviceIndex>(kv.first.first);
+      seg.address = kv.first.second;
+      seg.total_size = seg.requested_size = seg.allocated_size = seg.active_size = 0;
+      seg.context_when_allocated = kv.second;
+      out.segments.push_back(std::move(seg));
+    }
   }
 
  private:
@@ -139,8 +194,35 @@ class History {
     std::lock_guard<std::mutex> g(lock_);
     if (!recording_) return;
     live_[p] = Live{device, size, stream, pool, ctx};
+    // Before the alloc entry, as PyTorch orders a segment's and its first
+    // block's.
+    if (source_.signature != nullptr && device >= 0 && device < kDevices) {
+      uint64_t was = seen_[device];
+      seen_[device] = source_.signature(device);
+      if (seen_[device] != was) compare_segments(device, when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr, nullptr);
+    }
     push(TraceEntry::ALLOC, device, reinterpret_cast<size_t>(p), size, stream, pool,
          when_ >= CCA::RecordContext::ALLOC ? ctx : nullptr);
+  }
+
+  // magpie's segments of device against those the history knew: each that
+  // appeared is a segment_alloc (its frames: mapped, the segment's), each
+  // that went a segment_free (freed). Lock held.
+  void compare_segments(int device, const std::shared_ptr<c10::GatheredContext> &mapped,
+                        const std::shared_ptr<c10::GatheredContext> &freed) {
+    std::map<uintptr_t, size_t> now = source_.segments(device);
+    std::map<uintptr_t, size_t> &known = known_[device];
+    for (const auto &kv : known) {
+      if (now.count(kv.first) != 0) continue;
+      push(TraceEntry::SEGMENT_FREE, device, kv.first, kv.second, nullptr, {0, 0}, freed);
+      segment_ctx_.erase({device, kv.first});
+    }
+    for (const auto &kv : now) {
+      if (known.count(kv.first) != 0) continue;
+      push(TraceEntry::SEGMENT_ALLOC, device, kv.first, kv.second, nullptr, {0, 0}, mapped);
+      if (mapped != nullptr) segment_ctx_[{device, kv.first}] = mapped;
+    }
+    known = std::move(now);
   }
 
   [[gnu::noinline]] void record_free(int device, void *p, size_t size, cudaStream_t stream,
@@ -210,6 +292,10 @@ class History {
   bool skip_[16] = {};
   Ring rings_[kDevices];
   std::unordered_map<void *, Live> live_;
+  SegmentSource source_{nullptr, nullptr, nullptr};
+  std::map<uintptr_t, size_t> known_[kDevices]; // each device's segments as the history last saw them
+  uint64_t seen_[kDevices] = {};                // and its signature then
+  std::map<std::pair<int, uintptr_t>, std::shared_ptr<c10::GatheredContext>> segment_ctx_; // mapped while recording
 };
 
 } // namespace magpie_torch

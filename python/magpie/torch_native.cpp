@@ -43,6 +43,7 @@
 #include "torch_stats.h"
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 
 #include <array>
@@ -76,6 +77,7 @@ struct MagpieFns {
   int (*graph_pool_trim)(uint64_t);
   int (*graph_pool_blocks)(uint64_t, magpie_pool_block *, size_t, size_t *);
   int (*graph_pool_take)(uint64_t, void *, cudaStream_t, size_t *);
+  int (*snapshot_json)(int, FILE *);
 };
 
 // The allocator's state is never destroyed (nor is the allocator: install
@@ -273,6 +275,33 @@ class Fraction {
 Fraction &fraction = *new Fraction;
 bool fraction_admit(int d, size_t bytes) { return fraction.admit(d, bytes); }
 void fraction_held(int d, int64_t bytes) { fraction.held(d, bytes); }
+
+// magpie's segments of device (base -> size), from magpie_snapshot_json
+// ({"kind":..., "base":N, "size":N, ...} per slab or large segment), and
+// a figure of its reserved bytes and segment counts that changes when
+// they may have: what the history's segment events compare. Empty, or 0,
+// when magpie cannot say.
+std::map<uintptr_t, size_t> magpie_segments(int device) {
+  std::map<uintptr_t, size_t> out;
+  char *text = nullptr;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (f == nullptr) return out;
+  int rc = fns.snapshot_json(device, f);
+  fclose(f);
+  for (const char *p = rc == 0 ? text : nullptr; p != nullptr && (p = strstr(p, "{\"kind\":\"")) != nullptr; p++) {
+    const char *base = strstr(p, "\"base\":"), *size = base != nullptr ? strstr(base, "\"size\":") : nullptr;
+    if (size == nullptr) break;
+    out[strtoull(base + 7, nullptr, 10)] = strtoull(size + 7, nullptr, 10);
+  }
+  free(text);
+  return out;
+}
+uint64_t magpie_segment_signature(int device) {
+  magpie_stats st;
+  if (fns.stats_get(device, &st) != 0) return 0;
+  return st.reserved_bytes ^ (st.slab_count << 40) ^ (st.large_segment_count << 52);
+}
 
 // A block handed to PyTorch and what its free needs: the stream it was
 // allocated on (PyTorch frees on it), its size as asked and as held (the
@@ -567,8 +596,10 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   // torch.cuda.empty_cache() ({0, 0}: every device's cached memory and the
   // pools no longer used) or a MemPool's ({0, 0} is no pool's id).
   void emptyCache(c10::cuda::MempoolId_t mempool_id) override {
+    std::shared_ptr<c10::GatheredContext> ctx = history.release_begin();
     if (mempool_id.first == 0 && mempool_id.second == 0) fns.empty_cache();
     pools.empty_cache(mempool_id);
+    history.release_end(ctx);
   }
 
   // Memory history: torch_history.h.
@@ -792,6 +823,7 @@ __attribute__((visibility("default"))) extern const char *const magpie_torch_nat
     "magpie_graph_pool_trim",
     "magpie_graph_pool_blocks",
     "magpie_graph_pool_take",
+    "magpie_snapshot_json",
     nullptr};
 
 // Makes MagpieAllocator PyTorch's CUDA allocator. fn: the functions
@@ -802,8 +834,8 @@ __attribute__((visibility("default"))) extern const char *const magpie_torch_nat
 __attribute__((visibility("default"))) const char *magpie_torch_native_error() { return install_error.c_str(); }
 
 __attribute__((visibility("default"))) int magpie_torch_native_install(void *const *fn) {
-  static_assert(sizeof magpie_torch_native_names / sizeof *magpie_torch_native_names == 18,
-                "fn[0..16] below follow magpie_torch_native_names");
+  static_assert(sizeof magpie_torch_native_names / sizeof *magpie_torch_native_names == 19,
+                "fn[0..17] below follow magpie_torch_native_names");
   for (int i = 0; magpie_torch_native_names[i] != nullptr; i++)
     if (fn[i] == nullptr) return -1;
   fns.malloc_async = reinterpret_cast<void *(*)(size_t, cudaStream_t)>(fn[0]);
@@ -823,6 +855,9 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   fns.graph_pool_trim = reinterpret_cast<int (*)(uint64_t)>(fn[14]);
   fns.graph_pool_blocks = reinterpret_cast<int (*)(uint64_t, magpie_pool_block *, size_t, size_t *)>(fn[15]);
   fns.graph_pool_take = reinterpret_cast<int (*)(uint64_t, void *, cudaStream_t, size_t *)>(fn[16]);
+  fns.snapshot_json = reinterpret_cast<int (*)(int, FILE *)>(fn[17]);
+  history.set_segment_source(
+      {magpie_segments, magpie_segment_signature, []() { return (int)c10::cuda::device_count(); }});
   pool_fns = magpie_torch::PoolFns{
       fns.graph_pool_create, fns.capture_begin,     fns.capture_end,  fns.graph_pool_malloc, fns.graph_pool_release,
       fns.graph_pool_trim,   fns.graph_pool_blocks, fns.last_message, fraction_admit,        fraction_held};

@@ -28,7 +28,10 @@ CUDAPluggableAllocator, as vLLM's sleep mode makes one):
 Memory history:
   history      _record_memory_history(context "all", stacks "all"): the trace
                has an alloc and free_completed per tensor with this file's
-               Python frames and C++ frames, live blocks carry their frames,
+               Python frames and C++ frames, a segment_alloc with the frames
+               of the allocation that made a segment (which the segment
+               carries) and a segment_free with empty_cache's frames for
+               each segment it released, live blocks carry their frames,
                _dump_snapshot writes PyTorch's pickle, torch.cuda._memory_viz
                draws its trace and segments (HTML in OUT_DIR), and magpie's
                layers are in the same snapshot ("magpie")
@@ -263,12 +266,33 @@ def probe_frames():
     return torch.empty(3 << 20, device="cuda")
 
 
+def probe_segment():
+    return torch.empty(40 << 10, dtype=torch.uint8, device="cuda")
+
+
 def test_history(out_dir):
+    torch.cuda.empty_cache()
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all")
     keep = probe_frames()
     gone = torch.empty(1 << 12, device="cuda")
     del gone
+    seg_probe = probe_segment()
     snap = torch.cuda.memory._snapshot()
+    made = [e for e in snap["device_traces"][torch.cuda.current_device()] if e["action"] == "segment_alloc"]
+    holder = [s for s in snap["segments"] if any(b["address"] == seg_probe.data_ptr() for b in s["blocks"])]
+    check("history: a segment magpie made is a segment_alloc, with the allocation's frames",
+          any("probe_segment" in [f["name"] for f in e.get("frames", [])] for e in made),
+          [(e["addr"], e["size"], [f["name"] for f in e.get("frames", [])][:3]) for e in made][:4])
+    check("history: the segment carries the frames of its making",
+          bool(holder) and any(f["name"] == "probe_segment" for f in holder[0].get("frames", [])),
+          [f["name"] for f in holder[0].get("frames", [])][:6] if holder else "no segment holds the block")
+    del seg_probe
+    torch.cuda.empty_cache()
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    released = [e for e in trace if e["action"] == "segment_free"]
+    check("history: a segment empty_cache released is a segment_free, with its caller's frames",
+          any("empty_cache" in [f["name"] for f in e.get("frames", [])] for e in released),
+          [(e["addr"], e["size"], [f["name"] for f in e.get("frames", [])][:4]) for e in released][:4])
     path = os.path.join(out_dir, "magpie_snapshot.pickle")
     torch.cuda.memory._dump_snapshot(path)  # while recording: turning it off forgets the trace, as PyTorch's does
     torch.cuda.memory._record_memory_history(enabled=None)
