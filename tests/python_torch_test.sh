@@ -317,6 +317,11 @@ s = None  # the simulated device's default stream
 a, b, c = (l.magpie_malloc_async(n, s) for n in (4096, 3 << 20, 5 << 20))
 assert a and b and c
 frames = [{"name": "probe", "filename": "x.py", "line": 7}]
+made = [{"name": "maker", "filename": "x.py", "line": 9}]
+# The magpie segment that holds a: the history names its making.
+holder = [seg["address"] for seg in mt.torch_snapshot(1)["segments"]
+          if any(bl["address"] == a for bl in seg["blocks"])]
+assert len(holder) == 1, holder
 
 
 def native(*args):
@@ -328,9 +333,12 @@ def native(*args):
     carriers = [{"device": 0, "address": p, "total_size": n, "allocated_size": n, "active_size": n,
                  "requested_size": n, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
                  "is_expandable": False, "frames": frames,
-                 "blocks": [{"address": p, "size": n, "requested_size": n, "state": "active_allocated",
+                 "blocks": [{"address": p, "size": n, "requested_size": n - 96, "state": "active_allocated",
                              "frames": frames}]} for p, n in ((a, 4096), (b, 3 << 20))]
-    return {"segments": [pool_seg] + carriers,
+    maker = {"device": 0, "address": holder[0], "total_size": 0, "allocated_size": 0, "active_size": 0,
+             "requested_size": 0, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+             "is_expandable": False, "frames": made, "blocks": []}
+    return {"segments": [pool_seg] + carriers + [maker],
             "device_traces": [[{"action": "alloc", "addr": a, "size": 4096, "stream": 0, "time_us": 1,
                                 "frames": frames}]],
             "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": ""}}
@@ -345,6 +353,13 @@ assert sum(1 for seg in whole["segments"] for bl in seg["blocks"] if bl["address
 # Blocks carry their allocation frames; the others none.
 assert blocks[a][1]["frames"] == frames and blocks[b][1]["frames"] == frames, blocks[a]
 assert blocks[c][1]["frames"] == [] and blocks[c][1]["state"] == "active_allocated"
+# The sizes asked (the history's), and the frames of the segment's making.
+assert blocks[a][1]["requested_size"] == 4096 - 96 and blocks[c][1]["requested_size"] == blocks[c][1]["size"]
+assert blocks[a][0]["frames"] == made and blocks[c][0]["frames"] in ([], made), blocks[a][0]["frames"]
+# torch.cuda.memory_snapshot (PyTorch 2.11) passes (0, 0, include_traces):
+# every segment, as with no pool id.
+every = mt.torch_snapshot(1, native, ((0, 0, True),))
+assert sorted(seg["address"] for seg in every["segments"]) == sorted(seg["address"] for seg in whole["segments"])
 # magpie's segments keep consistent figures after the pool block left them.
 for seg in whole["segments"]:
     assert seg["allocated_size"] == sum(bl["size"] for bl in seg["blocks"] if bl["state"] == "active_allocated")
@@ -352,6 +367,8 @@ for seg in whole["segments"]:
 assert whole["device_traces"][0][0]["action"] == "alloc" and "magpie" in whole
 # A pool's own snapshot (MemPool.snapshot()) lists that pool's segments only.
 mine = mt.torch_snapshot(1, native, ((0, 9),))
+assert [seg["address"] for seg in mine["segments"]] == [b], mine["segments"]
+mine = mt.torch_snapshot(1, native, ((0, 9, True),))
 assert [seg["address"] for seg in mine["segments"]] == [b], mine["segments"]
 for p in (a, b, c):
     assert l.magpie_free_async(p, s) == 0

@@ -255,8 +255,9 @@ def torch_snapshot(device_count, native=None, args=()):
     depot, pending on a stream, limbo).
 
     native: PyTorch's own torch._C._cuda_memorySnapshot, under magpie's
-    native allocator (torch_native.cpp), called with args (a pool id, or
-    None). It brings the trace of _record_memory_history with its frames,
+    native allocator (torch_native.cpp), called with args (a pool id, the
+    pool id and include_traces as torch.cuda.memory_snapshot passes them,
+    or None). It brings the trace of _record_memory_history with its frames,
     each pool's blocks as segments of that pool (segment_pool_id; a pool's
     block leaves the magpie segment it was carved from), and the frames of
     live allocations, which are put on their blocks. With a pool id, only
@@ -303,8 +304,10 @@ def torch_snapshot(device_count, native=None, args=()):
     for seg in pooled:
         from_history(seg, seg["blocks"])
         seg["segment_type"] = "large"
-    pool_id = args[0] if args else None
-    if pool_id is not None and tuple(pool_id) != (0, 0):
+    # A pool id, or PyTorch 2.11's (id, id, include_traces) from
+    # torch.cuda.memory_snapshot; (0, 0) is every pool.
+    pool_id = tuple(args[0])[:2] if args and args[0] is not None else None
+    if pool_id is not None and pool_id != (0, 0):
         out["segments"] = pooled
     else:
         taken = {(s["device"], s["address"]) for s in pooled}
@@ -399,3 +402,4 @@ def patch_memory_api(torch):
         C._cuda_resetAccumulatedMemoryStats = lambda device: reset_accumulated(device)
     native = C._cuda_memorySnapshot if _kind == "native" else None
     C._cuda_memorySnapshot = lambda *args: torch_snapshot(torch.cuda.device_count(), native, args)
+
