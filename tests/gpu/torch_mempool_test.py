@@ -161,12 +161,18 @@ def test_graph():
     del g, y, pool
 
 
-def test_custom():
+def custom_allocator():
+    """mempool_alloc.c's library (its call counters) and a
+    CUDAPluggableAllocator over it."""
     path = os.environ.get("MEMPOOL_ALLOC_LIB") or os.path.join(HERE, "bin", "libmempool_alloc.so")
     lib = ctypes.CDLL(path)
     for fn in ("mempool_allocs", "mempool_frees", "mempool_live_bytes"):
         getattr(lib, fn).restype = ctypes.c_long
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "mempool_alloc", "mempool_free")
+    return lib, torch.cuda.memory.CUDAPluggableAllocator(path, "mempool_alloc", "mempool_free")
+
+
+def test_custom():
+    lib, alloc = custom_allocator()
     pool = torch.cuda.MemPool(allocator=alloc.allocator())
     a0 = lib.mempool_allocs()
     with torch.cuda.use_mem_pool(pool):
@@ -198,11 +204,7 @@ def test_custom():
 
 
 def test_split():
-    path = os.environ.get("MEMPOOL_ALLOC_LIB") or os.path.join(HERE, "bin", "libmempool_alloc.so")
-    lib = ctypes.CDLL(path)
-    for fn in ("mempool_allocs", "mempool_frees", "mempool_live_bytes"):
-        getattr(lib, fn).restype = ctypes.c_long
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(path, "mempool_alloc", "mempool_free")
+    lib, alloc = custom_allocator()
     mib = 1 << 20
     pool = torch.cuda.MemPool(allocator=alloc.allocator())
     with torch.cuda.use_mem_pool(pool):
