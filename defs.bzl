@@ -23,6 +23,7 @@ MAGPIE_COPTS = [
 # linker turns every model into local-exec.)
 MAGPIE_LIB_COPTS = MAGPIE_COPTS + ["-fvisibility=hidden"] + select({
     "//:compiler_gcc": ["-mtls-dialect=gnu2"],
+    "//:compiler_gcc_auto": ["-mtls-dialect=gnu2"],
     "//conditions:default": [],
 })
 

@@ -36,5 +36,11 @@ if ! grep -qa -e '__tsan_func_entry' -e '__asan_init' "$lib" && readelf -dW "$li
   echo "FAIL: libmagpie.so needs static TLS (an initial-exec thread-local variable): dlopen after start-up fails"
   failed=1
 fi
+# Built by gcc, its thread-local variables are reached through TLS
+# descriptors (defs.bzl, MAGPIE_LIB_COPTS), not the slower default model.
+if ! readelf -p .comment "$lib" 2>/dev/null | grep -q clang && ! readelf -rW "$lib" | grep -q TLSDESC; then
+  echo "FAIL: libmagpie.so built by gcc reaches its thread-local variables without TLS descriptors (-mtls-dialect=gnu2)"
+  failed=1
+fi
 if ((failed)); then exit 1; fi
 echo "exports: PASS ($(exported "$lib" | wc -l) in libmagpie.so, $(exported "$sim" | wc -l) in libmagpie_sim.so)"
