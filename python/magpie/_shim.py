@@ -71,13 +71,12 @@ def _cuda_includes(torch_root):
 
 def _tls_flags(cxx):
     """Thread-local variables through TLS descriptors where the compiler
-    has them (gcc on x86-64; aarch64 uses them already). The library is
-    dlopened: with the default model every access of the tensor path's
-    thread-local records and counters calls __tls_get_addr, while a
-    descriptor of a library whose few thread-local bytes got static TLS
-    costs one instruction (bench/DECISIONS.md, "PyTorch's tensor path:
-    where the time goes"). A compiler that refuses the option builds
-    without it. Asked only when a build happens: like the compiler
+    has them (gcc on x86-64; aarch64 uses them already), as libmagpie.so's
+    are (defs.bzl). The library is dlopened: with the default model every
+    access of the tensor path's thread-local records and counters calls
+    __tls_get_addr, which a descriptor's call undercuts by about a
+    nanosecond (bench/DECISIONS.md, "PyTorch's tensor path: where the time
+    goes"). A compiler that refuses the option builds without it. Asked only when a build happens: like the compiler
     itself, the answer is not part of the cached library's name, so a
     process that finds its library built starts no compiler."""
     if platform.machine() not in ("x86_64", "AMD64"):

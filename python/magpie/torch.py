@@ -402,4 +402,3 @@ def patch_memory_api(torch):
         C._cuda_resetAccumulatedMemoryStats = lambda device: reset_accumulated(device)
     native = C._cuda_memorySnapshot if _kind == "native" else None
     C._cuda_memorySnapshot = lambda *args: torch_snapshot(torch.cuda.device_count(), native, args)
-

@@ -150,8 +150,7 @@ class Stats {
   // it ended): a plain thread-local pointer, so that the allocation path
   // reads it without the initialisation check of a thread_local object.
   // The library's thread-local data stays a few bytes: small enough for
-  // the static TLS a dlopened library's TLS descriptors may be given,
-  // where its access costs one instruction.
+  // the static TLS glibc may give a dlopened library.
   static Thread *&local() {
     static thread_local Thread *t;
     return t;
