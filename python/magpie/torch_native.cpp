@@ -54,6 +54,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -326,8 +327,36 @@ struct Block {
 // fit one another's blocks. magpie is asked for the rounded size, as
 // PyTorch's allocator carves it; without the setting the request goes to
 // magpie as it is, and magpie rounds it to its own classes.
+//
+// The divisions are PyTorch's table of 16 intervals (1 MiB and under, then
+// each power of two to 64 GiB), which its settings rewrite in place. Where
+// PyTorch hands out the table itself (a reference), it is read in place as
+// PyTorch's own allocator reads it, without the call into libc10 and the
+// guards of its instance() on every allocation (bench/DECISIONS.md,
+// "PyTorch's tensor path: one thread-local object, the rounding table read
+// in place"); otherwise libc10 is asked each time.
+using AllocatorConfig = c10::CachingAllocator::AcceleratorAllocatorConfig;
+constexpr size_t kRoundupIntervals = 16;
+const std::vector<size_t> *roundup_table; // set once by magpie_torch_native_install
+
+void find_roundup_table() {
+  if constexpr (std::is_lvalue_reference<decltype(AllocatorConfig::roundup_power2_divisions())>::value) {
+    const std::vector<size_t> &t = AllocatorConfig::roundup_power2_divisions();
+    if (t.size() == kRoundupIntervals) roundup_table = &t;
+  }
+}
+
+size_t roundup_divisions(size_t size) {
+  const std::vector<size_t> *t = roundup_table;
+  if (C10_UNLIKELY(t == nullptr)) return AllocatorConfig::roundup_power2_divisions(size);
+  size_t log = 63 - __builtin_clzll(size), first = 20; /* 1 MiB: interval 0 */
+  size_t i = log > first ? log - first : 0;
+  return (*t)[i < kRoundupIntervals ? i : kRoundupIntervals - 1];
+}
+
 size_t rounded_request(size_t size) {
-  size_t div = c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+  if (size <= 512) return size; /* a division is at least 1: no setting rounds these */
+  size_t div = roundup_divisions(size);
   if (div <= 1 || size <= 512 * div || (size & (size - 1)) == 0) return size;
   size_t floor = size_t(1) << (63 - __builtin_clzll(size));
   size_t step = floor >> (63 - __builtin_clzll(div)); /* divisions taken as a power of two */
@@ -336,10 +365,24 @@ size_t rounded_request(size_t size) {
   return up >= size ? up : size; /* no wrap at the top of size_t */
 }
 
+// The tensor path's thread-local state, one object so that an allocation
+// or a free reaches it with one thread-local access: the statistics' way
+// to the thread's counters and the thread's spare Block records
+// (BlockRecords). Plain data: no initialisation check on its access.
+struct PathLocal {
+  magpie_torch::Stats::Local stats;
+  Block *spare_head; // spare records, linked by Block::next
+  int spare_count;   // spares held, plus one once the thread's Drain exists (0: not yet; -1: ending, keep none)
+};
+PathLocal &path_local() {
+  static thread_local PathLocal l;
+  return l;
+}
+
 // A block for stream: from the pool an announcement routes it to, else
 // magpie's; an allocation magpie cannot serve for memory may come from a
 // pool made with use_on_oom. Throws when there is none.
-Block magpie_alloc(size_t size, cudaStream_t stream, int device) {
+Block magpie_alloc(size_t size, cudaStream_t stream, int device, PathLocal &l) {
   Block b{nullptr, nullptr, stream, size, size, device, {0, 0}, false};
   size_t want = rounded_request(size);
   bool routed = false;
@@ -351,18 +394,20 @@ Block magpie_alloc(size_t size, cudaStream_t stream, int device) {
       if (b.ptr == nullptr) b.custom = false; /* magpie's error stands */
     }
   }
-  if (b.ptr == nullptr && size == 0 && b.custom) return b; /* no memory asked: none given, as PyTorch's */
-  magpie_checked(b.ptr, want, stream, b.custom);
+  if (C10_UNLIKELY(b.ptr == nullptr)) {
+    if (size == 0 && b.custom) return b; /* no memory asked: none given, as PyTorch's */
+    magpie_checked(b.ptr, want, stream, b.custom);
+  }
   b.bytes = want < 512 ? 512 : (want + 511) / 512 * 512; /* PyTorch's count (torch_stats.h) */
-  stats.alloc(device, b.bytes, size);
+  stats.alloc(l.stats, device, b.bytes, size);
   history.alloc(device, b.ptr, size, stream, b.pool);
   report_to_profiler(b.ptr, static_cast<int64_t>(size), device);
   return b;
 }
 
-void magpie_release(const Block &b) {
+void magpie_release(const Block &b, PathLocal &l) {
   if (b.ptr == nullptr) return;
-  stats.free(b.device, b.bytes, b.size);
+  stats.free(l.stats, b.device, b.bytes, b.size);
   history.free(b.device, b.ptr, b.size, b.stream, b.pool);
   report_to_profiler(b.ptr, -static_cast<int64_t>(b.size), b.device);
   if (!b.custom || !pools.free_custom(b.ptr)) fns.free_async(b.ptr, b.stream);
@@ -372,63 +417,50 @@ void magpie_release(const Block &b) {
 // allocating thread's spare records and goes back to the freeing thread's:
 // new and delete were a large share of the tensor path's own work
 // (bench/DECISIONS.md, "PyTorch's tensor path: records reused per thread,
-// one profiler lookup"). A thread keeps up to kMax spares; its last
-// thread-local destructor deletes them, and records freed after that are
-// deleted at once.
+// one profiler lookup"). A thread keeps up to kMax spares in its PathLocal;
+// its last thread-local destructor deletes them, and records freed after
+// that are deleted at once.
 class BlockRecords {
  public:
-  static Block *take(const Block &b) {
-    Spares &s = spares();
-    Block *r = s.head;
+  static Block *take(PathLocal &l, const Block &b) {
+    Block *r = l.spare_head;
     if (C10_LIKELY(r != nullptr)) {
-      s.head = r->next;
-      s.count--;
+      l.spare_head = r->next;
+      l.spare_count--;
       *r = b;
       return r;
     }
     return new Block(b);
   }
-  static void give(Block *r) {
-    Spares &s = spares();
-    if (C10_LIKELY(s.count > 0 && s.count < kMax)) {
-      r->next = s.head;
-      s.head = r;
-      s.count++;
+  static void give(PathLocal &l, Block *r) {
+    if (C10_LIKELY(l.spare_count > 0 && l.spare_count < kMax)) {
+      r->next = l.spare_head;
+      l.spare_head = r;
+      l.spare_count++;
       return;
     }
-    give_slow(s, r);
+    give_slow(l, r);
   }
 
  private:
   static constexpr int kMax = 64;
-  // count: spares held, plus one once the thread's Drain exists (0: not
-  // yet; -1: the thread is ending, keep none). Plain data: no guard on the
-  // thread-local's access.
-  struct Spares {
-    Block *head;
-    int count;
-  };
-  static Spares &spares() {
-    static thread_local Spares s;
-    return s;
-  }
   struct Drain {
     ~Drain() {
-      Spares &s = spares();
-      for (Block *r = s.head, *next; r != nullptr; r = next) {
+      PathLocal &l = path_local();
+      for (Block *r = l.spare_head, *next; r != nullptr; r = next) {
         next = r->next;
         delete r;
       }
-      s.head = nullptr;
-      s.count = -1;
+      l.spare_head = nullptr;
+      l.spare_count = -1;
     }
   };
-  [[gnu::noinline]] static void give_slow(Spares &s, Block *r) {
-    if (s.count == 0) { // the thread's first: its Drain deletes its spares when it ends
+  [[gnu::noinline]] static void give_slow(PathLocal &l, Block *r) {
+    if (l.spare_count == 0) { // the thread's first: its Drain deletes its spares when it ends
       static thread_local Drain drain;
       (void)drain;
-      s.count = 1;
-      give(r);
+      l.spare_count = 1;
+      give(l, r);
       return;
     }
     delete r; // full, or the thread is ending
@@ -437,8 +469,9 @@ class BlockRecords {
 
 void delete_block(void *ctx) {
   Block *b = static_cast<Block *>(ctx);
-  magpie_release(*b);
-  BlockRecords::give(b);
+  PathLocal &l = path_local();
+  magpie_release(*b, l);
+  BlockRecords::give(l, b);
 }
 
 class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
@@ -460,9 +493,10 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   c10::DataPtr allocate(size_t size) override {
     c10::DeviceIndex device = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    Block b = magpie_alloc(size, stream, device);
+    PathLocal &l = path_local();
+    Block b = magpie_alloc(size, stream, device, l);
     if (b.pool.first == 0 && b.pool.second == 0)
-      return {b.ptr, BlockRecords::take(b), &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+      return {b.ptr, BlockRecords::take(l, b), &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
     // A pool's block is PyTorch's kind of DataPtr (context the pointer,
     // deleter raw_deleter()): cudagraph trees swap such deleters and free
     // through raw_delete.
@@ -477,7 +511,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
   void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     int device = current_device();
     if (!enabled_.load(std::memory_order_relaxed)) return direct_alloc(nbytes, device);
-    Block b = magpie_alloc(nbytes, stream, device);
+    Block b = magpie_alloc(nbytes, stream, device, path_local());
     if (b.ptr != nullptr) remember(b);
     return b.ptr;
   }
@@ -499,7 +533,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       b = it->second;
       s.blocks.erase(it);
     }
-    magpie_release(b);
+    magpie_release(b, path_local());
   }
 
   // Pools: torch_pools.h.
@@ -556,7 +590,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       delta.ptrs_freed.push_back(b.ptr);
       if (then.count(b.ptr) != 0) continue; /* live then and now: stays allocated */
       forget(b.ptr);
-      magpie_release(b);
+      magpie_release(b, path_local());
     }
     for (auto &kv : then) {
       const Block &b = kv.second;
@@ -565,7 +599,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         TORCH_CHECK(fns.graph_pool_take(magpie_pool, b.ptr, b.stream, &size) == 0,
                     "magpie: cannot restore the checkpoint: ", fns.last_message());
         remember(b);
-        stats.alloc(b.device, b.bytes, b.size);
+        stats.alloc(path_local().stats, b.device, b.bytes, b.size);
         history.alloc(b.device, b.ptr, b.size, b.stream, b.pool);
       }
       delta.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
@@ -865,6 +899,7 @@ __attribute__((visibility("default"))) int magpie_torch_native_install(void *con
   if (cuda == nullptr) cuda = dlopen("libcuda.so.1", RTLD_NOW);
   if (cuda != nullptr) ctx_get_device = reinterpret_cast<ctx_get_device_fn>(dlsym(cuda, "cuCtxGetDevice"));
   try {
+    find_roundup_table();
     auto allocator = std::make_shared<MagpieAllocator>();
     new std::shared_ptr<MagpieAllocator>(allocator); /* never released: see fns above */
     allocator->init(c10::cuda::device_count());

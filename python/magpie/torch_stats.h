@@ -10,8 +10,11 @@
 // by that thread alone (relaxed loads and stores, no read-modify-write)
 // and summed by readers, who add the two pools up for "all"
 // (bench/DECISIONS.md, "PyTorch's statistics: a thread's own counters,
-// found without a guard"). A thread leaving folds its counters into the
-// retired totals.
+// found without a guard"). The way to a thread's counters (Local) lives in
+// the thread-local object of the caller's allocation path, which reaches
+// it anyway. A thread leaving folds its counters into the retired totals.
+// One Stats serves a process: a thread's counters belong to the first
+// Stats it counts for.
 //
 // Peaks: a thread sums every thread's figures (and raises the device's
 // peaks to them) when its own figure passes its mark: its own figure at
@@ -53,9 +56,27 @@ class Stats {
  public:
   static constexpr int kDevices = 64;
 
-  // A block of bytes (requested: what was asked) handed out on device.
-  C10_ALWAYS_INLINE void alloc(int device, size_t bytes, size_t requested) { change(device, bytes, requested, +1); }
-  C10_ALWAYS_INLINE void free(int device, size_t bytes, size_t requested) { change(device, bytes, requested, -1); }
+  struct Thread;   // below
+  struct Counters; // below
+  // A thread's way to its counters, kept by the caller in the thread-local
+  // object its allocation path already reaches (torch_native.cpp), so that
+  // counting takes no thread-local access of its own. Zero-initialised;
+  // written by its thread only.
+  struct Local {
+    Counters *last;  // the counters of device last_device (null: none yet)
+    int last_device; // the device of the thread's last block
+    bool gone;       // the thread's Thread was destroyed (it is ending)
+    Thread *thread;  // null until the thread's first block, and again once it ended
+  };
+
+  // A block of bytes (requested: what was asked) handed out on device, by
+  // the thread whose Local l is.
+  C10_ALWAYS_INLINE void alloc(Local &l, int device, size_t bytes, size_t requested) {
+    change(l, device, bytes, requested, +1);
+  }
+  C10_ALWAYS_INLINE void free(Local &l, int device, size_t bytes, size_t requested) {
+    change(l, device, bytes, requested, -1);
+  }
 
   // The figures of device into out's allocation, active, allocated_bytes,
   // active_bytes and requested_bytes.
@@ -127,7 +148,8 @@ class Stats {
   };
 
   // One thread's counters of one device (small and large pools); written
-  // by that thread only.
+  // by that thread only. Public, as Thread is, only as Local's pointee.
+ public:
   struct alignas(64) Counters {       // a cache line of its own: threads' counters never share one
     std::atomic<int64_t> f[kCounted]; // by counted(): written by the owner, summed by readers
     int64_t mark[kPools][kKinds];     // past these, the owner sums (owner only)
@@ -145,45 +167,32 @@ class Stats {
     }
   };
 
-  struct Thread;
-  // The calling thread's Thread (null until its first block, and again once
-  // it ended): a plain thread-local pointer, so that the allocation path
-  // reads it without the initialisation check of a thread_local object.
-  // The library's thread-local data stays a few bytes: small enough for
-  // the static TLS glibc may give a dlopened library.
-  static Thread *&local() {
-    static thread_local Thread *t;
-    return t;
-  }
-  // Set once the calling thread's Thread was destroyed (it is ending): its
-  // blocks freed or allocated after that (by later thread-local
-  // destructors) count in late_ instead.
-  static bool &gone() {
-    static thread_local bool g;
-    return g;
-  }
-
   // A thread's counters by device, as its owner and readers find them
   // (written by the owner under lock_); its destructor (the thread ending)
-  // folds them into the retired totals.
+  // folds them into the retired totals and marks the thread's Local gone:
+  // its blocks freed or allocated after that (by later thread-local
+  // destructors) count in late_.
   struct Thread {
     Stats *owner;
+    Local *slot; // the owner's Local, in its thread-local storage
     std::atomic<Counters *> dev[kDevices];
-    explicit Thread(Stats *s) : owner(s) {
+    Thread(Stats *s, Local *l) : owner(s), slot(l) {
       for (auto &d : dev) d.store(nullptr, std::memory_order_relaxed);
     }
     ~Thread() {
-      owner->retire(this);
-      local() = nullptr;
-      gone() = true;
+      slot->thread = nullptr;
+      slot->last = nullptr;
+      slot->gone = true;
+      owner->retire(this); // deletes the counters
     }
   };
 
+ private:
   // The calling thread's first block on device.
-  Counters *first(int device) {
-    thread_local std::unique_ptr<Thread> t;
+  Counters *first(Local &l, int device) {
+    thread_local std::unique_ptr<Thread> t; // destroyed as the thread ends
     if (t == nullptr) {
-      t.reset(new Thread(this));
+      t.reset(new Thread(this, &l));
       std::lock_guard<std::mutex> g(lock_);
       threads_.push_back(t.get());
     }
@@ -192,39 +201,54 @@ class Stats {
       std::lock_guard<std::mutex> g(lock_); // readers walk dev[] under the lock
       t->dev[device].store(c, std::memory_order_release);
     }
-    local() = t.get();
+    l.thread = t.get();
     return c;
   }
 
   // The allocation path's part, inlined: the thread's counters, its own
   // figures and the check against its marks; the rest is out of line.
-  C10_ALWAYS_INLINE void change(int device, size_t bytes, size_t requested, int sign) {
+  C10_ALWAYS_INLINE void change(Local &l, int device, size_t bytes, size_t requested, int sign) {
     if (C10_UNLIKELY(device < 0 || device >= kDevices)) return;
     int pool = bytes <= kSmallSize ? 1 : 2;
     const int64_t add[kKinds] = {sign, sign * static_cast<int64_t>(bytes), sign * static_cast<int64_t>(requested)};
-    Thread *t = local();
-    Counters *c = C10_LIKELY(t != nullptr) ? t->dev[device].load(std::memory_order_relaxed) : nullptr;
-    if (C10_UNLIKELY(c == nullptr)) {
-      c = counters_slow(device, pool, add);
+    Counters *c = l.last;
+    if (C10_UNLIKELY(c == nullptr || l.last_device != device)) {
+      c = counters_slow(l, device, pool, add);
       if (c == nullptr) return;
     }
-    std::atomic<int64_t> *got = &c->f[counted(pool, 0, 0)], *now = &c->f[counted(pool, 1, 0)];
-    for (int k = 0; k < kKinds; k++)
-      now[k].store(now[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
+    std::atomic<int64_t> *now = &c->f[counted(pool, 1, 0)];
+    // Unrolled, so that the figures stay in registers (-O2 leaves the loops).
+    int64_t mine[kKinds];
+#pragma GCC unroll 3
+    for (int k = 0; k < kKinds; k++) {
+      mine[k] = now[k].load(std::memory_order_relaxed) + add[k];
+      now[k].store(mine[k], std::memory_order_relaxed);
+    }
     if (sign < 0) return;
-    for (int k = 0; k < kKinds; k++)
-      got[k].store(got[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
     // After an allocation: a figure past the thread's mark (or marks of
     // before a reset) makes it sum, raise the peaks and set its marks again.
+    std::atomic<int64_t> *got = &c->f[counted(pool, 0, 0)];
+    const std::atomic<int64_t> *other = &c->f[counted(kPools - pool, 1, 0)]; // the other pool's current figures
     bool past = c->epoch != devices_[device].epoch.load(std::memory_order_acquire);
-    for (int k = 0; k < kKinds; k++) past |= (c->mine(0, k) > c->mark[0][k]) | (c->mine(pool, k) > c->mark[pool][k]);
+#pragma GCC unroll 3
+    for (int k = 0; k < kKinds; k++) {
+      got[k].store(got[k].load(std::memory_order_relaxed) + add[k], std::memory_order_relaxed);
+      past |= (mine[k] > c->mark[pool][k]) | (mine[k] + other[k].load(std::memory_order_relaxed) > c->mark[0][k]);
+    }
     if (C10_UNLIKELY(past)) raise(device, c);
   }
 
-  // The calling thread's counters of device on its first block there; null
-  // (the block counted in late_) once the thread's Thread is gone.
-  [[gnu::noinline]] Counters *counters_slow(int device, int pool, const int64_t *add) {
-    if (!gone()) return first(device);
+  // The calling thread's counters of device, made on its first block there
+  // (then l's last); null (the block counted in late_) once the thread's
+  // Thread is gone.
+  [[gnu::noinline]] Counters *counters_slow(Local &l, int device, int pool, const int64_t *add) {
+    if (!l.gone) {
+      Counters *c = l.thread != nullptr ? l.thread->dev[device].load(std::memory_order_relaxed) : nullptr;
+      if (c == nullptr) c = first(l, device);
+      l.last = c;
+      l.last_device = device;
+      return c;
+    }
     for (int k = 0; k < kKinds; k++) {
       late_[device][counted(pool, 1, k)].fetch_add(add[k], std::memory_order_relaxed);
       if (add[k] > 0) late_[device][counted(pool, 0, k)].fetch_add(add[k], std::memory_order_relaxed);
