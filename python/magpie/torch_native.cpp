@@ -3,12 +3,9 @@
 // (python/magpie/_shim.py), like torch_shim.cpp.
 //
 // Why: torch::cuda::CUDAPluggableAllocator takes one std::mutex and updates
-// an unordered_map on every allocation and free. Measured on an H100
-// (PyTorch 2.11, bench/torch_threads.cpp, 4 KiB blocks, one stream per
-// thread, alloc+free pairs per second at 1 / 16 threads): magpie behind
-// the wrapper 3.71 M / 0.54 M, magpie called directly 19.1 M / 315 M,
-// PyTorch's own allocator 1.20 M / 0.26 M. The wrapper, not magpie, set
-// the pace.
+// an unordered_map on every allocation and free, which set the pace of
+// magpie behind it (bench/DECISIONS.md, "PyTorch's allocator without the
+// pluggable wrapper's lock").
 //
 // MagpieAllocator is a CUDAPluggableAllocator (so every other method, the
 // record-stream, reset and memory-fraction hooks included, is PyTorch's own)
@@ -94,12 +91,11 @@ magpie_torch::Stats &stats = *new magpie_torch::Stats;
 using magpie_torch::PoolId;
 
 // The current device. PyTorch asks the runtime (cudaGetDevice), which takes
-// a lock of its own: measured on the H100 (CUDA 13.0), cudaGetDevice gave
-// 12.9 M calls/s on one thread and 7.8 M in all on 16, the driver's
-// cuCtxGetDevice 43.4 M and 685 M. The current context's device is the
-// runtime's current device once the runtime has made its context current
-// (cudaSetDevice, PyTorch's device guards); with no context current, the
-// runtime's answer.
+// a lock of its own that threads contend on; the driver's cuCtxGetDevice
+// does not (bench/DECISIONS.md, same entry). The current context's device
+// is the runtime's current device once the runtime has made its context
+// current (cudaSetDevice, PyTorch's device guards); with no context
+// current, the runtime's answer.
 using ctx_get_device_fn = int (*)(int *);
 ctx_get_device_fn ctx_get_device;
 
@@ -379,33 +375,49 @@ PathLocal &path_local() {
   return l;
 }
 
+// PyTorch's count of a block's bytes (torch_stats.h): the request as
+// carved, in 512-byte steps.
+inline size_t pytorch_bytes(size_t want) { return want < 512 ? 512 : (want + 511) / 512 * 512; }
+
+// The statistics, the history and the profiler hear of a block handed out
+// (size: as asked).
+C10_ALWAYS_INLINE void note_alloc(const Block &b, size_t size, PathLocal &l) {
+  stats.alloc(l.stats, b.device, b.bytes, size);
+  history.alloc(b.device, b.ptr, size, b.stream, b.pool);
+  report_to_profiler(b.ptr, static_cast<int64_t>(size), b.device);
+}
+
+// b as served (b.ptr null: refused; magpie: whether magpie was asked),
+// counted; an allocation magpie refused for memory may come from a pool
+// made with use_on_oom. Throws when there is none.
+Block served(Block b, size_t want, PathLocal &l, bool magpie) {
+  if (C10_UNLIKELY(b.ptr == nullptr)) {
+    if (magpie && fns.last_error() == kOutOfMemory) {
+      b.ptr = pools.alloc_on_oom(b.device, want, b.stream, &b.pool, &b.custom);
+      if (b.ptr == nullptr) b.custom = false; /* magpie's error stands */
+    }
+    if (b.ptr == nullptr) {
+      if (b.size == 0 && b.custom) return b; /* no memory asked: none given, as PyTorch's */
+      magpie_checked(nullptr, want, b.stream, b.custom);
+    }
+  }
+  b.bytes = pytorch_bytes(want);
+  note_alloc(b, b.size, l);
+  return b;
+}
+
 // A block for stream: from the pool an announcement routes it to, else
-// magpie's; an allocation magpie cannot serve for memory may come from a
-// pool made with use_on_oom. Throws when there is none.
+// magpie's (served).
 Block magpie_alloc(size_t size, cudaStream_t stream, int device, PathLocal &l) {
   Block b{nullptr, nullptr, stream, size, size, device, {0, 0}, false};
   size_t want = rounded_request(size);
   bool routed = false;
   b.ptr = pools.alloc(want, stream, &routed, &b.pool, &b.custom);
-  if (!routed) {
-    b.ptr = fns.malloc_async(want, stream);
-    if (b.ptr == nullptr && fns.last_error() == kOutOfMemory) {
-      b.ptr = pools.alloc_on_oom(device, want, stream, &b.pool, &b.custom);
-      if (b.ptr == nullptr) b.custom = false; /* magpie's error stands */
-    }
-  }
-  if (C10_UNLIKELY(b.ptr == nullptr)) {
-    if (size == 0 && b.custom) return b; /* no memory asked: none given, as PyTorch's */
-    magpie_checked(b.ptr, want, stream, b.custom);
-  }
-  b.bytes = want < 512 ? 512 : (want + 511) / 512 * 512; /* PyTorch's count (torch_stats.h) */
-  stats.alloc(l.stats, device, b.bytes, size);
-  history.alloc(device, b.ptr, size, stream, b.pool);
-  report_to_profiler(b.ptr, static_cast<int64_t>(size), device);
-  return b;
+  if (!routed) b.ptr = fns.malloc_async(want, stream);
+  return served(b, want, l, !routed);
 }
 
-void magpie_release(const Block &b, PathLocal &l) {
+C10_ALWAYS_INLINE void magpie_release(const Block &b, PathLocal &l) {
   if (b.ptr == nullptr) return;
   stats.free(l.stats, b.device, b.bytes, b.size);
   history.free(b.device, b.ptr, b.size, b.stream, b.pool);
@@ -494,7 +506,20 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
     c10::DeviceIndex device = current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     PathLocal &l = path_local();
-    Block b = magpie_alloc(size, stream, device, l);
+    Block b;
+    if (C10_LIKELY(!pools.announced())) {
+      // The tensor path: magpie's block, its record written in place.
+      size_t want = rounded_request(size);
+      void *p = fns.malloc_async(want, stream);
+      if (C10_LIKELY(p != nullptr)) {
+        Block *r = BlockRecords::take(l, Block{nullptr, p, stream, size, pytorch_bytes(want), device, {0, 0}, false});
+        note_alloc(*r, size, l);
+        return {p, r, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+      }
+      b = served(Block{nullptr, nullptr, stream, size, size, device, {0, 0}, false}, want, l, true);
+    } else {
+      b = magpie_alloc(size, stream, device, l);
+    }
     if (b.pool.first == 0 && b.pool.second == 0)
       return {b.ptr, BlockRecords::take(l, b), &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
     // A pool's block is PyTorch's kind of DataPtr (context the pointer,

@@ -109,12 +109,16 @@ class Pools {
     it->second.use_on_oom = on;
   }
 
+  // Whether an announcement (beginAllocateToPool) may route allocations to
+  // a pool; while none does, every allocation is magpie's.
+  bool announced() const { return active_count_.load(std::memory_order_acquire) != 0; }
+
   // A block for stream from the pool an announcement routes it to; nullptr
   // with *routed false when none does. *pool: the pool; *custom: whether
   // it is a custom allocator's (free it with free_custom).
   void *alloc(size_t size, cudaStream_t stream, bool *routed, PoolId *pool, bool *custom) {
     *routed = false;
-    if (active_count_.load(std::memory_order_acquire) == 0) return nullptr;
+    if (!announced()) return nullptr;
     std::vector<Active> active;
     {
       std::lock_guard<std::mutex> g(lock_);
