@@ -4,7 +4,8 @@
  * One thread on one stream replays workload 2's sequence (magpie_bench
  * -w 2 --spread, thread 0 of seed `seed`: a window of 64 live blocks, a
  * random one replaced per step, sizes 2^e + U[0, 2^e) for 2^e from 256 B
- * to half of `max`) for `ops` operations through magpie and through
+ * to half of `max`; with `mixed`, workload 2's own sizes, powers of two
+ * from 256 B to `max`) for `ops` operations through magpie and through
  * bench/bestfit.c (the best-fit reference of magpie_bench) side by side.
  * After every operation it reads magpie's statistics; at each new peak of
  * reserved memory it keeps them, with the bytes the replay holds live
@@ -21,9 +22,10 @@
  * device (its streams' timing aside); a statistics read per operation makes
  * it no measure of speed.
  *
- *   peak_probe [seed] [ops] [max] [snapshot.json] */
+ *   peak_probe [seed] [ops] [max] [snapshot.json | -] [mixed] */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bench/bench_util.h"
 #include "bench/bestfit.h"
@@ -38,9 +40,10 @@ int main(int argc, char **argv) {
   unsigned long long seedn = argc > 1 ? strtoull(argv[1], NULL, 10) : 1;
   long ops = argc > 2 ? atol(argv[2]) : 400000;
   size_t max = argc > 3 ? (size_t)strtoull(argv[3], NULL, 10) : (size_t)2 << 20;
-  const char *snap = argc > 4 ? argv[4] : NULL;
-  if (ops <= 0 || max < 512) {
-    fprintf(stderr, "usage: peak_probe [seed] [ops > 0] [max bytes >= 512] [snapshot.json]\n");
+  const char *snap = argc > 4 && strcmp(argv[4], "-") != 0 ? argv[4] : NULL;
+  int mixed = argc > 5 && strcmp(argv[5], "mixed") == 0;
+  if (ops <= 0 || max < 512 || (argc > 5 && !mixed)) {
+    fprintf(stderr, "usage: peak_probe [seed] [ops > 0] [max bytes >= 512] [snapshot.json | -] [mixed]\n");
     return 2;
   }
   if (devshim_init() != 0) {
@@ -62,7 +65,7 @@ int main(int argc, char **argv) {
       bestfit_free(ref[i]);
       cur -= sz[i];
     }
-    sz[i] = bench_spread_size(bench_rand(&seed), 256, max);
+    sz[i] = mixed ? bench_mixed_size(bench_rand(&seed), 256, max) : bench_spread_size(bench_rand(&seed), 256, max);
     live[i] = magpie_malloc_async(sz[i], s);
     ref[i] = bestfit_alloc(sz[i]);
     if (live[i] == NULL) {
@@ -91,8 +94,9 @@ int main(int argc, char **argv) {
     }
   devshim_synchronize();
   double bf = (double)bestfit_peak_reserved();
-  printf("peak_probe on the %s: seed %llu, %ld operations, sizes 256 B-%zu B\n",
-         devshim_is_cuda() ? "GPU (CUDA backend)" : "simulated device", seedn, ops, max);
+  printf("peak_probe on the %s: seed %llu, %ld operations, sizes 256 B-%zu B%s\n",
+         devshim_is_cuda() ? "GPU (CUDA backend)" : "simulated device", seedn, ops, max,
+         mixed ? " (powers of two)" : " (2^e + U[0, 2^e))");
   printf("peak live %.2f MiB; bestfit %.1f MiB (%.3f); magpie %.1f MiB (%.3f) at operation %ld\n", MIB(peak_live),
          MIB(bf), bf / (double)peak_live, MIB(top.reserved_bytes), (double)top.reserved_bytes / (double)peak_live, at);
   printf(

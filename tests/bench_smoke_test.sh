@@ -45,6 +45,8 @@ check magpie_bench '^== 1 latency' '^== 2 scaling' '^== 3 pipeline' '^== 4 ' '^=
   'failed CUDA calls: 0; magpie failed allocations: 0;'
 run peak_probe "$probe" 3 20000
 check peak_probe 'bestfit' 'magpie'
+run peak_probe_mixed "$probe" 3 20000 2097152 - mixed
+check peak_probe_mixed 'powers of two' 'bestfit' 'magpie'
 run pair_bench "$pair" 20000 1
 check pair_bench 'magpie'
 run scaling_bench "$scaling" 2 0.05 16

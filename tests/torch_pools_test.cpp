@@ -16,18 +16,10 @@
 #include <vector>
 
 #include "magpie.h"
+#include "magpie_test_check.h"
 #include "torch_pools.h"
 
 namespace {
-
-int failures = 0;
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      failures++;                                                          \
-      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                      \
-  } while (0)
 
 // ---- CUDA's events, faked: an event completes when the test says its
 // stream's work did (finish) or at a device synchronisation.
@@ -276,6 +268,5 @@ int main() {
   test_capture_free_waits_for_sync();
   test_fraction_takes_any_size();
   CHECK(events.empty() && !bad_event); // every event destroyed once
-  std::printf("torch_pools_test: %s (%d failed checks)\n", failures == 0 ? "OK" : "FAILED", failures);
-  return failures == 0 ? 0 : 1;
+  return magpie_test::check_report("torch_pools_test");
 }

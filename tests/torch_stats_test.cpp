@@ -9,18 +9,10 @@
 #include <thread>
 #include <vector>
 
+#include "magpie_test_check.h"
 #include "torch_stats.h"
 
 namespace {
-
-int failures = 0;
-#define CHECK(cond)                                                        \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      failures++;                                                          \
-      std::fprintf(stderr, "FAIL %s:%d: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                      \
-  } while (0)
 
 using magpie_torch::Stats;
 using DeviceStats = c10::CachingDeviceAllocator::DeviceStats;
@@ -202,6 +194,5 @@ int main() {
   run(test_threads);
   run(test_cross_thread_free);
   run(test_late_free);
-  std::printf("torch_stats_test: %s (%d failed checks)\n", failures == 0 ? "OK" : "FAILED", failures);
-  return failures == 0 ? 0 : 1;
+  return magpie_test::check_report("torch_stats_test");
 }
