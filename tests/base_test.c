@@ -43,11 +43,13 @@ static void test_sizeclass_magic_division(void **state) {
     assert_true(ci->blocks >= 1 && ci->slab_size < ((size_t)1 << 24));
     assert_true(ci->mag_cap >= (ci->seg ? 1 : 2) && ci->mag_cap <= 64);
     /* Classes above SIZECLASS_SLAB_MAX are class blocks of the segments,
-     * one magazine of at most SIZECLASS_SEG_MAG_BYTES (or one block). */
+     * magazines of at most SIZECLASS_SEG_MAG_FEW_BYTES, or
+     * SIZECLASS_SEG_MAG_BYTES for a thread on one stream (or one block). */
     assert_int_equal(ci->seg, ci->size > SIZECLASS_SLAB_MAX);
     if (ci->seg)
-      assert_true(ci->mag_max == ci->mag_cap &&
-                  (ci->mag_cap == 1 || ci->mag_cap * ci->size <= SIZECLASS_SEG_MAG_BYTES));
+      assert_true(ci->mag_cap <= ci->mag_max &&
+                  (ci->mag_cap == 1 || ci->mag_cap * ci->size <= SIZECLASS_SEG_MAG_FEW_BYTES) &&
+                  (ci->mag_max == 1 || ci->mag_max * ci->size <= SIZECLASS_SEG_MAG_BYTES));
     for (uint64_t off = 0; off < ci->slab_size; off += (ci->slab_size / 4099) | 1) {
       assert_int_equal((off * ci->magic) >> SIZECLASS_MAGIC_SHIFT, off / ci->size);
     }

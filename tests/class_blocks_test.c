@@ -7,6 +7,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -126,9 +127,9 @@ static void test_class_outflow_to_depot(void **state) {
   assert_int_equal(pthread_create(&th, NULL, free_all_thread, p), 0);
   assert_int_equal(pthread_join(th, &ret), 0);
   assert_ptr_equal(ret, p);
-  /* Two sealed outboxes of two (512 KiB each) while it ran; what it still
-   * held at its exit went to limbo, which the maintenance thread may have
-   * drained into the depot since. */
+  /* Two magazines of two blocks (1 MiB each) sealed from its outbox while
+   * it ran; what it still held at its exit went to limbo, which the
+   * maintenance thread may have drained into the depot since. */
   assert_true(depot_class_bytes(k.h, k.cls) >= k.depot0 + 4 * (int64_t)sizeclass_table[k.cls].size);
   fake_stream_complete(s);
   for (int n = 0; n < 4; n++) {
@@ -189,8 +190,12 @@ static void test_class_surplus_to_depot_when_lock_busy(void **state) {
   const size_t size = 300000; /* the 384 KiB class, which no other test here uses */
   void *p[CLASS_BLOCKS];
   class_case k = class_case_start(size, p);
+  uint64_t contended = heap_class_contention(k.h);
   class_case_free_locked(&k, p);
   assert_true(atomic_load_relaxed(&k.h->put_backoff) > 0);
+  /* Counted: the thread caches keep a second magazine of class blocks
+   * while this rises (tslot.h, seg_two). */
+  assert_true(heap_class_contention(k.h) > contended);
   atomic_store_relaxed(&k.h->put_backoff, 0); /* for the tests after this one */
   fake_stream_complete(k.s);
 }
@@ -199,7 +204,10 @@ static void test_class_surplus_to_depot_when_lock_busy(void **state) {
  * tried, and the slot's next refills take it back from there. */
 static void test_class_surplus_in_depot_within_budget(void **state) {
   (void)state;
-  const size_t size = 200000; /* the 256 KiB class, which no other test here uses */
+  /* The 1 MiB class, which no other test here uses: one block a magazine,
+   * so that the frees below fill more than the outbox of a thread on
+   * several streams holds (1 MiB) and some reach the depot. */
+  const size_t size = 1000000;
   void *p[CLASS_BLOCKS];
   class_case k = class_case_start(size, p);
   heap *h = k.h;
@@ -217,6 +225,133 @@ static void test_class_surplus_in_depot_within_budget(void **state) {
   fake_stream_complete(s);
 }
 
+/* Blocks of class cls in the previous magazine of the calling thread's
+ * slot for s (its second one). */
+static uint32_t slot_second_blocks(cudaStream_t s, unsigned cls) {
+  tslot *ts = own_slot(s);
+  assert_non_null(ts);
+  return ts->prev[cls]->count;
+}
+
+/* A slot keeps one magazine of a class of class blocks while no thread
+ * contends on their paths (tslot.h, seg_two), and two, as of every other
+ * class, once a refill from the heap finds that threads did, until
+ * TCACHE_QUIET_REFILLS refills find that none did; only where its thread
+ * is on its stream alone (tcache_keeps_for): here a new thread's. */
+typedef struct second_run {
+  heap *h;
+  cudaStream_t s;
+  int ok;
+} second_run;
+
+static void *second_magazine_thread(void *arg) {
+  second_run *r = arg;
+  const size_t size = 150000; /* the 192 KiB class, which no other test here uses */
+  unsigned cls = sizeclass_of(size);
+  uint32_t cap = sizeclass_table[cls].mag_max;
+  cudaStream_t s = r->s;
+  enum { N = 3 * 70 };
+  static void *p[N];
+  /* Quiet: two magazines' worth freed, one kept (the other left). The
+   * first refill is a carve of a magazine's worth for a thread on one
+   * stream (tcache_seg_cap). */
+  assert_true(cap > sizeclass_table[cls].mag_cap);
+  assert_non_null(p[0] = magpie_malloc_async(size, s));
+  assert_int_equal(own_slot(s)->cl[cls].loaded->cap, cap);
+  for (uint32_t i = 1; i < 2 * cap; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  for (uint32_t i = 0; i < 2 * cap; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  assert_int_equal(slot_second_blocks(s, cls), 0);
+  /* Another thread found the lock held; the slot's next refill from the
+   * heap (past what it holds and its outbox) sees it. */
+  atomic_add_relaxed(&r->h->large.class_contended, 1);
+  for (uint32_t i = 0; i < 3 * cap; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  for (uint32_t i = 0; i < 3 * cap; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  assert_true(slot_second_blocks(s, cls) > 0);
+  assert_int_equal(own_slot(s)->seg_two, 1);
+  /* Quiet again: past TCACHE_QUIET_REFILLS refills, one magazine. */
+  uint64_t seen = heap_class_contention(r->h);
+  size_t n = (size_t)cap * (TCACHE_QUIET_REFILLS + 4);
+  assert_true(n <= N);
+  for (size_t i = 0; i < n; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  for (size_t i = 0; i < n; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  if (heap_class_contention(r->h) == seen) { /* no lock found held meanwhile (the maintenance thread's) */
+    assert_int_equal(own_slot(s)->seg_two, 0);
+    assert_int_equal(slot_second_blocks(s, cls), 0);
+  }
+  r->ok = 1;
+  return NULL;
+}
+
+static void test_second_magazine_while_contended(void **state) {
+  (void)state;
+  second_run r = {.h = heap_get(0), .s = fake_stream_create(0)};
+  unsigned cls = sizeclass_of(150000);
+  assert_true(sizeclass_table[cls].seg && sizeclass_table[cls].mag_max >= 2);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, second_magazine_thread, &r), 0);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_true(r.ok);
+  /* This thread is on several streams: one magazine, contended or not. */
+  cudaStream_t s = fake_stream_create(0);
+  const size_t size = 150000;
+  uint32_t cap = sizeclass_table[cls].mag_cap;
+  void *p[8];
+  assert_true(1 + 3 * cap <= 8);
+  assert_non_null(p[0] = magpie_malloc_async(size, s)); /* the slot's first look */
+  atomic_add_relaxed(&r.h->large.class_contended, 1);
+  for (uint32_t i = 1; i <= 3 * cap; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  assert_int_equal(own_slot(s)->seg_two, 1);
+  for (uint32_t i = 0; i <= 3 * cap; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  assert_int_equal(slot_second_blocks(s, cls), 0);
+  fake_stream_complete(r.s);
+  fake_stream_complete(s);
+}
+
+/* Class blocks from memory mapped already are carved without the class's
+ * carve lock (heap.c, heap_carve): another thread holding it does not
+ * hold up a refill that needs no mapping. */
+typedef struct carve_run {
+  size_t size;
+  cudaStream_t s;
+  void *p;
+  _Atomic int done;
+} carve_run;
+
+static void *carve_thread(void *arg) {
+  carve_run *r = arg;
+  r->p = magpie_malloc_async(r->size, r->s);
+  atomic_store(&r->done, 1);
+  return NULL;
+}
+
+static void test_class_carve_without_carve_lock(void **state) {
+  (void)state;
+  const size_t size = 120000; /* the 128 KiB class, which no other test here uses */
+  heap *h = heap_get(0);
+  unsigned cls = sizeclass_of(size);
+  assert_true(sizeclass_table[cls].seg);
+  cudaStream_t s = fake_stream_create(0);
+  /* Mapped free memory, ready for every stream, and none of the class in
+   * the depot. */
+  void *big = magpie_malloc_async((size_t)4 << 20, s);
+  assert_non_null(big);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  assert_int_equal(depot_class_bytes(h, cls), 0);
+  carve_run r = {.size = size, .s = s, .done = 0};
+  pthread_mutex_lock(&h->depots[cls].carve_lock);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, carve_thread, &r), 0);
+  for (int i = 0; i < 5000 && !atomic_load(&r.done); i++) usleep(1000);
+  int done = atomic_load(&r.done);
+  pthread_mutex_unlock(&h->depots[cls].carve_lock);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_true(done);
+  assert_non_null(r.p);
+  assert_int_equal(magpie_free_async(r.p, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
@@ -225,6 +360,8 @@ int main(void) {
       cmocka_unit_test(test_allocation_that_would_map_sends_class_blocks_back),
       cmocka_unit_test(test_class_outflow_to_depot),
       cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),
+      cmocka_unit_test(test_second_magazine_while_contended),
+      cmocka_unit_test(test_class_carve_without_carve_lock),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

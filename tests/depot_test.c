@@ -151,7 +151,7 @@ static void test_depot_reuse_through_stream_wait(void **state) {
   m = put_pending(h, cls, ra, a, UINT32_MAX, 0x2000); /* full */
   assert_int_equal(magpie_stats_get(0, &st0), MAGPIE_OK);
   magazine *fresh = NULL;
-  assert_int_equal(heap_refill(h, cls, idb, b, 0, &fresh), MAGPIE_OK);
+  assert_int_equal(heap_refill(h, cls, 0, idb, b, 0, &fresh), MAGPIE_OK);
   assert_int_equal(magpie_stats_get(0, &st1), MAGPIE_OK);
   assert_int_equal(st1.slab_count, st0.slab_count + 1);
   assert_int_equal(st1.stream_waits, st0.stream_waits);

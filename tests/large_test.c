@@ -68,10 +68,12 @@ static void test_split_and_coalesce(void **state) {
   memset(c, 3, 3 * MiB);
   check_layers(0);
   /* A hole of 5 MiB: a 4 MiB request takes it (best fit: the segment's
-   * tail is larger), leaving 1 MiB split off. */
+   * tail is larger) at its end, on a granule boundary, leaving 1 MiB split
+   * off at its start, in the granule a already cuts into: at the hole's
+   * start it would have cut into a whole free granule. */
   assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
   char *d = magpie_malloc_async(4 * MiB, s);
-  assert_ptr_equal(d, b);
+  assert_ptr_equal(d, b + 1 * MiB);
   assert_int_equal(magpie_usable_size(d), 4 * MiB);
   char *e = magpie_malloc_async(1 * MiB + 4096, s); /* > 1 MiB: large, does not fit the 1 MiB rest */
   assert_true(e > c);
@@ -882,23 +884,25 @@ static void test_bins_order_and_best_fit(void **state) {
     assert_true(large_bin_of(top) < LARGE_BINS);
     assert_true(large_bin_of((size_t)1 << e) <= large_bin_of(top));
   }
-  /* Holes of 9, 5, 7, 3 and 6 MiB between blocks kept in use, on a
-   * device no other test allocates on (its segment is carved in order);
-   * a 4 MiB request takes the 5 MiB hole, a 6.5 MiB one the 7 MiB hole. */
+  /* Holes of 10, 6, 8, 4 and 12 MiB between blocks of one granule kept in
+   * use, on a device no other test allocates on (its segment is carved
+   * in order, every block on a granule boundary); a 5 MiB request takes
+   * the 6 MiB hole, a 7.5 MiB one the 8 MiB hole, each at its start. */
   cudaStream_t s = fake_stream_create(3);
-  const size_t holes[] = {9, 5, 7, 3, 6};
+  const size_t holes[] = {10, 6, 8, 4, 12};
   char *hole[5], *wall[6];
   for (int i = 0; i < 5; i++) {
-    wall[i] = magpie_malloc_async(2 * MiB + 4096, s);
+    wall[i] = magpie_malloc_async(2 * MiB, s);
     hole[i] = magpie_malloc_async(holes[i] * MiB, s);
     assert_non_null(wall[i]);
-    assert_non_null(hole[i]);
+    assert_ptr_equal(hole[i], wall[i] + 2 * MiB);
+    if (i > 0) assert_ptr_equal(wall[i], hole[i - 1] + holes[i - 1] * MiB);
   }
-  wall[5] = magpie_malloc_async(2 * MiB + 4096, s);
+  wall[5] = magpie_malloc_async(2 * MiB, s);
   for (int i = 0; i < 5; i++) assert_int_equal(magpie_free_async(hole[i], s), MAGPIE_OK);
   int before = large_free_count(3);
-  char *a = magpie_malloc_async(4 * MiB, s);
-  char *b = magpie_malloc_async(6 * MiB + MiB / 2, s);
+  char *a = magpie_malloc_async(5 * MiB, s);
+  char *b = magpie_malloc_async(7 * MiB + MiB / 2, s);
   assert_ptr_equal(a, hole[1]);
   assert_ptr_equal(b, hole[2]);
   assert_int_equal(large_free_count(3), before); /* each split one hole into a block and a smaller hole */
@@ -972,6 +976,77 @@ static void test_lent_block_generation(void **state) {
   fake_stream_destroy(s);
 }
 
+/* Where a block goes in free memory (large.c, large_consider), on device
+ * 3 once the tests before have given all of it back (its segment, free
+ * and unmapped, is carved in order from a granule boundary). A block
+ * goes where it cuts into no whole free granule; one smaller than a
+ * granule, aligned to its size, and between holes of one bin into the
+ * granule with the least free memory. */
+static void test_placement_keeps_granules_whole(void **state) {
+  (void)state;
+  heap *h = heap_get(3);
+  assert_non_null(h);
+  large_cache *c = &h->large;
+  cudaStream_t s = fake_stream_create(3);
+  uint64_t sid = 0;
+  assert_int_equal(h->ops->stream_id(s, &sid), MAGPIE_OK);
+  assert_int_equal(magpie_trim(3, 0), MAGPIE_OK);
+  const size_t K = 1024;
+  size_t bs;
+#define PLACE(p, size) assert_int_equal(large_alloc(c, (size), sid, s, LARGE_READY_ONLY, &(p), &bs), MAGPIE_OK)
+#define UNPLACE(p) assert_int_equal(large_free(c, (p), &(epoch_ticket){0}, &bs), MAGPIE_OK)
+  /* Granule 0: u1 (768 KiB), h1 (1.25 MiB); granule 1: v (512 KiB), h2
+   * (1.25 MiB), w (128 KiB), u3 (128 KiB); granule 2: u4. */
+  uintptr_t u1, h1, v, h2, w, u3, u4, x;
+  PLACE(u1, 768 * K);
+  assert_int_equal(u1 % (2 * MiB), 0);
+  PLACE(h1, 1280 * K);
+  PLACE(v, 512 * K);
+  PLACE(h2, 1280 * K);
+  PLACE(w, 128 * K);
+  PLACE(u3, 128 * K);
+  PLACE(u4, 2 * MiB);
+  assert_int_equal(h1, u1 + 768 * K);
+  assert_int_equal(v, u1 + 2 * MiB);
+  assert_int_equal(h2, u1 + 2560 * K);
+  assert_int_equal(w, u1 + 3840 * K);
+  assert_int_equal(u3, u1 + 3968 * K);
+  assert_int_equal(u4, u1 + 4 * MiB);
+  /* Holes of 1.25 MiB in granules 0 (1.25 MiB free) and 1 (1.375 MiB
+   * free, with u3's): 512 KiB goes into granule 0, aligned to its size
+   * (at h1's end), although h2's hole is the newer of the two in their
+   * bin. */
+  UNPLACE(h1);
+  UNPLACE(h2);
+  UNPLACE(u3);
+  PLACE(x, 512 * K);
+  assert_int_equal(x, u1 + 1536 * K);
+  const uintptr_t first[] = {x, u1, v, w, u4};
+  for (int i = 0; i < 5; i++) UNPLACE(first[i]);
+  assert_int_equal(magpie_trim(3, 0), MAGPIE_OK);
+  /* A 5 MiB hole from a granule boundary (after a, 2 MiB) into the
+   * granule cc fills half of: 3 MiB goes to its end, at 4 MiB, where it
+   * cuts into no whole free granule (at the hole's start it would cut
+   * into the one at 4 MiB); 2 MiB then takes the granule left. */
+  uintptr_t a, hole, cc, y;
+  PLACE(a, 2 * MiB);
+  PLACE(hole, 5 * MiB);
+  PLACE(cc, 3 * MiB);
+  assert_int_equal(hole, a + 2 * MiB);
+  assert_int_equal(cc, a + 7 * MiB);
+  UNPLACE(hole);
+  PLACE(x, 3 * MiB);
+  assert_int_equal(x, a + 4 * MiB);
+  PLACE(y, 2 * MiB);
+  assert_int_equal(y, a + 2 * MiB);
+  const uintptr_t second[] = {a, cc, x, y};
+  for (int i = 0; i < 4; i++) UNPLACE(second[i]);
+#undef PLACE
+#undef UNPLACE
+  check_layers(3);
+  fake_stream_destroy(s);
+}
+
 int main(void) {
   fake_set_devices(4);
   fake_set_capacity(1, 24 * MiB);
@@ -996,6 +1071,7 @@ int main(void) {
       cmocka_unit_test(test_snapshot_bad_input),
       cmocka_unit_test(test_bins_order_and_best_fit),
       cmocka_unit_test(test_lent_block_generation),
+      cmocka_unit_test(test_placement_keeps_granules_whole),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

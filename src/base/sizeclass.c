@@ -75,14 +75,15 @@ void sizeclass_init(size_t magazine_bytes, size_t granularity) {
     uint32_t start = sizeclass_icbrt(((size_t)1 << 23) / ci->size);
     if (start < 2) start = 2;
     ci->mag_cap = start < ci->mag_max ? start : ci->mag_max;
-    /* Class blocks: a thread keeps one magazine of a class (tcache_free.c) of
-     * at most SIZECLASS_SEG_MAG_BYTES, so that what threads cache of the
-     * classes above 64 KiB stays small next to their blocks' sizes. */
+    /* Class blocks: a magazine holds at most SIZECLASS_SEG_MAG_BYTES for a
+     * thread on one stream (mag_max) and SIZECLASS_SEG_MAG_FEW_BYTES for
+     * any other (mag_cap), so that what threads cache of the classes above
+     * 64 KiB stays small next to their blocks' sizes: a thread on several
+     * streams holds magazines for each of them (tcache_seg_cap). */
     if (ci->seg) {
-      size_t segcap = SIZECLASS_SEG_MAG_BYTES / ci->size;
-      if (segcap < 1) segcap = 1;
-      if (segcap < ci->mag_cap) ci->mag_cap = (uint32_t)segcap;
-      ci->mag_max = ci->mag_cap;
+      size_t most = SIZECLASS_SEG_MAG_BYTES / ci->size, few = SIZECLASS_SEG_MAG_FEW_BYTES / ci->size;
+      ci->mag_max = (uint32_t)(most < 1 ? 1 : most < start ? most : start);
+      ci->mag_cap = (uint32_t)(few < 1 ? 1 : few < ci->mag_max ? few : ci->mag_max);
     }
     ci->magic = sizeclass_magic(ci->size);
   }

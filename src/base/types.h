@@ -84,8 +84,10 @@ typedef struct stack {
  * class blocks they sat among large blocks and split the free memory those
  * needed (bench/DECISIONS.md, "Slabs up to 64 KiB, class blocks above"). */
 #define SIZECLASS_SLAB_MAX ((size_t)64 << 10)
-/* Most bytes of one magazine of those classes (at least one block). */
-#define SIZECLASS_SEG_MAG_BYTES ((size_t)256 << 10)
+/* Most bytes of one magazine of those classes (at least one block): for a
+ * thread on one stream (mag_max), and for any other (mag_cap). */
+#define SIZECLASS_SEG_MAG_BYTES ((size_t)1 << 20)
+#define SIZECLASS_SEG_MAG_FEW_BYTES ((size_t)256 << 10)
 
 /* Per-class tables, filled once by sizeclass_init(). */
 typedef struct sizeclass_info {

@@ -318,12 +318,14 @@ static int heap_recycle(heap *h) {
   return got > 0;
 }
 
-/* A magazine of class blocks of class cls from the segments (flags: those
- * of large_class_carve; LARGE_NO_MAP gives SLAB_WOULD_MAP where only
- * mapping would serve). */
-static int heap_class_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int flags, magazine **out) {
+/* A magazine of up to cap class blocks of class cls (0: the class's
+ * mag_cap) from the segments (flags: those of large_class_carve;
+ * LARGE_NO_MAP gives SLAB_WOULD_MAP where only mapping would serve). */
+static int heap_class_carve(heap *h, unsigned cls, uint32_t cap, uint64_t stream_id, cudaStream_t stream, int flags,
+                            magazine **out) {
   magazine *m = magazine_get_empty(cls);
   if (m == NULL) return MAGPIE_ERR_OUT_OF_MEMORY;
+  if (cap != 0 && cap <= sizeclass_table[cls].mag_max) m->cap = cap;
   uint32_t got = 0;
   int rc =
       large_class_carve(&h->large, cls, sizeclass_table[cls].size, m->cap, stream_id, stream, flags, m->slots, &got);
@@ -336,14 +338,14 @@ static int heap_class_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStrea
   return MAGPIE_OK;
 }
 
-/* A slab's worth (or a magazine of class blocks) of class cls, from memory
- * mapped (may_map 0: else SLAB_WOULD_MAP) or mapped now; pressure: class
- * blocks may come through a stream wait. */
-static int heap_carve_from(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int may_map, int pressure,
-                           magazine **out) {
+/* A slab's worth (or a magazine of up to cap class blocks) of class cls,
+ * from memory mapped (may_map 0: else SLAB_WOULD_MAP) or mapped now;
+ * pressure: class blocks may come through a stream wait. */
+static int heap_carve_from(heap *h, unsigned cls, uint32_t cap, uint64_t stream_id, cudaStream_t stream, int may_map,
+                           int pressure, magazine **out) {
   if (!sizeclass_table[cls].seg) return slab_carve(&h->slabs, cls, may_map, out);
   int flags = (may_map ? 0 : LARGE_NO_MAP) | (pressure ? LARGE_MAY_WAIT_EVENT : 0);
-  return heap_class_carve(h, cls, stream_id, stream, flags, out);
+  return heap_class_carve(h, cls, cap, stream_id, stream, flags, out);
 }
 
 /* Carve a slab of class cls, one thread per class at a time. Threads that
@@ -351,9 +353,18 @@ static int heap_carve_from(heap *h, unsigned cls, uint64_t stream_id, cudaStream
  * the first slab's magazines sat unused in the depot (bench/DECISIONS.md,
  * "Slabs of a class are carved one thread at a time"). Whoever waited
  * looks at the depot again first. A carve that would map recycles first
- * (heap_recycle). */
-static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int pressure, int flags,
-                      magazine **out) {
+ * (heap_recycle). Class blocks carved from memory mapped already take
+ * the large cache's lock alone: waiting on the class's lock as well, in
+ * turn behind the large cache's, was most of what sixteen threads of the
+ * mixed workload waited for (bench/DECISIONS.md, "Class blocks from mapped
+ * memory need no carve lock"). */
+static int heap_carve(heap *h, unsigned cls, uint32_t cap, uint64_t stream_id, cudaStream_t stream, int pressure,
+                      int flags, magazine **out) {
+  if (sizeclass_table[cls].seg) {
+    int rc =
+        heap_class_carve(h, cls, cap, stream_id, stream, LARGE_NO_MAP | (pressure ? LARGE_MAY_WAIT_EVENT : 0), out);
+    if (rc != SLAB_WOULD_MAP) return rc;
+  }
   depot *d = &h->depots[cls];
   pthread_mutex_lock(&d->carve_lock);
   magazine *m = depot_take(d, stream_id);
@@ -361,11 +372,11 @@ static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t st
   if (m != NULL) {
     *out = m;
   } else {
-    rc = heap_carve_from(h, cls, stream_id, stream, 0, pressure, out);
+    rc = heap_carve_from(h, cls, cap, stream_id, stream, 0, pressure, out);
     if (rc == SLAB_WOULD_MAP) {
       int recycled = heap_recycle(h);
-      if (!(flags & HEAP_NO_MAP)) rc = heap_carve_from(h, cls, stream_id, stream, 1, pressure, out);
-      else if (recycled) rc = heap_carve_from(h, cls, stream_id, stream, 0, pressure, out);
+      if (!(flags & HEAP_NO_MAP)) rc = heap_carve_from(h, cls, cap, stream_id, stream, 1, pressure, out);
+      else if (recycled) rc = heap_carve_from(h, cls, cap, stream_id, stream, 0, pressure, out);
     }
   }
   pthread_mutex_unlock(&d->carve_lock);
@@ -375,6 +386,7 @@ static int heap_carve(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t st
 /* heap_refill's request, for its retries down the ladder. */
 typedef struct heap_refill_req {
   unsigned cls;
+  uint32_t cap;
   uint64_t stream_id;
   cudaStream_t stream;
   magazine **out;
@@ -382,19 +394,20 @@ typedef struct heap_refill_req {
 
 static int heap_refill_retry(heap *h, void *ctx) {
   heap_refill_req *r = ctx;
-  return heap_carve(h, r->cls, r->stream_id, r->stream, 1, 0, r->out);
+  return heap_carve(h, r->cls, r->cap, r->stream_id, r->stream, 1, 0, r->out);
 }
 
 _Static_assert(HEAP_WOULD_MAP == SLAB_WOULD_MAP && HEAP_WOULD_MAP == LARGE_WOULD_MAP, "one would-map value");
 
-int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int flags, magazine **out) {
+int heap_refill(heap *h, unsigned cls, uint32_t cap, uint64_t stream_id, cudaStream_t stream, int flags,
+                magazine **out) {
   record_poll(&h->records, h->depots, &h->large); /* recorded blocks whose streams completed */
   magazine *m = depot_take(&h->depots[cls], stream_id);
   if (m != NULL) {
     *out = m;
     return MAGPIE_OK;
   }
-  int rc = heap_carve(h, cls, stream_id, stream, 0, flags, out);
+  int rc = heap_carve(h, cls, cap, stream_id, stream, 0, flags, out);
   if (rc != MAGPIE_ERR_OUT_OF_MEMORY) return rc;
   /* Pressure: order this stream after another stream's free (a stream
    * wait) before any host-side wait. Only under pressure: small refills
@@ -405,7 +418,7 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
     *out = m;
     return MAGPIE_OK;
   }
-  heap_refill_req req = {cls, stream_id, stream, out};
+  heap_refill_req req = {cls, cap, stream_id, stream, out};
   return heap_descend(h, heap_refill_retry, &req, sizeclass_table[cls].size);
 }
 

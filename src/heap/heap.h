@@ -141,11 +141,14 @@ heap *heap_get(int device);
 heap *heap_peek(int device);
 
 /* A magazine of class cls usable by stream_id (handle stream) now: from
- * the depot, else a new slab; under pressure, through a stream wait on
- * another stream's pending magazine, then down the ladder (which waits
- * for pending epochs and gives back cached large blocks) before failing
- * with MAGPIE_ERR_OUT_OF_MEMORY. */
-int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, int flags, magazine **out);
+ * the depot, else a new slab (or, for class blocks, up to cap blocks
+ * carved from the segments: 0 for the class's mag_cap, at most its
+ * mag_max); under pressure, through a stream wait on another stream's
+ * pending magazine, then down the ladder (which waits for pending epochs
+ * and gives back cached large blocks) before failing with
+ * MAGPIE_ERR_OUT_OF_MEMORY. */
+int heap_refill(heap *h, unsigned cls, uint32_t cap, uint64_t stream_id, cudaStream_t stream, int flags,
+                magazine **out);
 /* flags of heap_refill and heap_large_alloc: memory mapped already only
  * (after the heap's own recycling), else HEAP_WOULD_MAP (a return value)
  * with nothing mapped. A thread cache lets its own cached blocks go before
@@ -159,6 +162,9 @@ int heap_refill(heap *h, unsigned cls, uint64_t stream_id, cudaStream_t stream, 
  * any size, if the large cache's lock is free at that moment and no
  * recent try found it held (put_backoff). */
 void heap_put(heap *h, magazine *m, int round_trip);
+/* How often threads found the large cache's lock held on the class blocks'
+ * paths so far (large_cache.class_contended): a count that only rises. */
+static inline uint64_t heap_class_contention(heap *h) { return atomic_load_relaxed(&h->large.class_contended); }
 
 /* A large block of at least size bytes usable by stream_id (handle
  * stream) now; under pressure, goes down the same ladder. With lent

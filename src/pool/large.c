@@ -55,22 +55,107 @@ static size_t large_unmapped_in(large_cache *c, const lseg *sg, uintptr_t a, siz
   return cost;
 }
 
+/* Where a block goes in a free block. Best fit first: the fewest bytes
+ * to map, then the fewest whole free granules cut into, then a place
+ * aligned to the block's own size (its largest power of two, at most a
+ * granule), then the smallest free block. A granule cut into but not
+ * covered can serve only blocks smaller than itself until everything in it
+ * is free again, so a block of a granule or more goes on a granule
+ * boundary where it can, and a smaller one into a granule something
+ * already uses, where, aligned to its size, it leaves holes that merge
+ * into aligned ones as their neighbours are freed (bench/DECISIONS.md,
+ * "Large blocks keep whole granules whole"). */
 typedef struct large_pick {
   lblock *b;
-  int at_end;
-  size_t cost;
+  size_t off;     /* the block's offset in b */
+  size_t cost;    /* bytes of granules to map */
+  unsigned spoil; /* whole free granules of b the block cuts into without covering (0-2) */
+  unsigned odd;   /* 1: not aligned to its size */
+  size_t gfree;   /* below a granule: free bytes of the granule it starts in (SIZE_MAX: not yet known) */
 } large_pick;
 
-static void large_consider(large_cache *c, lblock *b, size_t need, large_pick *best) {
-  size_t c0 = large_unmapped_in(c, b->seg, b->base, need);
-  size_t c1 = b->size > need ? large_unmapped_in(c, b->seg, b->base + b->size - need, need) : c0;
-  size_t cost = c1 < c0 ? c1 : c0;
-  if (best->b == NULL || cost < best->cost || (cost == best->cost && b->size < best->b->size)) {
-    best->b = b;
-    best->at_end = c1 < c0;
-    best->cost = cost;
-  }
+/* Granules of free block b wholly free that [p, p + n) cuts into without
+ * covering them: the first and the last granule it touches. */
+static unsigned large_spoil(const lblock *b, uintptr_t p, size_t n, size_t g) {
+  uintptr_t sb = b->seg->base;
+  uintptr_t lo = sb + (b->base - sb + g - 1) / g * g, hi = sb + (b->base + b->size - sb) / g * g;
+  if (lo >= hi) return 0; /* no granule of b is wholly free */
+  uintptr_t q = p + n, first = sb + (p - sb) / g * g, last = sb + (q - 1 - sb) / g * g;
+  unsigned spoil = 0;
+  if (p != first && first >= lo && first + g <= hi) spoil++;
+  if (q != last + g && last >= lo && last + g <= hi && (last != first || p == first)) spoil++;
+  return spoil;
 }
+
+/* Free bytes of the granule holding p, which free block b overlaps. */
+static size_t large_granule_free(const lblock *b, uintptr_t p, size_t g) {
+  uintptr_t sb = b->seg->base, lo = sb + (p - sb) / g * g, hi = lo + g;
+  const lblock *x = b;
+  while (x->base > lo && x->prev != NULL) x = x->prev;
+  size_t n = 0;
+  for (; x != NULL && x->base < hi; x = x->next) {
+    if (x->state != LBLOCK_FREE || x->base + x->size <= lo) continue;
+    uintptr_t a = x->base > lo ? x->base : lo, e = x->base + x->size < hi ? x->base + x->size : hi;
+    n += e - a;
+  }
+  return n;
+}
+
+/* The alignment a block of need bytes is placed at where it can: its
+ * largest power of two, at most a granule. */
+static size_t large_align_of(size_t need, size_t g) {
+  size_t a = (size_t)1 << (63 - __builtin_clzll((unsigned long long)need));
+  return a < g ? a : g;
+}
+
+/* Free bytes of the granule of pick p (computed once, when two picks tie
+ * up to it). */
+static size_t large_pick_gfree(large_pick *p, size_t need, size_t g) {
+  if (p->gfree == SIZE_MAX) p->gfree = need < g ? large_granule_free(p->b, p->b->base + p->off, g) : 0;
+  return p->gfree;
+}
+
+static void large_consider_at(large_cache *c, lblock *b, size_t need, size_t off, large_pick *best) {
+  size_t g = large_gran(c);
+  uintptr_t p = b->base + off;
+  large_pick cand = {.b = b,
+                     .off = off,
+                     .cost = large_unmapped_in(c, b->seg, p, need),
+                     .spoil = large_spoil(b, p, need, g),
+                     .odd = (p - b->seg->base) % large_align_of(need, g) != 0,
+                     .gfree = SIZE_MAX};
+  if (best->b != NULL) {
+    if (cand.cost != best->cost) {
+      if (cand.cost > best->cost) return;
+    } else if (cand.spoil != best->spoil) {
+      if (cand.spoil > best->spoil) return;
+    } else if (cand.odd != best->odd) {
+      if (cand.odd > best->odd) return;
+    } else if (large_pick_gfree(&cand, need, g) != large_pick_gfree(best, need, g)) {
+      if (cand.gfree > best->gfree) return;
+    } else if (b->size >= best->b->size) {
+      return;
+    }
+  }
+  *best = cand;
+}
+
+/* Offer free block b's places for need bytes: its start and end, and its
+ * first and last places aligned to the block's size. */
+static void large_consider(large_cache *c, lblock *b, size_t need, large_pick *best) {
+  large_consider_at(c, b, need, 0, best);
+  if (b->size == need) return;
+  large_consider_at(c, b, need, b->size - need, best);
+  size_t a = large_align_of(need, large_gran(c));
+  uintptr_t sb = b->seg->base, end = b->base + b->size;
+  uintptr_t lo = sb + (b->base - sb + a - 1) / a * a, hi = sb + (end - need - sb) / a * a;
+  if (lo > b->base && lo + need < end) large_consider_at(c, b, need, lo - b->base, best);
+  if (hi > lo && hi + need < end) large_consider_at(c, b, need, hi - b->base, best);
+}
+
+/* Blocks looked at past a ready, mapped fit that cuts into a whole free
+ * granule, for one that does not. */
+#define LARGE_SPOIL_LOOK 16
 
 /* Hand out carved block u (lock held). */
 int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
@@ -111,18 +196,21 @@ int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, cudaStre
     /* The request's bin, then the bins above it, whose blocks all fit;
      * blocks of one bin are of nearly one size, so the first bin holding
      * a ready, wholly mapped block that fits holds the best fit of those,
-     * and the search stops there. Otherwise every fitting block is looked
-     * at, as mapping is about to cost far more. */
+     * and the search stops there, or, where that block cuts into a whole
+     * free granule, at most LARGE_SPOIL_LOOK blocks later. Otherwise every
+     * fitting block is looked at, as mapping is about to cost far more. */
+    unsigned after = 0;
     for (unsigned k = large_bin_next(c, large_bin_of(need)); k < LARGE_BINS; k = large_bin_next(c, k + 1)) {
       for (lblock *b = c->bins[k]; b; b = b->fnext) {
         if (b->size < need) continue;
+        if (best.b != NULL && best.cost == 0) after++;
         if (large_block_ready_for(b, stream_id)) {
           large_consider(c, b, need, &best);
         } else {
           large_consider(c, b, need, &wait);
         }
       }
-      if (best.b != NULL && best.cost == 0) break;
+      if (best.b != NULL && best.cost == 0 && (best.spoil == 0 || after >= LARGE_SPOIL_LOOK)) break;
     }
     /* Best of all: ready and already mapped. */
     if (best.b != NULL && best.cost == 0) goto carve_best;
@@ -164,7 +252,7 @@ int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, cudaStre
     if (use_wait) {
       /* Pressure (mapping just failed): order this stream after the free
        * instead of mapping. */
-      lblock *u = large_carve(c, wait.b, need, wait.at_end);
+      lblock *u = large_carve_at(c, wait.b, need, wait.off);
       if (u == NULL) break;
       lticket *lt = u->ticket;
       large_ticket_ref(lt);
@@ -199,7 +287,7 @@ int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, cudaStre
     /* Carve from the new segment at once: under contention, others would
      * take it and this call would grow again. */
     map_waits = LARGE_MAP_WAITS;
-    best = (large_pick){.b = sg->first, .at_end = 0, .cost = large_unmapped_in(c, sg, sg->base, need)};
+    best = (large_pick){.b = sg->first, .off = 0, .cost = large_unmapped_in(c, sg, sg->base, need), .gfree = SIZE_MAX};
     goto carve_best;
 
   carve_best : {
@@ -210,7 +298,7 @@ int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, cudaStre
       queried = 0;
       continue;
     }
-    lblock *u = large_carve(c, best.b, need, best.at_end);
+    lblock *u = large_carve_at(c, best.b, need, best.off);
     if (u == NULL) {
       backend_set_error_detail("out of host memory for a large-block descriptor");
       rc = MAGPIE_ERR_OUT_OF_MEMORY;

@@ -188,6 +188,11 @@ typedef struct large_cache {
   _Atomic uint64_t segments;
   _Atomic uint64_t stream_waits;
   _Atomic uint64_t bytes_unmapped;
+  /* Times a class carve or a class give-back found the lock held: raised
+   * (relaxed) by that thread, read (relaxed) by the thread caches'
+   * refills, which keep a second magazine of class blocks while it rises
+   * (heap_class_contention). A heuristic: publishes nothing. */
+  _Atomic uint64_t class_contended;
 } large_cache;
 
 /* Helpers shared by the large*.c files (lock held by the caller). */

@@ -72,6 +72,33 @@ lblock *large_carve(large_cache *c, lblock *b, size_t need, int at_end) {
   return u;
 }
 
+/* Cut a USED block of need bytes from free block b at offset off: at its
+ * start or end as large_carve does, or between them, b keeping the part
+ * before and the part after becoming a free block of its own under b's
+ * ticket. NULL, b unchanged, if host memory ran out. */
+lblock *large_carve_at(large_cache *c, lblock *b, size_t need, size_t off) {
+  MAGPIE_ASSERT(off <= b->size && need <= b->size - off);
+  if (off == 0) return large_carve(c, b, need, 0);
+  if (off + need == b->size) return large_carve(c, b, need, 1);
+  lblock *r = large_block_new(c);
+  if (r == NULL) return NULL;
+  lblock *u = large_carve(c, b, b->size - off, 1); /* [off, end) of b, then its tail split off */
+  if (u == NULL) {
+    large_block_drop(c, r);
+    return NULL;
+  }
+  r->seg = u->seg;
+  r->base = u->base + need;
+  r->size = u->size - need;
+  r->ticket = u->ticket;
+  large_ticket_ref(r->ticket);
+  u->size = need;
+  large_link_after(u, r);
+  large_free_link(c, r);
+  MAGPIE_ASSERT(large_seg_tiles(u->seg));
+  return u;
+}
+
 /* Return a carved block that could not be handed out (keeps its ticket). */
 void large_uncarve(large_cache *c, lblock *u, lticket **deferred) {
   large_free_link(c, u);

@@ -10,13 +10,20 @@
 
 /* ---- class blocks ---- */
 
+/* The lock, for the class blocks' paths: counted when found held. */
+static void large_class_lock(large_cache *c) {
+  if (pthread_mutex_trylock(&c->lock) == 0) return;
+  atomic_add_relaxed(&c->class_contended, 1);
+  pthread_mutex_lock(&c->lock);
+}
+
 int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, uint64_t stream_id, cudaStream_t stream,
                       int flags, void **slots, uint32_t *got) {
   MAGPIE_ASSERT(bsize % LARGE_QUANTUM == 0 && cls + 1 < LARGE_CLASS_LIMIT);
   lticket *deferred = NULL;
   int rc = MAGPIE_OK;
   *got = 0;
-  pthread_mutex_lock(&c->lock);
+  large_class_lock(c);
   while (*got < n) {
     lblock *u = NULL;
     /* Only the first block may map memory or wait: the rest fill the
@@ -35,9 +42,12 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
 int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t, int flags) {
   if (n == 0) return MAGPIE_OK;
   if (flags & LARGE_TRY) {
-    if (pthread_mutex_trylock(&c->lock) != 0) return LARGE_BUSY;
+    if (pthread_mutex_trylock(&c->lock) != 0) {
+      atomic_add_relaxed(&c->class_contended, 1);
+      return LARGE_BUSY;
+    }
   } else {
-    pthread_mutex_lock(&c->lock);
+    large_class_lock(c);
   }
   lticket *lt = NULL;
   /* One reference: this call's, until every block holds its own. A

@@ -67,6 +67,7 @@ void large_free_link(struct large_cache *c, struct lblock *b);
 void large_free_unlink(struct large_cache *c, struct lblock *b);
 void large_link_after(struct lblock *a, struct lblock *r);
 struct lblock *large_carve(struct large_cache *c, struct lblock *b, size_t need, int at_end);
+struct lblock *large_carve_at(struct large_cache *c, struct lblock *b, size_t need, size_t off);
 void large_uncarve(struct large_cache *c, struct lblock *u, struct lticket **deferred);
 struct lblock *large_coalesce_dead(struct large_cache *c, struct lblock *b, struct lticket **deferred,
                                    struct lblock **dead);

@@ -24,22 +24,8 @@
  * block not in the hash (lock held); NULL if host memory ran out. */
 static lblock *large_cut_granule(large_cache *c, lblock *b, uintptr_t at, size_t g) {
   MAGPIE_ASSERT(b->ticket == NULL && at >= b->base && at + g <= b->base + b->size);
-  size_t rest = b->base + b->size - (at + g);
-  lblock *r = NULL;
-  if (rest > 0 && at > b->base && (r = large_block_new(c)) == NULL) return NULL;
-  /* From its end: [at, end) of b, then its tail split off. */
-  lblock *u = at == b->base ? large_carve(c, b, g, 0) : large_carve(c, b, b->base + b->size - at, 1);
-  if (u == NULL) {
-    if (r != NULL) large_block_drop(c, r);
-    return NULL;
-  }
-  if (at > b->base && rest > 0) {
-    *r = (lblock){.base = at + g, .size = rest, .seg = u->seg};
-    large_link_after(u, r);
-    u->size = g;
-    large_free_link(c, r);
-  }
-  MAGPIE_ASSERT(u->size == g && u->base == at && large_seg_tiles(u->seg));
+  lblock *u = large_carve_at(c, b, g, at - b->base);
+  MAGPIE_ASSERT(u == NULL || (u->size == g && u->base == at && large_seg_tiles(u->seg)));
   return u;
 }
 

@@ -299,6 +299,21 @@ void tcache_claim_recorded(tcache *tc, tslot *ts, unsigned c, uint64_t id, int t
   if (mine == 0) atomic_and_relaxed(&tc->steal, ~TCACHE_RECORDED);
 }
 
+/* A refill of class blocks: has anyone found their paths' locks held since
+ * the slot last looked? (A slot's first look only takes the count.) */
+static void tcache_note_contention(tslot *ts) {
+  uint64_t n = heap_class_contention(ts->heap);
+  if (ts->contention_seen == UINT64_MAX) {
+    ts->contention_seen = n;
+  } else if (n != ts->contention_seen) {
+    ts->contention_seen = n;
+    ts->seg_quiet = 0;
+    ts->seg_two = 1;
+  } else if (ts->seg_two && ++ts->seg_quiet >= TCACHE_QUIET_REFILLS) {
+    ts->seg_two = 0;
+  }
+}
+
 static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint64_t id) {
   if (size == 0) size = 1; /* a unique minimum block, like malloc(0) */
   int idrc;
@@ -345,16 +360,18 @@ static void *tcache_alloc_slow_in(tcache *tc, size_t size, cudaStream_t s, uint6
          * bounded as a thread's on several (tcache_outbox_full) now. */
         if (tcache_outbox_full(tc, ts)) tcache_outbox_seal(ts, s);
         tcache_relief_context(tc, ts, s);
-        int rc = heap_refill(ts->heap, c, id, s, tcache_own_cached(ts) ? HEAP_NO_MAP : 0, &fresh);
+        uint32_t cap = sizeclass_table[c].seg ? tcache_seg_cap(tc, ts, c) : 0;
+        int rc = heap_refill(ts->heap, c, cap, id, s, tcache_own_cached(ts) ? HEAP_NO_MAP : 0, &fresh);
         if (rc == HEAP_WOULD_MAP) {
           tcache_own_out(tc, ts, s);
-          rc = heap_refill(ts->heap, c, id, s, 0, &fresh);
+          rc = heap_refill(ts->heap, c, cap, id, s, 0, &fresh);
         }
         if (rc != MAGPIE_OK) {
           tcache_oom_error(ts->heap, size, rc);
           return NULL;
         }
         depot_note_thread_in(&ts->heap->depots[fresh->cls], fresh);
+        if (sizeclass_table[c].seg) tcache_note_contention(ts);
       }
       ts->emptied |= (uint64_t)1 << c;
       if (!carried && !sizeclass_table[c].seg && ts->fill[c] != 0 && fresh->count > ts->fill[c])

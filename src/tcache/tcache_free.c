@@ -197,6 +197,19 @@ static int tcache_freed(tcache *tc, tslot *ts, cudaStream_t s) {
   return MAGPIE_OK;
 }
 
+/* Full magazine m of the slot's leaves through the outbox. Class blocks
+ * count as the slot's own surplus while it gave out no more of them than
+ * it took (tslot.h, round_trip). */
+static void tcache_class_out(tcache *tc, tslot *ts, magazine *m, cudaStream_t s) {
+  unsigned c = m->cls;
+  if (sizeclass_table[c].seg) {
+    uint64_t bit = (uint64_t)1 << c;
+    ts->out_blocks[c] += m->count;
+    ts->round_trip = ts->out_blocks[c] <= tslot_allocs(ts, c) ? ts->round_trip | bit : ts->round_trip & ~bit;
+  }
+  tcache_outbox_add(tc, ts, m, s);
+}
+
 static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   if (sl == NULL)
     return error_set(MAGPIE_ERR_INVALID_POINTER, "magpie_free_async(%p): not a pointer returned by magpie", p);
@@ -261,9 +274,12 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
     ts->clean[c] = 0; /* the loaded magazine leaves (tdrain_slot) */
     magazine *pv = ts->prev[c];
     int pv_empty = magazine_is_real(pv) && pv->count == 0;
-    /* Class blocks: the full magazine leaves at once (no second one is
-     * kept), so a thread holds at most one magazine of the class. */
-    int one = sizeclass_table[c].seg && magazine_is_real(ts->cl[c].loaded);
+    /* Class blocks: unless threads contend on their paths and the thread
+     * is on this stream alone, the full magazine leaves at once (no second
+     * one is kept), so a thread holds at most one magazine of the class
+     * (tslot.h, seg_two). */
+    int seg = sizeclass_table[c].seg;
+    int one = seg && magazine_is_real(ts->cl[c].loaded) && !(ts->seg_two && tcache_keeps_for(tc, ts));
     if (pv_empty && !one) {
       ts->prev[c] = ts->cl[c].loaded;
       ts->cl[c].loaded = pv;
@@ -276,18 +292,18 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
                          "the block stays allocated",
                          p);
       }
+      if (seg) e->cap = tcache_seg_cap(tc, ts, c);
       if (one) {
-        if (e == pv) ts->prev[c] = &magazine_sentinel;
-        uint64_t bit = (uint64_t)1 << c;
-        ts->out_blocks[c] += ts->cl[c].loaded->count;
-        ts->round_trip = ts->out_blocks[c] <= tslot_allocs(ts, c) ? ts->round_trip | bit : ts->round_trip & ~bit;
-        tcache_outbox_add(tc, ts, ts->cl[c].loaded, s);
+        /* A second magazine kept while threads contended leaves too. */
+        if (e != pv && magazine_is_real(pv)) tcache_class_out(tc, ts, pv, s);
+        ts->prev[c] = &magazine_sentinel;
+        tcache_class_out(tc, ts, ts->cl[c].loaded, s);
       } else {
-        e->cap = tcache_next_cap(ts, c);
+        if (!seg) e->cap = tcache_next_cap(ts, c);
         /* The previous magazine is full: it leaves through the outbox,
          * sealed on the stream its blocks were freed on (s names it: its
          * id matched). */
-        if (magazine_is_real(pv)) tcache_outbox_add(tc, ts, pv, s);
+        if (magazine_is_real(pv)) tcache_class_out(tc, ts, pv, s);
         ts->prev[c] = ts->cl[c].loaded;
       }
       ts->cl[c].loaded = e;

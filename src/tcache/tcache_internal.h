@@ -72,6 +72,11 @@ static inline int tcache_outbox_full(const tcache *tc, const tslot *ts) {
     return ts->nout >= TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES;
   return ts->nout >= TCACHE_OUTBOX_FEW || ts->out_bytes >= TCACHE_OUTBOX_FEW_BYTES;
 }
+/* Blocks a magazine of class blocks of class c holds for slot ts: more for
+ * a thread on its stream alone, as its outbox (sizeclass.c). */
+static inline uint32_t tcache_seg_cap(const tcache *tc, const tslot *ts, unsigned c) {
+  return tcache_keeps_for(tc, ts) ? sizeclass_table[c].mag_max : sizeclass_table[c].mag_cap;
+}
 /* Remember a large block the slot handed out lent (tslot.lent), in place
  * of the oldest; lent_next stays below TCACHE_LENT. */
 static inline void tcache_lent_add(tslot *ts, lblock *b, uintptr_t base, size_t size, uint64_t word) {

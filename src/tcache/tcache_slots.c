@@ -37,6 +37,9 @@ void tcache_slot_clear(tslot *ts) {
   ts->drained = 1;
   ts->used = 0;
   ts->round_trip = 0;
+  ts->seg_two = 0;
+  ts->seg_quiet = 0;
+  ts->contention_seen = UINT64_MAX; /* not looked yet */
   memset(ts->out_blocks, 0, sizeof ts->out_blocks);
   for (unsigned c = 0; c < SIZECLASS_COUNT; c++) {
     ts->cl[c].loaded = ts->prev[c] = &magazine_sentinel;

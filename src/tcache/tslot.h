@@ -80,6 +80,10 @@ typedef struct tclass {
   uint32_t low;
 } tclass;
 
+/* Refills of class blocks without new contention after which a slot keeps
+ * one magazine of a class again (tslot.seg_two). */
+#define TCACHE_QUIET_REFILLS 64
+
 typedef struct tslot {
   uint64_t id;           /* stream id; meaningful while heap != NULL */
   cudaStream_t handle;   /* handle the slot was created with */
@@ -168,6 +172,19 @@ typedef struct tslot {
    * the depot, where the allocating side takes them with no lock. Owner
    * only. */
   uint64_t round_trip;
+  /* Class blocks (the classes without slabs): 1 while the slot keeps a
+   * second magazine of a class, as of every other class, if its thread is
+   * on its stream alone (tcache_keeps_for). Set when a refill
+   * of class blocks finds that threads contended on their paths since the
+   * slot last looked (heap_class_contention: contention_seen, UINT64_MAX
+   * before its first look), cleared
+   * after TCACHE_QUIET_REFILLS such refills without: at one thread a
+   * second magazine saves exchanges that cost little, and its blocks pin
+   * the granules they sit in (bench/DECISIONS.md, "A second magazine of
+   * class blocks while threads contend"). Owner only. */
+  uint8_t seg_two;
+  uint32_t seg_quiet;
+  uint64_t contention_seen;
   /* Per class, the class blocks that left this slot in full magazines;
    * round_trip's bit is set while they are no more than the slot's
    * allocations of the class. Owner only. */
