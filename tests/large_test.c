@@ -920,6 +920,17 @@ static void test_bins_order_and_best_fit(void **state) {
   fake_stream_destroy(s);
 }
 
+/* Device 3's large cache, for the tests that call it directly, with a new
+ * stream of that device (*s) and its id (*sid). */
+static large_cache *device3_cache(cudaStream_t *s, uint64_t *sid) {
+  heap *h = heap_get(3);
+  assert_non_null(h);
+  *s = fake_stream_create(3);
+  *sid = 0;
+  assert_int_equal(h->ops->stream_id(*s, sid), MAGPIE_OK);
+  return &h->large;
+}
+
 /* The keeping word's generation (pool/large.h, lblock.kept), on the large
  * cache itself, on device 3 once test_bins_order_and_best_fit has given
  * all of it back (its segment, free and unmapped, is carved in order). A
@@ -931,12 +942,9 @@ static void test_bins_order_and_best_fit(void **state) {
  * address would keep the other keeper's block. */
 static void test_lent_block_generation(void **state) {
   (void)state;
-  heap *h = heap_get(3);
-  assert_non_null(h);
-  large_cache *c = &h->large;
-  cudaStream_t s = fake_stream_create(3);
-  uint64_t sid = 0;
-  assert_int_equal(h->ops->stream_id(s, &sid), MAGPIE_OK);
+  cudaStream_t s;
+  uint64_t sid;
+  large_cache *c = device3_cache(&s, &sid);
   uintptr_t x, a, y, first, rest;
   size_t bs;
   /* A between two blocks in use, so that its free merges with nothing. */
@@ -984,12 +992,9 @@ static void test_lent_block_generation(void **state) {
  * granule with the least free memory. */
 static void test_placement_keeps_granules_whole(void **state) {
   (void)state;
-  heap *h = heap_get(3);
-  assert_non_null(h);
-  large_cache *c = &h->large;
-  cudaStream_t s = fake_stream_create(3);
-  uint64_t sid = 0;
-  assert_int_equal(h->ops->stream_id(s, &sid), MAGPIE_OK);
+  cudaStream_t s;
+  uint64_t sid;
+  large_cache *c = device3_cache(&s, &sid);
   assert_int_equal(magpie_trim(3, 0), MAGPIE_OK);
   const size_t K = 1024;
   size_t bs;
