@@ -54,6 +54,9 @@ typedef struct slab {
    * including it. */
   _Atomic uint32_t recorded;
   uint32_t inuse_words;
+  /* Large segments only (the free fast path reads it for a class block's
+   * class, large_class_of). */
+  struct lseg *seg;
   size_t size;
   uintptr_t raw; /* what the region mapped (differs without VMM); a chunk: itself */
   size_t raw_size;
@@ -62,7 +65,6 @@ typedef struct slab {
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */
   _Atomic uint64_t *inuse;
-  struct lseg *seg;   /* large segments only */
   struct slab *lnext; /* descriptor free list; the set's slab list */
   struct slab *lprev; /* the set's slab list (under slab_set.slab_lock) */
   /* Slab release (under slab_set.reclaim_lock): free blocks counted in
@@ -71,7 +73,8 @@ typedef struct slab {
   uint32_t dead;   /* being given back: its blocks leave the magazines */
   size_t stranded; /* bytes of blocks no magazine took (host OOM) */
 } slab;
-_Static_assert(offsetof(slab, recorded) + sizeof(uint32_t) <= 64, "the free fast path's fields share one line");
+_Static_assert(offsetof(slab, recorded) + sizeof(uint32_t) <= 64 && offsetof(slab, seg) + sizeof(void *) <= 64,
+               "the free fast path's fields share one line");
 
 /* Bytes of a class slab no block serves. */
 static inline size_t slab_overhead(const slab *s) { return s->raw_size - (size_t)s->nblocks * s->bsize + s->stranded; }
