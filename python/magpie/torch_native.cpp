@@ -406,10 +406,16 @@ Block served(Block b, size_t want, PathLocal &l, bool magpie) {
   return b;
 }
 
+// The record of a block at ptr of size bytes as asked (bytes: as PyTorch's
+// statistics count it) on stream, magpie's own (no pool).
+inline Block block_at(void *ptr, cudaStream_t stream, size_t size, size_t bytes, int device) {
+  return Block{nullptr, ptr, stream, size, bytes, device, {0, 0}, false};
+}
+
 // A block for stream: from the pool an announcement routes it to, else
 // magpie's (served).
 Block magpie_alloc(size_t size, cudaStream_t stream, int device, PathLocal &l) {
-  Block b{nullptr, nullptr, stream, size, size, device, {0, 0}, false};
+  Block b = block_at(nullptr, stream, size, size, device);
   size_t want = rounded_request(size);
   bool routed = false;
   b.ptr = pools.alloc(want, stream, &routed, &b.pool, &b.custom);
@@ -512,11 +518,11 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       size_t want = rounded_request(size);
       void *p = fns.malloc_async(want, stream);
       if (C10_LIKELY(p != nullptr)) {
-        Block *r = BlockRecords::take(l, Block{nullptr, p, stream, size, pytorch_bytes(want), device, {0, 0}, false});
+        Block *r = BlockRecords::take(l, block_at(p, stream, size, pytorch_bytes(want), device));
         note_alloc(*r, size, l);
         return {p, r, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
       }
-      b = served(Block{nullptr, nullptr, stream, size, size, device, {0, 0}, false}, want, l, true);
+      b = served(block_at(nullptr, stream, size, size, device), want, l, true);
     } else {
       b = magpie_alloc(size, stream, device, l);
     }
