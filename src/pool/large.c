@@ -153,9 +153,11 @@ static void large_consider(large_cache *c, lblock *b, size_t need, large_pick *b
   if (hi > lo && hi + need < end) large_consider_at(c, b, need, hi - b->base, best);
 }
 
-/* Blocks looked at past a ready, mapped fit that cuts into a whole free
- * granule, for one that does not. */
-#define LARGE_SPOIL_LOOK 16
+/* Blocks looked at past the first ready, mapped fit, for one that cuts
+ * into no whole free granule or lies in a fuller granule: bounded, so
+ * that an allocation's time under the lock does not grow with the number
+ * of free blocks of its size. */
+#define LARGE_LOOK_PAST 16
 
 /* Hand out carved block u (lock held). */
 int large_hand_out(large_cache *c, lblock *u, lticket **deferred) {
@@ -196,21 +198,22 @@ int large_alloc_locked(large_cache *c, size_t need, uint64_t stream_id, cudaStre
     /* The request's bin, then the bins above it, whose blocks all fit;
      * blocks of one bin are of nearly one size, so the first bin holding
      * a ready, wholly mapped block that fits holds the best fit of those,
-     * and the search stops there, or, where that block cuts into a whole
-     * free granule, at most LARGE_SPOIL_LOOK blocks later. Otherwise every
+     * and the search stops there (at most LARGE_LOOK_PAST blocks past the
+     * first such fit), or, where that fit cuts into a whole free granule,
+     * looks at most that many blocks further. Otherwise every
      * fitting block is looked at, as mapping is about to cost far more. */
     unsigned after = 0;
     for (unsigned k = large_bin_next(c, large_bin_of(need)); k < LARGE_BINS; k = large_bin_next(c, k + 1)) {
       for (lblock *b = c->bins[k]; b; b = b->fnext) {
         if (b->size < need) continue;
-        if (best.b != NULL && best.cost == 0) after++;
+        if (best.b != NULL && best.cost == 0 && ++after > LARGE_LOOK_PAST) break;
         if (large_block_ready_for(b, stream_id)) {
           large_consider(c, b, need, &best);
         } else {
           large_consider(c, b, need, &wait);
         }
       }
-      if (best.b != NULL && best.cost == 0 && (best.spoil == 0 || after >= LARGE_SPOIL_LOOK)) break;
+      if (best.b != NULL && best.cost == 0 && (best.spoil == 0 || after > LARGE_LOOK_PAST)) break;
     }
     /* Best of all: ready and already mapped. */
     if (best.b != NULL && best.cost == 0) goto carve_best;
