@@ -58,7 +58,8 @@ static size_t large_unmapped_in(large_cache *c, const lseg *sg, uintptr_t a, siz
 /* Where a block goes in a free block. Best fit first: the fewest bytes
  * to map, then the fewest whole free granules cut into, then a place
  * aligned to the block's own size (its largest power of two, at most a
- * granule), then the smallest free block. A granule cut into but not
+ * granule), then, below a granule, the granule with the least free
+ * memory, then the smallest free block. A granule cut into but not
  * covered can serve only blocks smaller than itself until everything in it
  * is free again, so a block of a granule or more goes on a granule
  * boundary where it can, and a smaller one into a granule something
