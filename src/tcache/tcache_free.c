@@ -292,14 +292,13 @@ static int tcache_free_slow_in(tcache *tc, slab *sl, void *p, cudaStream_t s) {
                          "the block stays allocated",
                          p);
       }
-      if (seg) e->cap = tcache_seg_cap(tc, ts, c);
+      e->cap = seg ? tcache_seg_cap(tc, ts, c) : tcache_next_cap(ts, c);
       if (one) {
         /* A second magazine kept while threads contended leaves too. */
         if (e != pv && magazine_is_real(pv)) tcache_class_out(tc, ts, pv, s);
         ts->prev[c] = &magazine_sentinel;
         tcache_class_out(tc, ts, ts->cl[c].loaded, s);
       } else {
-        if (!seg) e->cap = tcache_next_cap(ts, c);
         /* The previous magazine is full: it leaves through the outbox,
          * sealed on the stream its blocks were freed on (s names it: its
          * id matched). */

@@ -174,14 +174,13 @@ typedef struct tslot {
   uint64_t round_trip;
   /* Class blocks (the classes without slabs): 1 while the slot keeps a
    * second magazine of a class, as of every other class, if its thread is
-   * on its stream alone (tcache_keeps_for). Set when a refill
-   * of class blocks finds that threads contended on their paths since the
-   * slot last looked (heap_class_contention: contention_seen, UINT64_MAX
-   * before its first look), cleared
-   * after TCACHE_QUIET_REFILLS such refills without: at one thread a
-   * second magazine saves exchanges that cost little, and its blocks pin
-   * the granules they sit in (bench/DECISIONS.md, "A second magazine of
-   * class blocks while threads contend"). Owner only. */
+   * on its stream alone (tcache_keeps_for). Set when a refill of class
+   * blocks finds that threads contended on their paths since the slot last
+   * looked (heap_class_contention: contention_seen, UINT64_MAX before its
+   * first look), cleared after TCACHE_QUIET_REFILLS such refills without:
+   * at one thread a second magazine saves exchanges that cost little, and
+   * its blocks pin the granules they sit in (bench/DECISIONS.md, "A second
+   * magazine of class blocks while threads contend"). Owner only. */
   uint8_t seg_two;
   uint32_t seg_quiet;
   uint64_t contention_seen;
