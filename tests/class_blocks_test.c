@@ -287,9 +287,7 @@ static void test_second_magazine_while_contended(void **state) {
   second_run r = {.h = heap_get(0), .s = fake_stream_create(0)};
   unsigned cls = sizeclass_of(150000);
   assert_true(sizeclass_table[cls].seg && sizeclass_table[cls].mag_max >= 2);
-  pthread_t th;
-  assert_int_equal(pthread_create(&th, NULL, second_magazine_thread, &r), 0);
-  assert_int_equal(pthread_join(th, NULL), 0);
+  run_in_thread(second_magazine_thread, &r);
   assert_true(r.ok);
   /* This thread is on several streams: one magazine, contended or not. */
   cudaStream_t s = fake_stream_create(0);

@@ -24,6 +24,7 @@
 #include "pool/large.h"
 #include "tests/fake_backend.h"
 #include "tests/json_mini.h"
+#include "tests/tcache_util.h"
 
 #define MiB ((size_t)1 << 20)
 
@@ -214,13 +215,6 @@ static void test_trim_waits_for_release_in_flight(void **state) {
   assert_int_equal(second.after.reserved_bytes, second.after.in_use_bytes);
   assert_int_equal(first.after.reserved_bytes, first.after.in_use_bytes);
   check_layers(0);
-}
-
-/* fn(arg) in a thread of its own, joined. */
-static void run_in_thread(void *(*fn)(void *), void *arg) {
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, fn, arg), 0);
-  assert_int_equal(pthread_join(t, NULL), 0);
 }
 
 typedef struct other_free {

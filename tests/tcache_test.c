@@ -88,14 +88,6 @@ static void test_magazine_capacity_bursts(void **state) {
   fake_stream_complete(s);
 }
 
-/* In a thread of its own, so that the thread allocates on the streams
- * fn chooses alone (a thread on one stream caches more: tslot.h). */
-static void run_in_thread(void *(*fn)(void *), void *arg) {
-  pthread_t t;
-  assert_int_equal(pthread_create(&t, NULL, fn, arg), 0);
-  assert_int_equal(pthread_join(t, NULL), 0);
-}
-
 /* Full magazines leaving a thread wait in its outbox and are sealed
  * together: one event for TCACHE_OUTBOX_FEW of them on a thread that
  * allocates on several streams (small blocks, far below
