@@ -379,12 +379,17 @@ PathLocal &path_local() {
 // carved, in 512-byte steps.
 inline size_t pytorch_bytes(size_t want) { return want < 512 ? 512 : (want + 511) / 512 * 512; }
 
-// The statistics, the history and the profiler hear of a block handed out
-// (size: as asked).
-C10_ALWAYS_INLINE void note_alloc(const Block &b, size_t size, PathLocal &l) {
-  stats.alloc(l.stats, b.device, b.bytes, size);
-  history.alloc(b.device, b.ptr, size, b.stream, b.pool);
-  report_to_profiler(b.ptr, static_cast<int64_t>(size), b.device);
+// The statistics and the history hear of block b handed out (or restored
+// by a checkpoint, which the profiler does not hear of).
+C10_ALWAYS_INLINE void count_alloc(const Block &b, PathLocal &l) {
+  stats.alloc(l.stats, b.device, b.bytes, b.size);
+  history.alloc(b.device, b.ptr, b.size, b.stream, b.pool);
+}
+
+// ... and the profiler too, for a block handed out.
+C10_ALWAYS_INLINE void note_alloc(const Block &b, PathLocal &l) {
+  count_alloc(b, l);
+  report_to_profiler(b.ptr, static_cast<int64_t>(b.size), b.device);
 }
 
 // b as served (b.ptr null: refused; magpie: whether magpie was asked),
@@ -402,7 +407,7 @@ Block served(Block b, size_t want, PathLocal &l, bool magpie) {
     }
   }
   b.bytes = pytorch_bytes(want);
-  note_alloc(b, b.size, l);
+  note_alloc(b, l);
   return b;
 }
 
@@ -519,7 +524,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
       void *p = fns.malloc_async(want, stream);
       if (C10_LIKELY(p != nullptr)) {
         Block *r = BlockRecords::take(l, block_at(p, stream, size, pytorch_bytes(want), device));
-        note_alloc(*r, size, l);
+        note_alloc(*r, l);
         return {p, r, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
       }
       b = served(block_at(nullptr, stream, size, size, device), want, l, true);
@@ -630,8 +635,7 @@ class MagpieAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPl
         TORCH_CHECK(fns.graph_pool_take(magpie_pool, b.ptr, b.stream, &size) == 0,
                     "magpie: cannot restore the checkpoint: ", fns.last_message());
         remember(b);
-        stats.alloc(path_local().stats, b.device, b.bytes, b.size);
-        history.alloc(b.device, b.ptr, b.size, b.stream, b.pool);
+        count_alloc(b, path_local());
       }
       delta.dataptrs_allocd.emplace_back(b.ptr, b.ptr, raw_deleter(), c10::Device(c10::DeviceType::CUDA, device));
     }
