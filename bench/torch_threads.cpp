@@ -1,7 +1,9 @@
 // C++ threads allocating through libtorch's CUDA allocator, one stream per
-// thread (made current), 1-16 threads, in two forms: the tensor path
+// thread (made current), 1-16 threads, in three forms: the tensor path
 // (allocator->allocate(size), a DataPtr dropped at once: what a tensor's
-// storage does) and the raw interface (raw_alloc_with_stream / raw_delete).
+// storage does), a whole tensor (at::empty of size bytes on the GPU,
+// dropped at once: the dispatcher, the tensor's objects and its storage's
+// allocation) and the raw interface (raw_alloc_with_stream / raw_delete).
 // Allocators: PyTorch's own caching allocator, magpie behind
 // PyTorch's CUDAPluggableAllocator (one std::mutex and an unordered_map
 // update per call), magpie's own PyTorch allocator (python/magpie/
@@ -14,7 +16,9 @@
 //   (magpie: $MAGPIE_TORCH_NATIVE names the built torch_native library)
 // Prints one line per form: total alloc+free pairs per second at each thread
 // count ($MAGPIE_BENCH_THREADS, default 1 2 4 8 16). $MAGPIE_BENCH_FORMS
-// ("allocate", "raw") runs only the forms it names.
+// ("allocate", "empty", "raw") runs only the forms it names.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -42,7 +46,9 @@ using direct_free_fn = int (*)(void *, cudaStream_t);
 direct_malloc_fn direct_malloc;
 direct_free_fn direct_free;
 
-double run(const std::string &mode, bool raw, int threads, size_t size, double seconds) {
+enum class Form { allocate, empty, raw };
+
+double run(const std::string &mode, Form form, int threads, size_t size, double seconds) {
   std::atomic<bool> go{false}, stop{false};
   std::atomic<int> ready{0};
   std::vector<unsigned long long> counts(threads, 0);
@@ -58,8 +64,11 @@ double run(const std::string &mode, bool raw, int threads, size_t size, double s
       auto pair = [&] {
         if (direct) {
           direct_free(direct_malloc(size, s), s);
-        } else if (raw) {
+        } else if (form == Form::raw) {
           c10::cuda::CUDACachingAllocator::raw_delete(c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(size, s));
+        } else if (form == Form::empty) {
+          at::Tensor t =
+              at::empty({static_cast<int64_t>(size)}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, 0));
         } else {
           c10::DataPtr d = allocator->allocate(size);
         }
@@ -137,18 +146,23 @@ int main(int argc, char **argv) {
     t = end;
   }
   if (counts.empty()) counts = {1, 2, 4, 8, 16};
-  const char *forms = std::getenv("MAGPIE_BENCH_FORMS"); // "allocate", "raw" or both (default)
-  for (bool raw : {false, true}) {
-    if (raw && mode == "direct") break;
-    if (forms != nullptr && std::strstr(forms, raw ? "raw" : "allocate") == nullptr) continue;
+  const char *forms = std::getenv("MAGPIE_BENCH_FORMS"); // "allocate", "empty", "raw" (default: all)
+  const struct {
+    Form form;
+    const char *name;
+  } all[] = {{Form::allocate, "allocate"}, {Form::empty, "empty"}, {Form::raw, "raw"}};
+  for (const auto &f : all) {
+    if (f.form != Form::allocate && mode == "direct") break;
+    if (forms != nullptr && std::strstr(forms, f.name) == nullptr) continue;
     std::printf("%s, %s, %zu-byte blocks, one stream per thread, M pairs/s at", mode.c_str(),
-                mode == "direct" ? "magpie_malloc_async/magpie_free_async"
-                : raw            ? "raw_alloc_with_stream"
-                                 : "allocate",
+                mode == "direct"        ? "magpie_malloc_async/magpie_free_async"
+                : f.form == Form::raw   ? "raw_alloc_with_stream"
+                : f.form == Form::empty ? "at::empty"
+                                        : "allocate",
                 size);
     for (int threads : counts) std::printf(" %d", threads);
     std::printf(" threads:");
-    for (int threads : counts) std::printf(" %.2f", run(mode, raw, threads, size, seconds) / 1e6);
+    for (int threads : counts) std::printf(" %.2f", run(mode, f.form, threads, size, seconds) / 1e6);
     std::printf("\n");
     std::fflush(stdout);
   }
