@@ -103,12 +103,14 @@ void sim_event_cell_wait(struct sim_cell *c) {
  * The reaper is woken once per SIM_REAP_BATCH cells, not per cell: every
  * event record drops its event's previous cell, and a wake-up per record
  * cost a context switch per record on a host of few cores.
- * sim_reap_count: cells pushed and not yet taken; raised (relaxed) by each
- * dropper after its push, lowered (relaxed) by the reaper by what it took.
- * It orders nothing (the list does). INVARIANT: fewer than SIM_REAP_BATCH
- * cells wait without a post of sim_reap_sem pending (the push that brings
- * the count to SIM_REAP_BATCH posts): at most that many cells, a few KiB,
- * stay unfreed while the process is quiet. */
+ * sim_reap_count: cells counted and not yet taken; raised (relaxed) by each
+ * dropper before its push, lowered (relaxed) by the reaper by what it took,
+ * so never below zero (raised after the push, a reaper that took the cell
+ * first lowered it below zero for a moment). It orders nothing (the list
+ * does). INVARIANT: fewer than SIM_REAP_BATCH cells wait without a post of
+ * sim_reap_sem pending (the dropper that brings the count to
+ * SIM_REAP_BATCH posts after its push): at most that many cells, a few
+ * KiB, stay unfreed while the process is quiet. */
 enum { SIM_REAP_BATCH = 64 };
 static _Atomic(struct sim_cell *) sim_reap_head;
 static _Atomic uint32_t sim_reap_count;
@@ -159,13 +161,13 @@ void sim_event_cell_unref(struct sim_cell *c) {
   if (c == NULL) return;
   if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_release) != 1) return;
   if (!sim_reaper_running) return;
+  int full = atomic_fetch_add_explicit(&sim_reap_count, 1, memory_order_relaxed) + 1 == SIM_REAP_BATCH;
   struct sim_cell *head = atomic_load_explicit(&sim_reap_head, memory_order_relaxed);
   do {
     c->reap_next = head;
   } while (
       !atomic_compare_exchange_weak_explicit(&sim_reap_head, &head, c, memory_order_release, memory_order_relaxed));
-  if (atomic_fetch_add_explicit(&sim_reap_count, 1, memory_order_relaxed) + 1 == SIM_REAP_BATCH)
-    sem_post(&sim_reap_sem);
+  if (full) sem_post(&sim_reap_sem);
 }
 
 /* ---------------------------------------------------------------- events */
