@@ -350,6 +350,39 @@ static void test_class_carve_without_carve_lock(void **state) {
   fake_stream_complete(s);
 }
 
+/* A class carve that finds the large cache's lock held waits for it
+ * (large_class.c, large_class_lock): it goes on only once the holder let
+ * go, and the contention is counted. */
+static void test_class_carve_waits_for_held_lock(void **state) {
+  (void)state;
+  const size_t size = 250000; /* the 256 KiB class, which no other test here uses */
+  heap *h = heap_get(0);
+  unsigned cls = sizeclass_of(size);
+  assert_true(sizeclass_table[cls].seg);
+  cudaStream_t s = fake_stream_create(0);
+  void *big = magpie_malloc_async((size_t)4 << 20, s);
+  assert_non_null(big);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+  assert_int_equal(depot_class_bytes(h, cls), 0);
+  carve_run r = {.size = size, .s = s, .done = 0};
+  pthread_mutex_lock(&h->large.lock);
+  uint64_t seen = heap_class_contention(h);
+  pthread_t th;
+  assert_int_equal(pthread_create(&th, NULL, carve_thread, &r), 0);
+  for (int i = 0; i < 50 && heap_class_contention(h) == seen; i++) usleep(1000);
+  usleep(30000);
+  int early = atomic_load(&r.done);
+  uint64_t counted = heap_class_contention(h) - seen;
+  pthread_mutex_unlock(&h->large.lock);
+  assert_int_equal(pthread_join(th, NULL), 0);
+  assert_false(early);
+  assert_true(counted >= 1); /* the maintenance thread may have found it held too */
+  assert_non_null(r.p);
+  assert_int_equal(magpie_free_async(r.p, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
@@ -360,6 +393,7 @@ int main(void) {
       cmocka_unit_test(test_class_surplus_to_depot_when_lock_busy),
       cmocka_unit_test(test_second_magazine_while_contended),
       cmocka_unit_test(test_class_carve_without_carve_lock),
+      cmocka_unit_test(test_class_carve_waits_for_held_lock),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
