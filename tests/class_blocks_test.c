@@ -305,9 +305,7 @@ static void test_second_magazine_while_contended(void **state) {
   fake_stream_complete(s);
 }
 
-/* Class blocks from memory mapped already are carved without the class's
- * carve lock (heap.c, heap_carve): another thread holding it does not
- * hold up a refill that needs no mapping. */
+/* A refill of class blocks that another thread (carve_thread) makes. */
 typedef struct carve_run {
   size_t size;
   cudaStream_t s;
@@ -322,21 +320,35 @@ static void *carve_thread(void *arg) {
   return NULL;
 }
 
-static void test_class_carve_without_carve_lock(void **state) {
-  (void)state;
-  const size_t size = 120000; /* the 128 KiB class, which no other test here uses */
-  heap *h = heap_get(0);
-  unsigned cls = sizeclass_of(size);
-  assert_true(sizeclass_table[cls].seg);
+/* A refill of size's class (one no other test here uses) on a new stream,
+ * for carve_thread to make: mapped free memory, ready for every stream,
+ * and none of the class in the depot. */
+static carve_run carve_run_start(heap *h, size_t size) {
+  assert_true(sizeclass_table[sizeclass_of(size)].seg);
   cudaStream_t s = fake_stream_create(0);
-  /* Mapped free memory, ready for every stream, and none of the class in
-   * the depot. */
   void *big = magpie_malloc_async((size_t)4 << 20, s);
   assert_non_null(big);
   assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
   fake_stream_complete(s);
-  assert_int_equal(depot_class_bytes(h, cls), 0);
-  carve_run r = {.size = size, .s = s, .done = 0};
+  assert_int_equal(depot_class_bytes(h, sizeclass_of(size)), 0);
+  return (carve_run){.size = size, .s = s, .done = 0};
+}
+
+/* The carved block back, once carve_thread ended. */
+static void carve_run_end(carve_run *r) {
+  assert_non_null(r->p);
+  assert_int_equal(magpie_free_async(r->p, r->s), MAGPIE_OK);
+  fake_stream_complete(r->s);
+}
+
+/* Class blocks from memory mapped already are carved without the class's
+ * carve lock (heap.c, heap_carve): another thread holding it does not
+ * hold up a refill that needs no mapping. */
+static void test_class_carve_without_carve_lock(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  unsigned cls = sizeclass_of(120000); /* the 128 KiB class */
+  carve_run r = carve_run_start(h, 120000);
   pthread_mutex_lock(&h->depots[cls].carve_lock);
   pthread_t th;
   assert_int_equal(pthread_create(&th, NULL, carve_thread, &r), 0);
@@ -345,9 +357,7 @@ static void test_class_carve_without_carve_lock(void **state) {
   pthread_mutex_unlock(&h->depots[cls].carve_lock);
   assert_int_equal(pthread_join(th, NULL), 0);
   assert_true(done);
-  assert_non_null(r.p);
-  assert_int_equal(magpie_free_async(r.p, s), MAGPIE_OK);
-  fake_stream_complete(s);
+  carve_run_end(&r);
 }
 
 /* A class carve that finds the large cache's lock held waits for it
@@ -355,17 +365,8 @@ static void test_class_carve_without_carve_lock(void **state) {
  * go, and the contention is counted. */
 static void test_class_carve_waits_for_held_lock(void **state) {
   (void)state;
-  const size_t size = 250000; /* the 256 KiB class, which no other test here uses */
   heap *h = heap_get(0);
-  unsigned cls = sizeclass_of(size);
-  assert_true(sizeclass_table[cls].seg);
-  cudaStream_t s = fake_stream_create(0);
-  void *big = magpie_malloc_async((size_t)4 << 20, s);
-  assert_non_null(big);
-  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
-  fake_stream_complete(s);
-  assert_int_equal(depot_class_bytes(h, cls), 0);
-  carve_run r = {.size = size, .s = s, .done = 0};
+  carve_run r = carve_run_start(h, 250000); /* the 256 KiB class */
   pthread_mutex_lock(&h->large.lock);
   uint64_t seen = heap_class_contention(h);
   pthread_t th;
@@ -378,9 +379,7 @@ static void test_class_carve_waits_for_held_lock(void **state) {
   assert_int_equal(pthread_join(th, NULL), 0);
   assert_false(early);
   assert_true(counted >= 1); /* the maintenance thread may have found it held too */
-  assert_non_null(r.p);
-  assert_int_equal(magpie_free_async(r.p, s), MAGPIE_OK);
-  fake_stream_complete(s);
+  carve_run_end(&r);
 }
 
 int main(void) {
