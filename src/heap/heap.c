@@ -361,8 +361,7 @@ static int heap_carve_from(heap *h, unsigned cls, uint32_t cap, uint64_t stream_
 static int heap_carve(heap *h, unsigned cls, uint32_t cap, uint64_t stream_id, cudaStream_t stream, int pressure,
                       int flags, magazine **out) {
   if (sizeclass_table[cls].seg) {
-    int rc =
-        heap_class_carve(h, cls, cap, stream_id, stream, LARGE_NO_MAP | (pressure ? LARGE_MAY_WAIT_EVENT : 0), out);
+    int rc = heap_carve_from(h, cls, cap, stream_id, stream, 0, pressure, out);
     if (rc != SLAB_WOULD_MAP) return rc;
   }
   depot *d = &h->depots[cls];
