@@ -368,8 +368,8 @@ static void test_small_classes_share_a_granule(void **state) {
     slab *qs = pagemap_lookup((uintptr_t)q[i]);
     assert_non_null(qs);
     assert_int_equal(qs->cls, SLAB_LARGE);
-    assert_int_equal(large_class_of(qs->seg, (uintptr_t)q[i]), (int)cls);
-    assert_int_equal(large_class_of(qs->seg, (uintptr_t)q[i] + LARGE_QUANTUM), -1);
+    assert_int_equal(large_class_of(qs, (uintptr_t)q[i]), (int)cls);
+    assert_int_equal(large_class_of(qs, (uintptr_t)q[i] + LARGE_QUANTUM), -1);
     size_t bs = 0;
     assert_int_equal(magpie_block_info(q[i], &bs, NULL), MAGPIE_OK);
     assert_int_equal(bs, sizeclass_table[cls].size);

@@ -228,7 +228,7 @@ int capture_graph_free(void *p, slab *sl, cudaStream_t stream) {
 int capture_free(void *p, cudaStream_t stream, int *rc) {
   slab *sl = pagemap_lookup((uintptr_t)p);
   if (sl == NULL || p == NULL) return 0;
-  if (sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)p)) {
+  if (sl->cls == SLAB_LARGE && large_is_graph(sl, (uintptr_t)p)) {
     *rc = capture_graph_free(p, sl, stream);
     return 1;
   }

@@ -17,7 +17,7 @@ int block_resolve(const char *fn, void *ptr, slab **out_sl, size_t *out_bytes, i
   if (rc != MAGPIE_OK) return rc;
   slab *sl = pagemap_lookup((uintptr_t)ptr);
   if (sl == NULL) return error_set(MAGPIE_ERR_INVALID_POINTER, "%s(%p): not a pointer returned by magpie", fn, ptr);
-  if (sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)ptr)) {
+  if (sl->cls == SLAB_LARGE && large_is_graph(sl, (uintptr_t)ptr)) {
     *graph = 1;
     return MAGPIE_OK;
   }
@@ -29,7 +29,7 @@ int block_resolve(const char *fn, void *ptr, slab **out_sl, size_t *out_bytes, i
   /* Checked mode knows which small and class blocks are handed out: a
    * freed one is refused (without it, a freed block still in a magazine
    * looks like any other). */
-  int cls_block = sl->cls == SLAB_LARGE && large_class_of(sl->seg, (uintptr_t)ptr) >= 0;
+  int cls_block = sl->cls == SLAB_LARGE && large_class_of(sl, (uintptr_t)ptr) >= 0;
   if (global_config()->check && ((sl->cls != SLAB_LARGE && !slab_is_used(sl, bi)) ||
                                  (cls_block && !large_class_is_used(sl->seg, (uintptr_t)ptr))))
     return error_set(MAGPIE_ERR_INVALID_POINTER, "%s(%p): the block is free (checked mode)", fn, ptr);

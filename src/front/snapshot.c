@@ -142,7 +142,7 @@ static void snap_mark(snap_ctx *cx, const magazine *m, int state, uint64_t strea
   for (uint32_t i = 0; i < m->count; i++) {
     uintptr_t p = (uintptr_t)m->slots[i];
     slab *s = pagemap_lookup(p);
-    if (s != NULL && s->cls == SLAB_LARGE && large_class_of(s->seg, p) >= 0) {
+    if (s != NULL && s->cls == SLAB_LARGE && large_class_of(s, p) >= 0) {
       snap_note_class_block(cx, p, state, stream);
       continue;
     }

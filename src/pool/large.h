@@ -347,21 +347,23 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
 #define LARGE_BUSY 2 /* a return value, as LARGE_WOULD_MAP */
 int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t, int flags);
 
-/* The size class of the class block starting at p in segment sg, or -1 if
- * none starts there. No lock (see lseg.ucls). */
-static inline int large_class_of(const lseg *sg, uintptr_t p) {
-  uintptr_t off = p - sg->base;
-  if (off >= sg->size || off % LARGE_QUANTUM != 0) return -1;
-  unsigned v = atomic_load_relaxed(&sg->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
+/* The size class of the class block starting at p in the large segment
+ * of descriptor sl (cls SLAB_LARGE), or -1 if none starts there. No lock
+ * (see lseg.ucls); the descriptor's first line and the table only. */
+static inline int large_class_of(const struct slab *sl, uintptr_t p) {
+  uintptr_t off = p - sl->base;
+  if (off >= sl->size || off % LARGE_QUANTUM != 0) return -1;
+  unsigned v = atomic_load_relaxed(&sl->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
   return v == LARGE_GRAPH_MARK ? -1 : (int)v - 1;
 }
 
-/* Is p the start of a large block a graph pool holds? No lock (as
- * large_class_of: a free is ordered after the allocation that marked it). */
-static inline int large_is_graph(const lseg *sg, uintptr_t p) {
-  uintptr_t off = p - sg->base;
-  if (off >= sg->size || off % LARGE_QUANTUM != 0) return 0;
-  return (atomic_load_relaxed(&sg->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT) == LARGE_GRAPH_MARK;
+/* Is p the start of a large block a graph pool holds (sl as above)? No
+ * lock (as large_class_of: a free is ordered after the allocation that
+ * marked it). */
+static inline int large_is_graph(const struct slab *sl, uintptr_t p) {
+  uintptr_t off = p - sl->base;
+  if (off >= sl->size || off % LARGE_QUANTUM != 0) return 0;
+  return (atomic_load_relaxed(&sl->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT) == LARGE_GRAPH_MARK;
 }
 
 /* Mark (on) or unmark the handed-out large block at p as a graph pool's.
@@ -372,7 +374,7 @@ int large_graph_mark(large_cache *c, uintptr_t p, int on);
  * the class block's for a segment, SLAB_LARGE for a large block. */
 static inline unsigned large_block_class(const struct slab *sl, uintptr_t p) {
   if (sl->cls != SLAB_LARGE) return sl->cls;
-  int k = large_class_of(sl->seg, p);
+  int k = large_class_of(sl, p);
   return k >= 0 ? (unsigned)k : SLAB_LARGE;
 }
 

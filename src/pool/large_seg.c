@@ -135,6 +135,7 @@ int large_seg_new(large_cache *c, size_t need, lseg **out) {
   d->cls = SLAB_LARGE;
   d->heap = c->owner;
   d->seg = sg;
+  d->ucls = sg->ucls;
   sg->desc = d;
   /* The page map learns a VMM segment's granules as they are mapped
    * (large_map_under): its reach is the device's size, and at 32 KiB

@@ -39,9 +39,15 @@ struct heap;
  * the cache costs one miss here, not three. */
 typedef struct slab {
   _Alignas(64) uintptr_t base;
-  size_t bsize;   /* block size (large: the block's usable size) */
-  uint64_t magic; /* 0 for large */
-  uint32_t cls;   /* size class, or SLAB_LARGE */
+  size_t bsize; /* block size (large: the block's usable size) */
+  union {
+    uint64_t magic; /* a class slab's (above) */
+    /* A large segment's lseg.ucls, on this line: a free finds a class
+     * block's class here and in the table, without the segment's own
+     * lines (large_class_of). Immutable while published. */
+    _Atomic uint8_t *ucls;
+  };
+  uint32_t cls; /* size class, or SLAB_LARGE */
   uint32_t nblocks;
   /* The heap the slab belongs to (the front's way from a block to its
    * device); opaque to this layer. Immutable while published. */
@@ -54,8 +60,7 @@ typedef struct slab {
    * including it. */
   _Atomic uint32_t recorded;
   uint32_t inuse_words;
-  /* Large segments only (the free fast path reads it for a class block's
-   * class, large_class_of). */
+  /* Large segments only. */
   struct lseg *seg;
   size_t size;
   uintptr_t raw; /* what the region mapped (differs without VMM); a chunk: itself */

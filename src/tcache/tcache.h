@@ -132,7 +132,7 @@ static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaS
   if (unlikely(c >= SIZECLASS_COUNT)) {
     /* A class block of a large segment (pool/large.h): one table read
      * gives its class; a large block goes to the slow path. */
-    int k = large_class_of(sl->seg, (uintptr_t)ptr);
+    int k = large_class_of(sl, (uintptr_t)ptr);
     if (k < 0) return 0;
     c = (uint32_t)k;
     bsize = sizeclass_table[k].size;

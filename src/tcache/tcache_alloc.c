@@ -84,10 +84,11 @@ static void *tcache_alloc_large(tcache *tc, tslot *ts, size_t size, uint64_t id,
     size_t need = large_round(size);
     uint32_t best = TCACHE_KEEP_BLOCKS;
     for (uint32_t i = 0; i < ts->nkeep; i++) {
-      const lblock *b = ts->lkeep[i];
-      if (b->size >= need && b->size - need <= need / 8 &&
-          (best == TCACHE_KEEP_BLOCKS || b->size < ts->lkeep[best]->size))
+      size_t bs = ts->lkeep_size[i];
+      if (bs >= need && bs - need <= need / 8 && (best == TCACHE_KEEP_BLOCKS || bs < ts->lkeep_size[best])) {
         best = i;
+        if (bs == need) break; /* none fits closer */
+      }
     }
     if (best != TCACHE_KEEP_BLOCKS) {
       lblock *k = ts->lkeep[best];

@@ -65,7 +65,7 @@ static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   tslot *ts = tc->last;
   if (!tcache_keeps_for(tc, ts) || ts->held <= 0 || ts->nkeep == TCACHE_KEEP_BLOCKS || sl->cls != SLAB_LARGE ||
       ts->handle != s || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0 ||
-      large_class_of(sl->seg, (uintptr_t)p) >= 0)
+      large_class_of(sl, (uintptr_t)p) >= 0)
     return 0;
   if (tcache_special_handle(s) && tcache_stream_id(tc, s) != ts->id) return 0; /* another context's */
   /* The first block up to TCACHE_KEEP_MAX, more while all stay within
@@ -78,10 +78,11 @@ static int tcache_keep_large(tcache *tc, slab *sl, void *p, cudaStream_t s) {
   /* A block this slot lent out, freed here: kept again without the
    * large cache's lock where nothing happened to it meanwhile. */
   for (uint32_t k = 1; k <= TCACHE_LENT; k++) { /* the newest first */
-    struct tslot_lent *l = &ts->lent[(ts->lent_next + TCACHE_LENT - k) % TCACHE_LENT];
-    if (l->b == NULL || l->base != (uintptr_t)p) continue;
+    uint32_t i = (ts->lent_next + TCACHE_LENT - k) % TCACHE_LENT;
+    if (ts->lent_base[i] != (uintptr_t)p) continue;
+    struct tslot_lent *l = &ts->lent[i];
     if (l->size <= max && large_rekeep(l->b, l->word)) b = l->b;
-    l->b = NULL;
+    ts->lent_base[i] = 0;
     break;
   }
   if (b == NULL && !large_keep_block(&ts->heap->large, (uintptr_t)p, max, &b)) return 0;
@@ -127,8 +128,7 @@ int tcache_free_slow(void *p, cudaStream_t s) {
   if (tc == NULL && (tc = tcache_create()) == NULL) return magpie_last_error();
   slab *sl = pagemap_lookup((uintptr_t)p);
   /* A graph pool's block goes back to its pool (capture.c). */
-  if (sl != NULL && sl->cls == SLAB_LARGE && large_is_graph(sl->seg, (uintptr_t)p))
-    return tcache_st.up.graph_free(p, sl, s);
+  if (sl != NULL && sl->cls == SLAB_LARGE && large_is_graph(sl, (uintptr_t)p)) return tcache_st.up.graph_free(p, sl, s);
   tcache_enter_slow(tc);
   int rc = (sl != NULL && tcache_keep_large(tc, sl, p, s)) || tcache_free_switch(tc, sl, p, s)
                ? MAGPIE_OK

@@ -80,7 +80,8 @@ static inline uint32_t tcache_seg_cap(const tcache *tc, const tslot *ts, unsigne
 /* Remember a large block the slot handed out lent (tslot.lent), in place
  * of the oldest; lent_next stays below TCACHE_LENT. */
 static inline void tcache_lent_add(tslot *ts, lblock *b, uintptr_t base, size_t size, uint64_t word) {
-  ts->lent[ts->lent_next] = (struct tslot_lent){b, base, size, word};
+  ts->lent_base[ts->lent_next] = base;
+  ts->lent[ts->lent_next] = (struct tslot_lent){b, size, word};
   ts->lent_next = (ts->lent_next + 1) % TCACHE_LENT;
 }
 void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i);

@@ -53,6 +53,7 @@ void tcache_slot_clear(tslot *ts) {
   ts->out_bytes = 0;
   ts->nkeep = 0;
   ts->keep_bytes = 0;
+  memset(ts->lent_base, 0, sizeof ts->lent_base);
   memset(ts->lent, 0, sizeof ts->lent);
   ts->lent_next = 0;
 }
@@ -173,6 +174,7 @@ int tcache_large_release(tslot *ts, void *p, cudaStream_t s, size_t *bsize, int 
  * statistics say so together; detach undoes it for lkeep[i]. */
 void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b) {
   MAGPIE_ASSERT(ts->nkeep < TCACHE_KEEP_BLOCKS && (tc->kept == NULL || tc->kept == ts));
+  ts->lkeep_size[ts->nkeep] = b->size;
   ts->lkeep[ts->nkeep++] = b;
   ts->keep_bytes += b->size;
   tc->kept = ts;
@@ -185,6 +187,7 @@ void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i) {
   atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], -(int64_t)b->size);
   ts->keep_bytes -= b->size;
   ts->lkeep[i] = ts->lkeep[--ts->nkeep];
+  ts->lkeep_size[i] = ts->lkeep_size[ts->nkeep];
   if (ts->nkeep == 0) tc->kept = NULL;
 }
 

@@ -134,18 +134,23 @@ typedef struct tslot {
    * Owner only. INVARIANT: as for the magazines; keep_bytes is the sum of
    * their sizes. */
   lblock *lkeep[TCACHE_KEEP_BLOCKS];
+  /* lkeep[i]'s size, beside the pointers: an allocation compares every
+   * kept block's size, and the blocks' own lines are the large layer's
+   * (tcache_kept_attach keeps them equal). Owner only. */
+  size_t lkeep_size[TCACHE_KEEP_BLOCKS];
   uint32_t nkeep;
   size_t keep_bytes;
   /* The large blocks this slot last handed out lent (a kept block handed
    * out again, or a new block: large_lend; up to TCACHE_LENT, the oldest
-   * replaced first): each one's base, size and the word large_rekeep
-   * expects, or b NULL. Its free on this slot's stream keeps it again
-   * without the large cache's lock; the word decides whether it still may
-   * (pool/large.h, lblock.kept), so a stale entry costs one failed
-   * compare-and-swap. Owner only. */
+   * replaced first): each one's base in lent_base (0: no entry), apart
+   * from the rest so that a free's search reads four lines, not sixteen;
+   * its block, size and the word large_rekeep expects in lent. Its free on
+   * this slot's stream keeps it again without the large cache's lock; the
+   * word decides whether it still may (pool/large.h, lblock.kept), so a
+   * stale entry costs one failed compare-and-swap. Owner only. */
+  uintptr_t lent_base[TCACHE_LENT];
   struct tslot_lent {
     lblock *b;
-    uintptr_t base;
     size_t size;
     uint64_t word;
   } lent[TCACHE_LENT];
