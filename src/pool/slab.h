@@ -44,7 +44,9 @@ typedef struct slab {
     uint64_t magic; /* a class slab's (above) */
     /* A large segment's lseg.ucls, on this line: a free finds a class
      * block's class here and in the table, without the segment's own
-     * lines (large_class_of). Immutable while published. */
+     * lines (large_class_of; bench/DECISIONS.md, "The large path's
+     * searches and a class block's class read fewer lines"). Immutable
+     * while published. */
     _Atomic uint8_t *ucls;
   };
   uint32_t cls; /* size class, or SLAB_LARGE */

@@ -136,14 +136,17 @@ typedef struct tslot {
   lblock *lkeep[TCACHE_KEEP_BLOCKS];
   /* lkeep[i]'s size, beside the pointers: an allocation compares every
    * kept block's size, and the blocks' own lines are the large layer's
-   * (tcache_kept_attach keeps them equal). Owner only. */
+   * (tcache_kept_attach keeps them equal; bench/DECISIONS.md, "The
+   * large path's searches and a class block's class read fewer lines").
+   * Owner only. */
   size_t lkeep_size[TCACHE_KEEP_BLOCKS];
   uint32_t nkeep;
   size_t keep_bytes;
   /* The large blocks this slot last handed out lent (a kept block handed
    * out again, or a new block: large_lend; up to TCACHE_LENT, the oldest
    * replaced first): each one's base in lent_base (0: no entry), apart
-   * from the rest so that a free's search reads four lines, not sixteen;
+   * from the rest so that a free's search reads four lines, not sixteen
+   * (bench/DECISIONS.md, as for lkeep_size);
    * its block, size and the word large_rekeep expects in lent. Its free on
    * this slot's stream keeps it again without the large cache's lock; the
    * word decides whether it still may (pool/large.h, lblock.kept), so a
