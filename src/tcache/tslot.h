@@ -146,8 +146,8 @@ typedef struct tslot {
    * out again, or a new block: large_lend; up to TCACHE_LENT, the oldest
    * replaced first): each one's base in lent_base (0: no entry), apart
    * from the rest so that a free's search reads four lines, not sixteen
-   * (bench/DECISIONS.md, as for lkeep_size);
-   * its block, size and the word large_rekeep expects in lent. Its free on
+   * (bench/DECISIONS.md, as for lkeep_size), and its block, size and the
+   * word large_rekeep expects in lent. Its free on
    * this slot's stream keeps it again without the large cache's lock; the
    * word decides whether it still may (pool/large.h, lblock.kept), so a
    * stale entry costs one failed compare-and-swap. Owner only. */
