@@ -78,6 +78,7 @@ tcache *tcache_create(void) {
   tc->lnext = tcache_st.list;
   if (tcache_st.list) tcache_st.list->lprev = tc;
   tcache_st.list = tc;
+  atomic_add_relaxed(&tcache_st.ncaches, 1);
   pthread_mutex_unlock(&tcache_st.list_lock);
   pthread_setspecific(tcache_st.key, tc);
   tcache_tls = tc;
@@ -171,6 +172,7 @@ static void tcache_destroy(void *arg) {
   if (tc->lprev) tc->lprev->lnext = tc->lnext;
   else tcache_st.list = tc->lnext;
   if (tc->lnext) tc->lnext->lprev = tc->lprev;
+  atomic_sub_relaxed(&tcache_st.ncaches, 1);
   pthread_mutex_unlock(&tcache_st.list_lock);
   while ((atomic_load_acquire(&tc->steal) & TCACHE_CLAIMED) != 0) sched_yield();
   tdrain_flush(tc, NULL);

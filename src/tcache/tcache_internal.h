@@ -32,6 +32,11 @@ typedef struct tcache_state {
    * (taken alone: never while calling into the heap, depot or backend). */
   pthread_mutex_t list_lock;
   struct tcache *list;
+  /* The caches on the list (threads that allocated and have not exited):
+   * written (relaxed) under list_lock as a cache joins and leaves it; read
+   * (relaxed) by owners' slow paths for the outbox's bound
+   * (tcache_outbox_full), a heuristic that publishes nothing. */
+  _Atomic uint32_t ncaches;
   int64_t retired_live[MAGPIE_MAX_DEVICES];
   int64_t retired_kept[MAGPIE_MAX_DEVICES]; /* as retired_live: threads gone */
 } tcache_state;
@@ -65,11 +70,15 @@ static inline int tcache_keeps_for(const tcache *tc, const tslot *ts) {
 }
 /* Has slot ts's outbox reached its bounds: TCACHE_OUTBOX_* for a thread
  * on its stream alone (as tcache_keeps_for) that gave back through the
- * slot no more than it took there, TCACHE_OUTBOX_FEW* else (a thread
- * freeing another's blocks would hold what only that one uses)? */
+ * slot no more than it took there (TCACHE_OUTBOX_CONTENDED_BYTES while
+ * threads contend and TCACHE_OUTBOX_CONTENDED_THREADS or more have
+ * caches), TCACHE_OUTBOX_FEW* else (a thread freeing another's blocks
+ * would hold what only that one uses)? */
 static inline int tcache_outbox_full(const tcache *tc, const tslot *ts) {
-  if (tcache_keeps_for(tc, ts) && ts->held >= 0)
-    return ts->nout >= TCACHE_OUTBOX || ts->out_bytes >= TCACHE_OUTBOX_BYTES;
+  if (tcache_keeps_for(tc, ts) && ts->held >= 0) {
+    int more = ts->seg_two && atomic_load_relaxed(&tcache_st.ncaches) >= TCACHE_OUTBOX_CONTENDED_THREADS;
+    return ts->nout >= TCACHE_OUTBOX || ts->out_bytes >= (more ? TCACHE_OUTBOX_CONTENDED_BYTES : TCACHE_OUTBOX_BYTES);
+  }
   return ts->nout >= TCACHE_OUTBOX_FEW || ts->out_bytes >= TCACHE_OUTBOX_FEW_BYTES;
 }
 /* Blocks a magazine of class blocks of class c holds for slot ts: more for

@@ -27,7 +27,14 @@
 /* The outbox (tslot.outbox): full magazines leaving loaded/prev wait
  * there, for this stream's next allocations of their class, until
  * TCACHE_OUTBOX of them or TCACHE_OUTBOX_BYTES wait, for a thread that
- * allocates on this stream alone, or TCACHE_OUTBOX_FEW(_BYTES) for one on
+ * allocates on this stream alone (TCACHE_OUTBOX_CONTENDED_BYTES while
+ * threads contend on the class blocks' paths, tslot.seg_two, and
+ * TCACHE_OUTBOX_CONTENDED_THREADS or more have caches: each seal's
+ * magazines then cross the depot and the segments' lock to other threads,
+ * and sixteen threads of the mixed workload ran a quarter faster with the
+ * larger outbox, within the memory bound from four threads up but not at
+ * one or two, where the heap's fixed reserves weigh more; bench/DECISIONS.md,
+ * "A larger outbox while threads contend"), or TCACHE_OUTBOX_FEW(_BYTES) for one on
  * several, whose slots strand what they hold while it works elsewhere;
  * then one seal sends them all to the depot, as a seal per magazine made
  * event records a large share of a thread's time (bench/DECISIONS.md, "One
@@ -45,6 +52,8 @@
 #define TCACHE_SPARES 4
 #define TCACHE_OUTBOX 64
 #define TCACHE_OUTBOX_BYTES ((size_t)8 << 20)
+#define TCACHE_OUTBOX_CONTENDED_BYTES ((size_t)12 << 20)
+#define TCACHE_OUTBOX_CONTENDED_THREADS 4
 #define TCACHE_OUTBOX_FEW 8
 #define TCACHE_OUTBOX_FEW_BYTES ((size_t)1 << 20)
 /* A thread that allocates on one stream keeps large blocks freed on it
@@ -181,8 +190,9 @@ typedef struct tslot {
    * only. */
   uint64_t round_trip;
   /* Class blocks (the classes without slabs): 1 while the slot keeps a
-   * second magazine of a class, as of every other class, if its thread is
-   * on its stream alone (tcache_keeps_for). Set when a refill of class
+   * second magazine of a class, as of every other class, and a larger
+   * outbox (TCACHE_OUTBOX_CONTENDED_BYTES), if its thread is on its stream
+   * alone (tcache_keeps_for). Set when a refill of class
    * blocks finds that threads contended on their paths since the slot last
    * looked (heap_class_contention: contention_seen, UINT64_MAX before its
    * first look), cleared after TCACHE_QUIET_REFILLS such refills without:
