@@ -382,6 +382,85 @@ static void test_class_carve_waits_for_held_lock(void **state) {
   carve_run_end(&r);
 }
 
+/* The outbox of a thread on its stream alone while threads contend on
+ * the class blocks' paths: up to TCACHE_OUTBOX_CONTENDED_BYTES once
+ * TCACHE_OUTBOX_CONTENDED_THREADS or more threads have caches, else
+ * TCACHE_OUTBOX_BYTES (tslot.h). Blocks of the 1 MiB class, one a
+ * magazine: freed past what the loaded and second magazines hold, they
+ * fill the outbox past TCACHE_OUTBOX_BYTES and stay within the larger
+ * bound. */
+#define OUTBOX_BLOCKS 11
+
+typedef struct outbox_run {
+  heap *h;
+  size_t out_bytes; /* the slot's outbox after the frees */
+  int ok;
+} outbox_run;
+
+static void *outbox_thread(void *arg) {
+  outbox_run *r = arg;
+  const size_t size = (size_t)1 << 20;
+  cudaStream_t s = fake_stream_create(0);
+  void *p[OUTBOX_BLOCKS];
+  assert_non_null(p[0] = magpie_malloc_async(size, s)); /* the slot's first look */
+  atomic_add_relaxed(&r->h->large.class_contended, 1);  /* another thread found the lock held */
+  for (int i = 1; i < OUTBOX_BLOCKS; i++) assert_non_null(p[i] = magpie_malloc_async(size, s));
+  assert_int_equal(own_slot(s)->seg_two, 1);
+  for (int i = 0; i < OUTBOX_BLOCKS; i++) assert_int_equal(magpie_free_async(p[i], s), MAGPIE_OK);
+  r->out_bytes = own_slot(s)->out_bytes;
+  fake_stream_complete(s);
+  r->ok = 1;
+  return NULL;
+}
+
+/* Threads that hold a cache (one allocation made) until released. */
+typedef struct idle_threads {
+  pthread_barrier_t ready, release;
+} idle_threads;
+
+static void *idle_thread(void *arg) {
+  idle_threads *t = arg;
+  cudaStream_t s = fake_stream_create(0);
+  void *p = magpie_malloc_async(4096, s);
+  if (p != NULL) magpie_free_async(p, s);
+  pthread_barrier_wait(&t->ready);
+  pthread_barrier_wait(&t->release);
+  fake_stream_complete(s);
+  return NULL;
+}
+
+static void test_outbox_larger_while_contended(void **state) {
+  (void)state;
+  _Static_assert((OUTBOX_BLOCKS - 2) * ((size_t)1 << 20) >= TCACHE_OUTBOX_BYTES &&
+                     OUTBOX_BLOCKS * ((size_t)1 << 20) < TCACHE_OUTBOX_CONTENDED_BYTES,
+                 "the frees pass the outbox's bound and stay within the contended one");
+  heap *h = heap_get(0);
+  assert_int_equal(sizeclass_table[sizeclass_of((size_t)1 << 20)].mag_max, 1);
+  /* This thread, the runner's and the maintenance thread's at most: the
+   * outbox sealed at TCACHE_OUTBOX_BYTES. */
+  assert_true(TCACHE_OUTBOX_CONTENDED_THREADS > 3);
+  outbox_run r = {.h = h};
+  run_in_thread(outbox_thread, &r);
+  assert_true(r.ok);
+  assert_true(r.out_bytes < TCACHE_OUTBOX_BYTES);
+  /* With TCACHE_OUTBOX_CONTENDED_THREADS more threads holding caches: kept. */
+  enum { IDLE = TCACHE_OUTBOX_CONTENDED_THREADS };
+  idle_threads t;
+  assert_int_equal(pthread_barrier_init(&t.ready, NULL, IDLE + 1), 0);
+  assert_int_equal(pthread_barrier_init(&t.release, NULL, IDLE + 1), 0);
+  pthread_t th[IDLE];
+  for (int i = 0; i < IDLE; i++) assert_int_equal(pthread_create(&th[i], NULL, idle_thread, &t), 0);
+  pthread_barrier_wait(&t.ready);
+  r = (outbox_run){.h = h};
+  run_in_thread(outbox_thread, &r);
+  pthread_barrier_wait(&t.release);
+  for (int i = 0; i < IDLE; i++) assert_int_equal(pthread_join(th[i], NULL), 0);
+  assert_int_equal(pthread_barrier_destroy(&t.ready), 0);
+  assert_int_equal(pthread_barrier_destroy(&t.release), 0);
+  assert_true(r.ok);
+  assert_true(r.out_bytes >= TCACHE_OUTBOX_BYTES);
+}
+
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
@@ -393,6 +472,7 @@ int main(void) {
       cmocka_unit_test(test_second_magazine_while_contended),
       cmocka_unit_test(test_class_carve_without_carve_lock),
       cmocka_unit_test(test_class_carve_waits_for_held_lock),
+      cmocka_unit_test(test_outbox_larger_while_contended),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -27,14 +27,8 @@
 /* The outbox (tslot.outbox): full magazines leaving loaded/prev wait
  * there, for this stream's next allocations of their class, until
  * TCACHE_OUTBOX of them or TCACHE_OUTBOX_BYTES wait, for a thread that
- * allocates on this stream alone (TCACHE_OUTBOX_CONTENDED_BYTES while
- * threads contend on the class blocks' paths, tslot.seg_two, and
- * TCACHE_OUTBOX_CONTENDED_THREADS or more have caches: each seal's
- * magazines then cross the depot and the segments' lock to other threads,
- * and sixteen threads of the mixed workload ran a quarter faster with the
- * larger outbox, within the memory bound from four threads up but not at
- * one or two, where the heap's fixed reserves weigh more; bench/DECISIONS.md,
- * "A larger outbox while threads contend"), or TCACHE_OUTBOX_FEW(_BYTES) for one on
+ * allocates on this stream alone (TCACHE_OUTBOX_CONTENDED_BYTES under
+ * contention, below), or TCACHE_OUTBOX_FEW(_BYTES) for one on
  * several, whose slots strand what they hold while it works elsewhere;
  * then one seal sends them all to the depot, as a seal per magazine made
  * event records a large share of a thread's time (bench/DECISIONS.md, "One
@@ -52,8 +46,15 @@
 #define TCACHE_SPARES 4
 #define TCACHE_OUTBOX 64
 #define TCACHE_OUTBOX_BYTES ((size_t)8 << 20)
+/* While threads contend on the class blocks' paths (tslot.seg_two) and
+ * TCACHE_OUTBOX_CONTENDED_THREADS or more have caches, a thread's outbox
+ * holds up to TCACHE_OUTBOX_CONTENDED_BYTES: each seal's magazines go
+ * through the depot and the segments' lock to other threads, which is
+ * what contending threads wait on; with fewer threads the heap's fixed
+ * reserves leave no room for it under the memory bound (bench/DECISIONS.md,
+ * "A larger outbox while threads contend"). */
 #define TCACHE_OUTBOX_CONTENDED_BYTES ((size_t)12 << 20)
-#define TCACHE_OUTBOX_CONTENDED_THREADS 4
+#define TCACHE_OUTBOX_CONTENDED_THREADS 8
 #define TCACHE_OUTBOX_FEW 8
 #define TCACHE_OUTBOX_FEW_BYTES ((size_t)1 << 20)
 /* A thread that allocates on one stream keeps large blocks freed on it
