@@ -50,9 +50,9 @@
  * TCACHE_OUTBOX_CONTENDED_THREADS or more have caches, a thread's outbox
  * holds up to TCACHE_OUTBOX_CONTENDED_BYTES: each seal's magazines go
  * through the depot and the segments' lock to other threads, which is
- * what contending threads wait on; with fewer threads the heap's fixed
- * reserves leave no room for it under the memory bound (bench/DECISIONS.md,
- * "A larger outbox while threads contend"). */
+ * what contending threads wait on; with fewer threads it held more than
+ * the memory bound allows (bench/DECISIONS.md, "A larger outbox while
+ * threads contend"). */
 #define TCACHE_OUTBOX_CONTENDED_BYTES ((size_t)12 << 20)
 #define TCACHE_OUTBOX_CONTENDED_THREADS 8
 #define TCACHE_OUTBOX_FEW 8
