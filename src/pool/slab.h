@@ -34,7 +34,7 @@
 
 struct heap;
 
-/* The free fast path reads the first line only (base .. recorded); a
+/* The free fast path reads the first line only (base .. size); a
  * descriptor is line-aligned so that a free of a block whose slab is out of
  * the cache costs one miss here, not three. */
 typedef struct slab {
@@ -62,8 +62,6 @@ typedef struct slab {
    * including it. */
   _Atomic uint32_t recorded;
   uint32_t inuse_words;
-  /* Large segments only. */
-  struct lseg *seg;
   size_t size;
   uintptr_t raw; /* what the region mapped (differs without VMM); a chunk: itself */
   size_t raw_size;
@@ -72,6 +70,7 @@ typedef struct slab {
    * thread that allocates or frees a block of this slab (relaxed: it only
    * detects double frees, it publishes nothing). */
   _Atomic uint64_t *inuse;
+  struct lseg *seg;   /* large segments only */
   struct slab *lnext; /* descriptor free list; the set's slab list */
   struct slab *lprev; /* the set's slab list (under slab_set.slab_lock) */
   /* Slab release (under slab_set.reclaim_lock): free blocks counted in
@@ -80,8 +79,7 @@ typedef struct slab {
   uint32_t dead;   /* being given back: its blocks leave the magazines */
   size_t stranded; /* bytes of blocks no magazine took (host OOM) */
 } slab;
-_Static_assert(offsetof(slab, recorded) + sizeof(uint32_t) <= 64 && offsetof(slab, seg) + sizeof(void *) <= 64,
-               "the free fast path's fields share one line");
+_Static_assert(offsetof(slab, size) + sizeof(size_t) <= 64, "the free fast path's fields share one line");
 
 /* Bytes of a class slab no block serves. */
 static inline size_t slab_overhead(const slab *s) { return s->raw_size - (size_t)s->nblocks * s->bsize + s->stranded; }

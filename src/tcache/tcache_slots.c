@@ -182,7 +182,7 @@ void tcache_kept_attach(tcache *tc, tslot *ts, lblock *b) {
 }
 
 void tcache_kept_detach(tcache *tc, tslot *ts, uint32_t i) {
-  MAGPIE_ASSERT(i < ts->nkeep);
+  MAGPIE_ASSERT(i < ts->nkeep && ts->lkeep_size[i] == ts->lkeep[i]->size);
   lblock *b = ts->lkeep[i];
   atomic_owner_add_i64(&tc->kept_bytes[ts->heap->device], -(int64_t)b->size);
   ts->keep_bytes -= b->size;
