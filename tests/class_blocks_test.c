@@ -461,6 +461,56 @@ static void test_outbox_larger_while_contended(void **state) {
   assert_true(r.out_bytes >= TCACHE_OUTBOX_BYTES);
 }
 
+/* The free fast path's classification (large_or_slab_class, which selects
+ * without a branch on the descriptor's kind) against the branching one
+ * (slab_block_index for a class slab, large_class_of for a segment), at
+ * every 256 B step around a slab block, a class block and a large block,
+ * the last also while a graph pool marks it. */
+static int block_class_ref(const slab *sl, uintptr_t p) {
+  uint32_t i;
+  if (sl->cls != SLAB_LARGE) return slab_block_index(sl, p, &i) ? (int)sl->cls : -1;
+  return large_class_of(sl, p);
+}
+
+static int block_class_agree(uintptr_t at, size_t span) {
+  int starts = 0;
+  for (uintptr_t p = at - span; p < at + span; p += 256) {
+    slab *sl = pagemap_lookup(p);
+    if (sl == NULL) continue;
+    int k = large_or_slab_class(sl, p);
+    assert_int_equal(k, block_class_ref(sl, p));
+    starts += k >= 0;
+  }
+  return starts;
+}
+
+static void test_block_class_without_branch(void **state) {
+  (void)state;
+  heap *h = heap_get(0);
+  cudaStream_t s = fake_stream_create(0);
+  void *small = magpie_malloc_async(1280, s), *cb = magpie_malloc_async(200000, s);
+  void *big = magpie_malloc_async((size_t)3 << 20, s);
+  assert_non_null(small);
+  assert_non_null(cb);
+  assert_non_null(big);
+  assert_int_equal(large_or_slab_class(pagemap_lookup((uintptr_t)small), (uintptr_t)small), (int)sizeclass_of(1280));
+  assert_int_equal(large_or_slab_class(pagemap_lookup((uintptr_t)small), (uintptr_t)small + 256), -1);
+  assert_int_equal(large_or_slab_class(pagemap_lookup((uintptr_t)cb), (uintptr_t)cb), (int)sizeclass_of(200000));
+  assert_int_equal(large_or_slab_class(pagemap_lookup((uintptr_t)cb), (uintptr_t)cb + 4096), -1);
+  assert_int_equal(large_or_slab_class(pagemap_lookup((uintptr_t)big), (uintptr_t)big), -1);
+  assert_true(block_class_agree((uintptr_t)small, 16 * 1280) >= 1);
+  assert_true(block_class_agree((uintptr_t)cb, 4 * 262144) >= 1);
+  block_class_agree((uintptr_t)big, (size_t)1 << 20);
+  assert_int_equal(large_graph_mark(&h->large, (uintptr_t)big, 1), 1);
+  assert_true(large_is_graph(pagemap_lookup((uintptr_t)big), (uintptr_t)big));
+  block_class_agree((uintptr_t)big, (size_t)1 << 20);
+  assert_int_equal(large_graph_mark(&h->large, (uintptr_t)big, 0), 1);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(cb, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(small, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   if (fake_magpie_init(0) != MAGPIE_OK) return 1;
   const struct CMUnitTest tests[] = {
@@ -473,6 +523,7 @@ int main(void) {
       cmocka_unit_test(test_class_carve_without_carve_lock),
       cmocka_unit_test(test_class_carve_waits_for_held_lock),
       cmocka_unit_test(test_outbox_larger_while_contended),
+      cmocka_unit_test(test_block_class_without_branch),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -27,10 +27,11 @@
 
 /* Class index of a request of 1..SIZECLASS_MAX_SIZE bytes. */
 static inline unsigned sizeclass_of(size_t size) {
-  size_t u = (size + SIZECLASS_MIN_SIZE - 1) >> SIZECLASS_SHIFT; /* units, >= 1 */
-  if (u <= 4) return (unsigned)(u - 1);
-  size_t v = u - 1;                                       /* >= 4 */
-  unsigned b = 63u - (unsigned)__builtin_clzll(v);        /* floor(log2 v) >= 2 */
+  size_t v = ((size + SIZECLASS_MIN_SIZE - 1) >> SIZECLASS_SHIFT) - 1; /* units - 1, >= 0 */
+  /* b = max(floor(log2 v), 2): below 8 units the formula gives q = v, the
+   * classes of 256 B steps, so no branch sets them apart (sizes in a mixed
+   * stream would mispredict it). */
+  unsigned b = 63u - (unsigned)__builtin_clzll(v | 4u);
   unsigned q = ((b - 2) << 2) + (unsigned)(v >> (b - 2)); /* four per power of two */
   /* Above 32 KiB, pairs of those become one: q and q + 1 (q even). */
   return q < SIZECLASS_FINE_COUNT ? q : (q + SIZECLASS_FINE_COUNT) >> 1;

@@ -357,6 +357,33 @@ static inline int large_class_of(const struct slab *sl, uintptr_t p) {
   return v == LARGE_GRAPH_MARK ? -1 : (int)v - 1;
 }
 
+/* The size class of the block starting at p in sl, a class slab or a
+ * large segment, or -1 if no class block starts there (a large block, an
+ * interior pointer). The free fast path's test: it computes both kinds'
+ * answers and selects with masks, without a branch on the descriptor's
+ * kind, which a stream of mixed sizes mispredicts about every other free
+ * (bench/DECISIONS.md, "No branch on a block's kind in the fast paths").
+ * A class slab's table read is of large_no_class, a zero byte. */
+extern const _Atomic uint8_t large_no_class;
+static inline int large_or_slab_class(const struct slab *sl, uintptr_t p) {
+  uintptr_t off = p - sl->base;
+  uint32_t c = sl->cls;
+  uintptr_t seg = (uintptr_t)0 - (uintptr_t)(c >= SIZECLASS_COUNT); /* all ones for a segment */
+  /* A class slab's block index; for a segment, magic is ucls and the
+   * product is not used. */
+  uint64_t i = ((uint64_t)off * sl->magic) >> 48;
+  uintptr_t slab_ok = (uintptr_t)((i * sl->bsize == off) & (i < sl->nblocks));
+  uintptr_t in = seg & ((uintptr_t)0 - (uintptr_t)((off < sl->size) & (off % LARGE_QUANTUM == 0)));
+  uintptr_t at = (((uintptr_t)sl->ucls + off / LARGE_QUANTUM) & in) | ((uintptr_t)&large_no_class & ~in);
+  unsigned v = atomic_load_relaxed((const _Atomic uint8_t *)at) & LARGE_CLASS_LIMIT;
+  /* A segment's unit: cls + 1 at a class block's start, 0 elsewhere, the
+   * graph mark on a graph pool's large block. */
+  uintptr_t seg_ok = (uintptr_t)((v - 1u) < LARGE_GRAPH_MARK - 1u);
+  uintptr_t ok = (slab_ok & ~seg) | (seg_ok & seg);
+  uint32_t k = (uint32_t)(c ^ ((c ^ (v - 1u)) & (uint32_t)seg));
+  return ok ? (int)k : -1;
+}
+
 /* Is p the start of a large block a graph pool holds (sl as above)? No
  * lock (as large_class_of: a free is ordered after the allocation that
  * marked it). */

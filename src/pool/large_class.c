@@ -10,6 +10,9 @@
 
 /* ---- class blocks ---- */
 
+/* The unit large_or_slab_class reads for a class slab: no class block. */
+const _Atomic uint8_t large_no_class = 0;
+
 /* The lock, for the class blocks' paths: counted when found held. */
 static void large_class_lock(large_cache *c) {
   if (pthread_mutex_trylock(&c->lock) == 0) return;

@@ -127,18 +127,10 @@ static MAGPIE_INLINE void *tcache_alloc_fast(size_t size, cudaStream_t stream, u
  * matched by id before this. */
 static MAGPIE_INLINE int tcache_free_push(tcache *tc, slab *sl, void *ptr, cudaStream_t stream) {
   tslot *ts = tc->last;
-  uint32_t c = sl->cls, i;
-  size_t bsize = sl->bsize;
-  if (unlikely(c >= SIZECLASS_COUNT)) {
-    /* A class block of a large segment (pool/large.h): one table read
-     * gives its class; a large block goes to the slow path. */
-    int k = large_class_of(sl, (uintptr_t)ptr);
-    if (k < 0) return 0;
-    c = (uint32_t)k;
-    bsize = sizeclass_table[k].size;
-  } else if (unlikely(!slab_block_index(sl, (uintptr_t)ptr, &i))) {
-    return 0;
-  }
+  int k = large_or_slab_class(sl, (uintptr_t)ptr);
+  if (unlikely(k < 0)) return 0;
+  uint32_t c = (uint32_t)k;
+  size_t bsize = sizeclass_table[c].size;
   /* record_stream: slabs with recorded blocks take the slow path
    * (sl->recorded, record.h). */
   if (unlikely(ts->handle != stream || ts->heap != sl->heap || atomic_load_relaxed(&sl->recorded) != 0)) return 0;
