@@ -368,19 +368,26 @@ extern const _Atomic uint8_t large_no_class;
 static inline int large_or_slab_class(const struct slab *sl, uintptr_t p) {
   uintptr_t off = p - sl->base;
   uint32_t c = sl->cls;
-  uintptr_t seg = (uintptr_t)0 - (uintptr_t)(c >= SIZECLASS_COUNT); /* all ones for a segment */
-  /* A class slab's block index; for a segment, magic is ucls and the
-   * product is not used. */
-  uint64_t i = ((uint64_t)off * sl->magic) >> 48;
+  /* All ones for a segment (masks made by negating a signed 0 or 1: no
+   * unsigned arithmetic wraps). */
+  uintptr_t seg = (uintptr_t) - (intptr_t)(c >= SIZECLASS_COUNT);
+  /* A class slab's block index. A segment's magic is its ucls pointer:
+   * the product is not used, and may wrap (the builtin wraps by
+   * definition, where a plain product would be a wrap the sanitizers
+   * report). */
+  uint64_t i;
+  (void)__builtin_mul_overflow((uint64_t)off, sl->magic, &i);
+  i >>= 48;
   uintptr_t slab_ok = (uintptr_t)((i * sl->bsize == off) & (i < sl->nblocks));
-  uintptr_t in = seg & ((uintptr_t)0 - (uintptr_t)((off < sl->size) & (off % LARGE_QUANTUM == 0)));
+  uintptr_t in = seg & (uintptr_t) - (intptr_t)((off < sl->size) & (off % LARGE_QUANTUM == 0));
   uintptr_t at = (((uintptr_t)sl->ucls + off / LARGE_QUANTUM) & in) | ((uintptr_t)&large_no_class & ~in);
   unsigned v = atomic_load_relaxed((const _Atomic uint8_t *)at) & LARGE_CLASS_LIMIT;
   /* A segment's unit: cls + 1 at a class block's start, 0 elsewhere, the
    * graph mark on a graph pool's large block. */
-  uintptr_t seg_ok = (uintptr_t)((v - 1u) < LARGE_GRAPH_MARK - 1u);
+  int kv = (int)v - 1; /* -1 where no class block starts */
+  uintptr_t seg_ok = (uintptr_t)((unsigned)kv < LARGE_GRAPH_MARK - 1u);
   uintptr_t ok = (slab_ok & ~seg) | (seg_ok & seg);
-  uint32_t k = (uint32_t)(c ^ ((c ^ (v - 1u)) & (uint32_t)seg));
+  uint32_t k = c ^ ((c ^ (uint32_t)kv) & (uint32_t)seg);
   return ok ? (int)k : -1;
 }
 
