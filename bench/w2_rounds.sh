@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Workload 2 of two or more builds in adjacent runs, round after round, and
+# each build's ratio to the first in the same round. A GPU host's speed
+# drifts by tens of percent from one second to the next (the no-op floor's
+# one thread moved 54-98 M ops/s within one visit), so two builds are
+# compared by the median of their per-round ratios, not by their ranges.
+#
+#   bash bench/w2_rounds.sh [-r ROUNDS] [-t THREADS] [-m MIX] REF_DIR DIR...
+#
+# Each DIR holds a magpie_bench; REF_DIR's is the reference and also runs
+# the no-op floor at one thread at the start of each round. Prints one line
+# a run (build, round, threads, M ops/s, reserved / sum of per-thread
+# peaks, sum of peaks in MiB), then per thread count and build the figures
+# by round, their median and the median of the ratios to REF_DIR.
+set -euo pipefail
+rounds=10 threads=1,2 mix=256,2m
+while getopts r:t:m: o; do
+  case $o in
+  r) rounds=$OPTARG ;;
+  t) threads=$OPTARG ;;
+  m) mix=$OPTARG ;;
+  *) exit 2 ;;
+  esac
+done
+shift $((OPTIND - 1))
+if [ $# -lt 2 ]; then
+  echo "usage: w2_rounds.sh [-r ROUNDS] [-t THREADS] [-m MIX] REF_DIR DIR..." >&2
+  exit 2
+fi
+log=$(mktemp)
+for r in $(seq 1 "$rounds"); do
+  "$1/magpie_bench" -w 2 --mix "$mix" --allocs noop --threads 1 2>&1 |
+    awk -v r="$r" '/^ +[0-9]+ noop/ {printf "noop r%s %s %s - -\n", r, $1, $3}'
+  for d in "$@"; do
+    "$d/magpie_bench" -w 2 --mix "$mix" --allocs magpie --threads "$threads" 2>&1 |
+      awk -v v="$(basename "$d")" -v r="$r" '/^ +[0-9]+ magpie/ {printf "%s r%s %s %s %s %s\n", v, r, $1, $3, $5, $6}'
+  done
+done | tee "$log"
+python3 - "$log" "$(basename "$1")" << 'PY'
+import statistics, sys
+runs, ref = {}, sys.argv[2]
+for line in open(sys.argv[1]):
+    build, rnd, t, mops, mem, _ = line.split()
+    runs[(build, rnd, int(t))] = (float(mops), mem)
+rounds = sorted({k[1] for k in runs}, key=lambda s: int(s[1:]))
+builds = list(dict.fromkeys(k[0] for k in runs if k[0] != 'noop'))
+print('no-op floor, one thread, by round:', ' '.join('%.1f' % runs[('noop', r, 1)][0] for r in rounds if ('noop', r, 1) in runs))
+for t in sorted({k[2] for k in runs if k[0] != 'noop'}):
+    for b in builds:
+        got = [r for r in rounds if (b, r, t) in runs]
+        if not got:
+            continue
+        mops = [runs[(b, r, t)][0] for r in got]
+        ratio = [runs[(b, r, t)][0] / runs[(ref, r, t)][0] for r in got if (ref, r, t) in runs]
+        print('%2d threads %-8s M ops/s %s | median %.1f | x %s, median of the rounds\' ratios %.3f | reserved/peaks %s' % (
+            t, b, ' '.join('%.1f' % m for m in mops), statistics.median(mops), ref, statistics.median(ratio),
+            ' '.join(runs[(b, r, t)][1] for r in got)))
+PY
+rm -f "$log"
