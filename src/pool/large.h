@@ -347,13 +347,21 @@ int large_class_carve(large_cache *c, unsigned cls, size_t bsize, uint32_t n, ui
 #define LARGE_BUSY 2 /* a return value, as LARGE_WOULD_MAP */
 int large_class_put(large_cache *c, void *const *blocks, uint32_t n, const epoch_ticket *t, int flags);
 
-/* The size class of the class block starting at p in the large segment
- * of descriptor sl (cls SLAB_LARGE), or -1 if none starts there. No lock
+/* The class-table unit of the block starting at p in the large segment of
+ * descriptor sl without its LARGE_CLASS_USED bit: cls + 1 at a class
+ * block's start, LARGE_GRAPH_MARK at a graph pool's large block, else 0
+ * (also where p is not a quantum's start inside the segment). No lock
  * (see lseg.ucls); the descriptor's first line and the table only. */
-static inline int large_class_of(const struct slab *sl, uintptr_t p) {
+static inline unsigned large_unit_at(const struct slab *sl, uintptr_t p) {
   uintptr_t off = p - sl->base;
-  if (off >= sl->size || off % LARGE_QUANTUM != 0) return -1;
-  unsigned v = atomic_load_relaxed(&sl->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
+  if (off >= sl->size || off % LARGE_QUANTUM != 0) return 0;
+  return atomic_load_relaxed(&sl->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT;
+}
+
+/* The size class of the class block starting at p in the large segment
+ * of descriptor sl (cls SLAB_LARGE), or -1 if none starts there. */
+static inline int large_class_of(const struct slab *sl, uintptr_t p) {
+  unsigned v = large_unit_at(sl, p);
   return v == LARGE_GRAPH_MARK ? -1 : (int)v - 1;
 }
 
@@ -395,9 +403,7 @@ static inline int large_or_slab_class(const struct slab *sl, uintptr_t p) {
  * lock (as large_class_of: a free is ordered after the allocation that
  * marked it). */
 static inline int large_is_graph(const struct slab *sl, uintptr_t p) {
-  uintptr_t off = p - sl->base;
-  if (off >= sl->size || off % LARGE_QUANTUM != 0) return 0;
-  return (atomic_load_relaxed(&sl->ucls[off / LARGE_QUANTUM]) & LARGE_CLASS_LIMIT) == LARGE_GRAPH_MARK;
+  return large_unit_at(sl, p) == LARGE_GRAPH_MARK;
 }
 
 /* Mark (on) or unmark the handed-out large block at p as a graph pool's.
