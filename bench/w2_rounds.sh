@@ -8,7 +8,9 @@
 #   bash bench/w2_rounds.sh [-r ROUNDS] [-t THREADS] [-m MIX] REF_DIR DIR...
 #
 # Each DIR holds a magpie_bench; REF_DIR's is the reference and also runs
-# the no-op floor at one thread at the start of each round. Prints one line
+# the no-op floor at one thread at the start of each round. The builds run
+# in the order given in odd rounds and in reverse in even ones, so that a
+# host that slows or speeds within a round favours neither. Prints one line
 # a run (build, round, threads, M ops/s, reserved / sum of per-thread
 # peaks, sum of peaks in MiB), then per thread count and build the figures
 # by round, their median and the median of the ratios to REF_DIR.
@@ -31,7 +33,12 @@ log=$(mktemp)
 for r in $(seq 1 "$rounds"); do
   "$1/magpie_bench" -w 2 --mix "$mix" --allocs noop --threads 1 2>&1 |
     awk -v r="$r" '/^ +[0-9]+ noop/ {printf "noop r%s %s %s - -\n", r, $1, $3}'
-  for d in "$@"; do
+  order=("$@")
+  if ((r % 2 == 0)); then
+    order=()
+    for ((i = $#; i >= 1; i--)); do order+=("${!i}"); done
+  fi
+  for d in "${order[@]}"; do
     "$d/magpie_bench" -w 2 --mix "$mix" --allocs magpie --threads "$threads" 2>&1 |
       awk -v v="$(basename "$d")" -v r="$r" '/^ +[0-9]+ magpie/ {printf "%s r%s %s %s %s %s\n", v, r, $1, $3, $5, $6}'
   done

@@ -372,5 +372,16 @@ mine = mt.torch_snapshot(1, native, ((0, 9, True),))
 assert [seg["address"] for seg in mine["segments"]] == [b], mine["segments"]
 for p in (a, b, c):
     assert l.magpie_free_async(p, s) == 0
+# Memory a large segment lent to the small classes' spans is listed as
+# their slabs' segments: not as a block of the segment, nor in its total.
+g, at = 2 << 20, 1 << 40
+lent = {"kind": "large_segment", "base": at, "size": 2 * g, "vmm": 1, "granule": g, "mapped": [[0, 1]],
+        "blocks": [{"base": at, "size": g // 2, "mapped": g // 2, "state": "in_use"},
+                   {"base": at + g // 2, "size": g // 8, "mapped": g // 8, "state": "span"},
+                   {"base": at + g // 2 + g // 8, "size": g + g // 2 - g // 8, "mapped": g // 2 - g // 8,
+                    "state": "free"}]}
+ts = mt._torch_segment(0, g, lent)
+assert ts["total_size"] == g - g // 8, ts
+assert [bl["address"] for bl in ts["blocks"]] == [at, at + g // 2 + g // 8], ts["blocks"]
 print("python torch: the native allocator's snapshot merge OK")
 PY

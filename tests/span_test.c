@@ -1,7 +1,8 @@
 /* Spans (src/pool/span.c) against the deterministic fake device
  * (fake_backend.c), through their internal interface: threads that find
- * every span full together share one new span, and a span takes a
- * granule lent by the large segments instead of mapping one. */
+ * every span full together share one new span, and a span takes memory
+ * lent by the large segments instead of mapping a granule: a whole free
+ * granule where no used granule has room, else a piece of a used one. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -117,7 +118,7 @@ static void test_span_takes_a_granule_lent_by_the_segments(void **state) {
   int64_t overhead = atomic_load(&h->region.overhead);
   uintptr_t base = 0;
   span *sp = NULL;
-  /* may_map 0: a lent granule maps nothing, so the ladder's first pass may take it. */
+  /* may_map 0: lent memory maps nothing, so the ladder's first pass may take it. */
   assert_int_equal(span_chunk_get(&h->spans, 1, 0, &base, &sp), MAGPIE_OK);
   fake_get_counters(&after);
   assert_int_equal(after.maps, before.maps);
@@ -149,6 +150,70 @@ static void test_span_takes_a_granule_lent_by_the_segments(void **state) {
   fake_stream_complete(s);
 }
 
+/* With a granule partly used by a large block, a new span takes a piece
+ * of SPAN_LENT_PIECE bytes of that granule's free part, aligned to its
+ * size, rather than a whole free granule (the previous test left some
+ * mapped) or a new map; the piece's pages are the span's, its neighbours'
+ * the segment's, and it merges back into the free part when the span is
+ * empty. */
+static void test_span_takes_a_piece_of_a_used_granule(void **state) {
+  (void)state;
+  heap *h = heap_get(1);
+  assert_non_null(h);
+  size_t g = h->region.gran;
+  assert_true(SPAN_LENT_PIECE < g / 2 && g % SPAN_LENT_PIECE == 0);
+  cudaStream_t s = fake_stream_create(1);
+  /* A large block of a granule and a half: the second granule's other
+   * half is mapped, free and ready (it was never handed out). */
+  size_t big_size = g + g / 2;
+  char *big = magpie_malloc_async(big_size, s);
+  assert_non_null(big);
+  assert_int_equal(((uintptr_t)big + big_size) % g, g / 2);
+  static span_got held[SPAN_HOLD_MAX];
+  int free_chunks = hold_free_chunks(h, held);
+  fake_counters before, after;
+  fake_get_counters(&before);
+  int64_t overhead = atomic_load(&h->region.overhead);
+  size_t lent = atomic_load(&h->large.lent_bytes);
+  uintptr_t base = 0;
+  span *sp = NULL;
+  assert_int_equal(span_chunk_get(&h->spans, 1, 0, &base, &sp), MAGPIE_OK);
+  fake_get_counters(&after);
+  assert_int_equal(after.maps, before.maps);
+  assert_true(sp->lent);
+  assert_int_equal(sp->size, SPAN_LENT_PIECE);
+  assert_int_equal(sp->nchunks, SPAN_LENT_PIECE / SPAN_CHUNK);
+  assert_true(base >= (uintptr_t)big + big_size && base + SPAN_LENT_PIECE <= (uintptr_t)big + 2 * g);
+  assert_int_equal(base % SPAN_LENT_PIECE, 0);
+  assert_int_equal(atomic_load(&h->large.lent_bytes), lent + SPAN_LENT_PIECE);
+  assert_int_equal(atomic_load(&h->region.overhead), overhead + (int64_t)(SPAN_LENT_PIECE - SPAN_CHUNK));
+  assert_null(pagemap_lookup(base));
+  assert_null(pagemap_lookup(base + SPAN_LENT_PIECE - SPAN_CHUNK));
+  /* A page of the granule's free part outside the piece. */
+  uintptr_t other = base > (uintptr_t)big + big_size ? (uintptr_t)big + big_size : base + SPAN_LENT_PIECE;
+  slab *d = pagemap_lookup(other);
+  assert_non_null(d);
+  assert_int_equal(d->cls, SLAB_LARGE);
+  magpie_stats st;
+  assert_int_equal(magpie_stats_get(1, &st), MAGPIE_OK);
+  assert_int_equal(st.large_in_use_bytes, big_size);
+  /* Empty again: the piece is the segment's free memory, and the same
+   * piece is what the next span is lent. */
+  span_chunk_put(&h->spans, sp, base, 1);
+  assert_int_equal(atomic_load(&h->large.lent_bytes), lent);
+  assert_int_equal(atomic_load(&h->region.overhead), overhead);
+  d = pagemap_lookup(base);
+  assert_non_null(d);
+  assert_int_equal(d->cls, SLAB_LARGE);
+  uintptr_t again = 0;
+  assert_int_equal(span_chunk_get(&h->spans, 1, 0, &again, &sp), MAGPIE_OK);
+  assert_int_equal(again, base);
+  span_chunk_put(&h->spans, sp, again, 1);
+  for (int i = 0; i < free_chunks; i++) span_chunk_put(&h->spans, held[i].sp, held[i].base, 1);
+  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  fake_stream_complete(s);
+}
+
 int main(void) {
   fake_set_devices(2);
   fake_set_capacity(1, (size_t)24 << 20);
@@ -156,6 +221,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_concurrent_span_maps_share_a_span),
       cmocka_unit_test_setup(test_span_takes_a_granule_lent_by_the_segments, allocate_on_another_stream),
+      cmocka_unit_test(test_span_takes_a_piece_of_a_used_granule),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -7,7 +7,8 @@ Each cell is one granule (2 MiB on an H200) of device address space that
 magpie holds: class slabs and large segments, in address order. A cell is
 split into bands by what its bytes are doing: in use, cached in a thread's
 magazine, in the depot, waiting on a stream's epoch, limbo, free in a large
-segment, overhead, or not mapped (virtual space of a large segment that
+segment, lent by a large segment to the small classes' slabs (which have
+cells of their own), overhead, or not mapped (virtual space of a large segment that
 holds no memory). Past ~16k granules, cells stand for several granules.
 Under the grid: a legend and the totals from the snapshot's statistics.
 Prints the same totals on stdout.
@@ -25,6 +26,7 @@ STATES = [
     ("pending", "waiting on a stream", "#9467bd"),
     ("limbo", "limbo (stream gone)", "#8c564b"),
     ("free", "free in large segment", "#17becf"),
+    ("span", "lent to small classes' slabs (drawn apart)", "#bcbd22"),
     ("unused", "overhead", "#7f7f7f"),
     ("unmapped", "not mapped", "#eeeeee"),
 ]

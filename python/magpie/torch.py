@@ -344,9 +344,13 @@ def _torch_segment(device, granule, seg):
         if tail > 0:
             blocks.append(_block(pos, tail, "unused"))
     else:
+        # Memory the segment lent to the small classes' spans ("span") is
+        # listed as those slabs' segments, so not here too.
         total = sum(r[1] for r in seg["mapped"]) * seg["granule"]
         for b in seg["blocks"]:
-            if b["mapped"] > 0:
+            if b["state"] == "span":
+                total -= b["mapped"]
+            elif b["mapped"] > 0:
                 blocks.append(_block(b["base"], min(b["size"], b["mapped"]), b["state"]))
     allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
     active = allocated + sum(b["size"] for b in blocks if b["state"] == "active_pending_free")

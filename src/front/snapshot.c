@@ -11,7 +11,9 @@
  *      {"kind": "large_segment", "base": A, "size": S, "vmm": 0|1,
  *       "granule": G, "mapped": [[FIRST_GRANULE, COUNT], ...],
  *       "blocks": [{"base": A, "size": S, "mapped": M,
- *                   "state": "in_use"|"free"|"pending", "stream": ID}]}]}
+ *                   "state": "in_use"|"free"|"pending"|"span", "stream": ID}]}]}
+ *   A "span" block is memory the segment lent to the small classes' spans
+ *   (pool/span.h): its slabs are listed as segments of their own.
  *   A class block of a segment (a block of a size class above 64 KiB,
  *   pool/large.h) has "class": C and a slab block's state ("in_use",
  *   "thread", "depot", "pending" with "stream", "limbo").

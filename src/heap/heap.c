@@ -5,7 +5,7 @@
  * lock). depot.carve_lock -> (what a depot take and a slab carve take:
  * epoch_table.lock, stream_rec.seal_lock, region.lock, slab_set.slab_lock,
  * slab_st.desc_lock, registry.grow_lock, span_set.span_grow_lock ->
- * (region.lock, span_set.span_lock, and a lent granule's large_cache.lock,
+ * (region.lock, span_set.span_lock, and the lender's large_cache.lock,
  * stream_rec.seal_lock, epoch_table.lock), large_cache.lock, one at a
  * time; and
  * heap_recycle's record_table.lock and slab_set.reclaim_lock ->
@@ -45,9 +45,11 @@ heap *heap_peek(int device) {
 }
 
 /* The span set's lender: the large segments' free memory (pool/large.h,
- * granules lent to the span set). */
-static int heap_lend_granule(void *ctx, uintptr_t *base) { return large_lend_granule(ctx, base); }
-static void heap_take_back_granule(void *ctx, uintptr_t base) { large_return_granule(ctx, base); }
+ * memory lent to the span set). */
+static int heap_lend_span(void *ctx, size_t want, uintptr_t *base, size_t *size) {
+  return large_lend_span(ctx, want, base, size);
+}
+static void heap_take_back_span(void *ctx, uintptr_t base) { large_return_span(ctx, base); }
 
 static heap *heap_create(int device) {
   const backend_ops *ops = heap_st.ops;
@@ -90,7 +92,7 @@ static heap *heap_create(int device) {
   large_init(&h->large, &h->region, ops, total, h->reuse_wait, h);
   gpool_set_init(&h->graphs);
   span_set_init(&h->spans, &h->region);
-  span_set_lender(&h->spans, (span_lender){heap_lend_granule, heap_take_back_granule, &h->large});
+  span_set_lender(&h->spans, (span_lender){heap_lend_span, heap_take_back_span, &h->large});
   slab_set_init(&h->slabs, &h->region, &h->spans, h->depots, h);
   record_table_init(&h->records, heap_records_sync, h);
   /* Events made now, while the device is likely idle (a failure here only

@@ -89,7 +89,7 @@ static unsigned large_spoil(const lblock *b, uintptr_t p, size_t n, size_t g) {
 }
 
 /* Free bytes of the granule holding p, which free block b overlaps. */
-static size_t large_granule_free(const lblock *b, uintptr_t p, size_t g) {
+size_t large_granule_free(const lblock *b, uintptr_t p, size_t g) {
   uintptr_t sb = b->seg->base, lo = sb + (p - sb) / g * g, hi = lo + g;
   const lblock *x = b;
   while (x->base > lo && x->prev != NULL) x = x->prev;

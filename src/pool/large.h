@@ -184,7 +184,7 @@ typedef struct large_cache {
   _Atomic size_t in_use_bytes;
   _Atomic size_t mapped_bytes; /* granules mapped in segments (raw size without VMM) */
   _Atomic size_t class_bytes;  /* class blocks (counted in in_use_bytes too) */
-  _Atomic size_t lent_bytes;   /* granules lent to the span set (counted in in_use_bytes too) */
+  _Atomic size_t lent_bytes;   /* bytes lent to the span set (counted in in_use_bytes too) */
   _Atomic uint64_t segments;
   _Atomic uint64_t stream_waits;
   _Atomic uint64_t bytes_unmapped;
@@ -431,18 +431,20 @@ static inline int large_class_mark(lseg *sg, uintptr_t p, int used) {
   return (atomic_fetch_and_explicit(u, (uint8_t)~LARGE_CLASS_USED, memory_order_relaxed) & LARGE_CLASS_USED) != 0;
 }
 
-/* ---- granules lent to the span set (heap.c wires them) ----
- * A whole mapped granule of a free block ready for every stream (after
- * one round of queries if none is), marked USED with klass
- * LARGE_KLASS_LENT, outside the hash, its pages cleared in the page map:
- * MAGPIE_OK and *base, LARGE_WOULD_MAP if there is none,
- * MAGPIE_ERR_OUT_OF_MEMORY (host). Taken under the span set's grow lock
- * (span.c); this lock stays a leaf. */
+/* ---- memory lent to the span set (heap.c wires them) ----
+ * want bytes (a power of two, a multiple of the span's chunk) of free
+ * memory ready for every stream (after one round of queries if there is
+ * none): a piece aligned to want in a mapped granule something else uses,
+ * else a whole mapped granule of a free block. It becomes a USED block
+ * with klass LARGE_KLASS_LENT, outside the hash, its pages cleared in the
+ * page map: MAGPIE_OK, *base and *size (want or the granule),
+ * LARGE_WOULD_MAP if there is none, MAGPIE_ERR_OUT_OF_MEMORY (host). Taken
+ * under the span set's grow lock (span.c); this lock stays a leaf. */
 #define LARGE_KLASS_LENT UINT32_MAX
-int large_lend_granule(large_cache *c, uintptr_t *base);
-/* The lent granule at base comes back, free and ready for every stream
+int large_lend_span(large_cache *c, size_t want, uintptr_t *base, size_t *size);
+/* The memory lent at base comes back, free and ready for every stream
  * (its slabs' blocks all were), its pages the segment's again. */
-void large_return_granule(large_cache *c, uintptr_t base);
+void large_return_span(large_cache *c, uintptr_t base);
 
 /* Pressure and trimming. */
 /* Query the events of free blocks still waiting on a stream; merge those

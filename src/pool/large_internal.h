@@ -14,7 +14,7 @@
  *   large_run.c     runs of adjacent free blocks of different streams
  *   large_map.c     mapping and unmapping granules, shrink, release
  *   large_class.c   class blocks
- *   large_lend.c    granules lent to the span set
+ *   large_lend.c    memory lent to the span set
  *   large_kept.c    kept blocks and graph marks
  *   large_view.c    statistics and snapshots (pool/large.h alone)
  *
@@ -68,6 +68,7 @@ void large_free_unlink(struct large_cache *c, struct lblock *b);
 void large_link_after(struct lblock *a, struct lblock *r);
 struct lblock *large_carve(struct large_cache *c, struct lblock *b, size_t need, int at_end);
 struct lblock *large_carve_at(struct large_cache *c, struct lblock *b, size_t need, size_t off);
+size_t large_granule_free(const struct lblock *b, uintptr_t p, size_t g);
 void large_uncarve(struct large_cache *c, struct lblock *u, struct lticket **deferred);
 struct lblock *large_coalesce_dead(struct large_cache *c, struct lblock *b, struct lticket **deferred,
                                    struct lblock **dead);

@@ -1,5 +1,5 @@
-/* Large blocks: whole granules of free blocks lent to the span set and
- * their return.
+/* Large blocks: free memory lent to the span set (pieces of partly used
+ * granules, else whole granules) and its return.
  *
  * Lock order: large_cache.lock is a leaf. No driver call is made under it,
  * and tickets whose last reference drops under it are released after it is
@@ -10,26 +10,67 @@
 #include "pool/large.h"
 #include "pool/large_internal.h"
 
-/* ---- granules lent to the span set ----
+/* ---- memory lent to the span set ----
  *
  * The span set maps a granule of its own when every span is full, beside
  * the segments' free memory: a thread mapped its second span while a
  * large free block, ready, lay in its segment (bench/DECISIONS.md, "The
- * span set borrows granules of free large blocks"). A whole mapped
- * granule of a free ready block serves the span set instead: the smallest
- * such block gives it, and it comes back free and ready once the span is
- * empty. */
+ * span set borrows granules of free large blocks"). The segments' free
+ * memory serves it instead, ready for every stream, and comes back free
+ * and ready once the span is empty: first a piece of a granule something
+ * else already uses, so that the small classes fill the holes beside
+ * large and class blocks rather than holding a granule of their own
+ * (bench/DECISIONS.md, "Spans fill the holes of used granules"); else a
+ * whole mapped granule of the smallest free block that has one. */
 
-/* The mapped granule [at, at + g) of free ready block b becomes a USED
- * block not in the hash (lock held); NULL if host memory ran out. */
-static lblock *large_cut_granule(large_cache *c, lblock *b, uintptr_t at, size_t g) {
-  MAGPIE_ASSERT(b->ticket == NULL && at >= b->base && at + g <= b->base + b->size);
-  lblock *u = large_carve_at(c, b, g, at - b->base);
-  MAGPIE_ASSERT(u == NULL || (u->size == g && u->base == at && large_seg_tiles(u->seg)));
-  return u;
+/* Offer the place at p in free ready block b for a piece of n bytes: taken
+ * where its granule is mapped, partly used (not wholly inside b) and has
+ * fewer free bytes than the best so far's, or as many in a smaller
+ * block. */
+static void large_offer_piece(const lblock *b, uintptr_t p, size_t n, size_t g, const lblock **pick, uintptr_t *at,
+                              size_t *least) {
+  uintptr_t sb = b->seg->base, glo = sb + (p - sb) / g * g;
+  if (p < b->base || p + n > b->base + b->size || b->seg->gran[(p - sb) / g] != GRAN_MAPPED) return;
+  if (b->base <= glo && b->base + b->size >= glo + g) return; /* a whole free granule stays whole */
+  size_t f = large_granule_free(b, p, g);
+  if (f > *least || (f == *least && b->size >= (*pick)->size)) return;
+  *least = f;
+  *pick = b;
+  *at = p;
 }
 
-int large_lend_granule(large_cache *c, uintptr_t *base) {
+/* A piece of n bytes (a power of two below the granule), aligned to n, of
+ * a free ready block of a VMM segment, in a partly used granule: the
+ * fullest such granule's, at the first or last aligned place of a block.
+ * NULL if there is none. */
+static lblock *large_find_piece(large_cache *c, size_t n, uintptr_t *at) {
+  size_t g = large_gran(c), least = SIZE_MAX;
+  MAGPIE_ASSERT(n < g && g % n == 0);
+  const lblock *pick = NULL;
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
+    if (b->ticket != NULL || b->size < n || !b->seg->vmm) continue;
+    uintptr_t sb = b->seg->base;
+    large_offer_piece(b, sb + (b->base - sb + n - 1) / n * n, n, g, &pick, at, &least);
+    large_offer_piece(b, sb + (b->base + b->size - n - sb) / n * n, n, g, &pick, at, &least);
+  }
+  return (lblock *)pick;
+}
+
+/* The first mapped whole granule of the smallest free ready block that has
+ * one, or NULL. */
+static lblock *large_find_granule(large_cache *c, uintptr_t *at) {
+  size_t g = large_gran(c);
+  lblock *pick = NULL;
+  for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
+    size_t i, end;
+    if ((pick != NULL && b->size >= pick->size) || !large_first_mapped_whole(b, g, &i, &end)) continue;
+    pick = b;
+    *at = b->seg->base + i * g;
+  }
+  return pick;
+}
+
+int large_lend_span(large_cache *c, size_t want, uintptr_t *base, size_t *size) {
   size_t g = large_gran(c);
   lticket *deferred = NULL;
   int rc = LARGE_WOULD_MAP;
@@ -40,35 +81,35 @@ int large_lend_granule(large_cache *c, uintptr_t *base) {
       large_query_pending_locked(c, EPOCH_NO_STREAM, &deferred);
       large_settle_locked(c, &deferred);
     }
-    lblock *pick = NULL;
     uintptr_t at = 0;
-    for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
-      size_t i, end;
-      if ((pick != NULL && b->size >= pick->size) || !large_first_mapped_whole(b, g, &i, &end)) continue;
-      pick = b;
-      at = b->seg->base + i * g;
+    size_t n = want;
+    lblock *pick = want < g ? large_find_piece(c, want, &at) : NULL;
+    if (pick == NULL) {
+      n = g;
+      pick = large_find_granule(c, &at);
     }
     if (pick == NULL) continue;
-    lblock *u = large_cut_granule(c, pick, at, g);
+    lblock *u = large_carve_at(c, pick, n, at - pick->base);
     if (u == NULL) {
       rc = MAGPIE_ERR_OUT_OF_MEMORY;
       break;
     }
+    MAGPIE_ASSERT(u->size == n && u->base == at && large_seg_tiles(u->seg));
     u->klass = LARGE_KLASS_LENT;
     /* Its pages name no block until the span's slabs claim theirs (the
      * leaves exist: the granule is mapped). */
-    pagemap_set(at, g, NULL);
-    atomic_add_relaxed(&c->in_use_bytes, g);
-    atomic_add_relaxed(&c->lent_bytes, g);
+    pagemap_set(at, n, NULL);
+    atomic_add_relaxed(&c->in_use_bytes, n);
+    atomic_add_relaxed(&c->lent_bytes, n);
     *base = at;
+    *size = n;
     rc = MAGPIE_OK;
   }
   large_unlock(c, deferred);
   return rc;
 }
 
-void large_return_granule(large_cache *c, uintptr_t base) {
-  size_t g = large_gran(c);
+void large_return_span(large_cache *c, uintptr_t base) {
   lticket *deferred = NULL;
   pthread_mutex_lock(&c->lock);
   lblock *b = NULL;
@@ -77,14 +118,14 @@ void large_return_granule(large_cache *c, uintptr_t base) {
     for (b = sg->first; b && b->base != base; b = b->next) {
     }
   }
-  /* INVARIANT: a lent granule is a USED block of its own. */
-  MAGPIE_ASSERT(b != NULL && b->state == LBLOCK_USED && b->klass == LARGE_KLASS_LENT && b->size == g);
+  /* INVARIANT: what was lent is a USED block of its own. */
+  MAGPIE_ASSERT(b != NULL && b->state == LBLOCK_USED && b->klass == LARGE_KLASS_LENT && b->size <= large_gran(c));
   if (b != NULL) {
-    pagemap_set(base, g, b->seg->desc); /* the span's slabs cleared theirs */
+    pagemap_set(base, b->size, b->seg->desc); /* the span's slabs cleared theirs */
     b->klass = 0;
     b->ticket = NULL; /* every slab block came back ready for every stream */
-    atomic_sub_relaxed(&c->in_use_bytes, g);
-    atomic_sub_relaxed(&c->lent_bytes, g);
+    atomic_sub_relaxed(&c->in_use_bytes, b->size);
+    atomic_sub_relaxed(&c->lent_bytes, b->size);
     large_free_link(c, b);
     large_coalesce(c, b, &deferred);
   }

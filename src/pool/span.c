@@ -51,11 +51,19 @@ static int span_take_free(span_set *ss, unsigned n, uintptr_t *base, span **out)
   return 0;
 }
 
+/* What a new span of at least n chunks asks the lender for: the power of
+ * two that holds them, SPAN_LENT_PIECE at least, at most the granule. */
+static size_t span_want(const span_set *ss, unsigned n) {
+  size_t want = SPAN_LENT_PIECE, g = ss->region->gran;
+  while (want < (size_t)n * SPAN_CHUNK) want *= 2;
+  return want < g ? want : g;
+}
+
 int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span **out) {
   MAGPIE_ASSERT(n >= 1 && (size_t)n * SPAN_CHUNK <= ss->region->gran);
   if (span_take_free(ss, n, base, out)) return MAGPIE_OK;
   if (!may_map && ss->lender.lend == NULL) return SPAN_WOULD_MAP;
-  /* No free chunk: a lent granule, else map one, one thread at a time. Threads of other
+  /* No free chunk: lent memory, else map a granule, one thread at a time. Threads of other
    * classes that ran dry meanwhile wait here and take the new span's
    * spare chunks: threads starting together each mapped a granule of
    * their own otherwise, and some of those sat almost unused
@@ -68,10 +76,12 @@ int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span 
   span *sp = meta_alloc(sizeof *sp);
   int rc = sp == NULL ? MAGPIE_ERR_OUT_OF_MEMORY : MAGPIE_OK;
   if (rc == MAGPIE_OK) {
-    sp->lent = ss->lender.lend != NULL && ss->lender.lend(ss->lender.ctx, &sp->base) == MAGPIE_OK;
+    size_t lent_size = 0;
+    sp->lent = ss->lender.lend != NULL &&
+               ss->lender.lend(ss->lender.ctx, span_want(ss, n), &sp->base, &lent_size) == MAGPIE_OK;
     if (sp->lent) {
       sp->raw = sp->base;
-      sp->raw_size = ss->region->gran;
+      sp->raw_size = lent_size;
     } else if (!may_map) {
       rc = SPAN_WOULD_MAP;
     } else {
@@ -83,11 +93,11 @@ int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span 
     meta_free(sp);
     return rc;
   }
-  sp->size = ss->region->gran;
+  sp->size = sp->lent ? sp->raw_size : ss->region->gran;
   sp->nchunks = (unsigned)(sp->size / SPAN_CHUNK);
   sp->used = span_bits(0, n); /* the first n chunks are the caller's */
   /* Overhead: every mapped byte but the chunks handed out (fallback
-   * alignment included). A lent granule's bytes leave the lender's free
+   * alignment included). Lent bytes leave the lender's free
    * bytes at the same time, so the layers still add up. */
   region_overhead_add(ss->region, (int64_t)(sp->raw_size - n * SPAN_CHUNK));
   pthread_mutex_lock(&ss->span_lock);

@@ -1,5 +1,5 @@
-/* Spans: granules (the smallest map, 2 MiB on the H200) cut into chunks of
- * SPAN_CHUNK bytes. A size class's slab is a run of one or more contiguous
+/* Spans: granules (the smallest map, 2 MiB on the H200), or pieces of them
+ * lent by the large segments, cut into chunks of SPAN_CHUNK bytes. A size class's slab is a run of one or more contiguous
  * chunks of one span, so that classes share granules instead of mapping
  * whole ones each: a class's slab of a whole granule held far more than
  * its blocks, most of it in carved blocks no allocation had reached
@@ -12,9 +12,10 @@
  *            belongs to a slab (or is being made one); a slab's chunks are
  *            contiguous bits; a span is on its set's list iff used != 0.
  *
- * A span's granule is mapped for it, or lent by the set's lender (the large
- * segments' free memory, heap.c) and given back there when the span is
- * empty.
+ * A span's memory is lent by the set's lender (the large segments' free
+ * memory, heap.c: a piece of SPAN_LENT_PIECE bytes or more of a granule
+ * something else uses, else a whole granule) and given back there when the
+ * span is empty, or, where the lender has none, a granule mapped for it.
  *
  * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock,
  * the lender's lock: leaves, one at a time). A span is mapped or lent
@@ -40,22 +41,29 @@ _Static_assert(SPAN_CHUNK_SHIFT >= PAGEMAP_PAGE_SHIFT, "chunks smaller than page
 
 typedef struct span {
   uintptr_t base; /* granule-aligned; immutable */
-  size_t size;    /* the region's granularity; immutable */
+  size_t size;    /* the granule, or the piece lent; immutable */
   uintptr_t raw;  /* what region_unmap takes back; immutable */
   size_t raw_size;
   uint64_t used;     /* under span_set.span_lock */
   unsigned nchunks;  /* size / SPAN_CHUNK, at most 64; immutable */
-  int lent;          /* 1: the lender's granule (given back, not unmapped); immutable */
+  int lent;          /* 1: the lender's memory (given back, not unmapped); immutable */
   struct span *next; /* the set's list, under span_set.span_lock */
 } span;
 
-/* Where a span's granule may come from before a new one is mapped: a
- * granule some other layer holds mapped, free and ready for every stream
- * (lend: MAGPIE_OK and *base, else nonzero), and where it goes back
- * (take_back) once the span is empty. Called under span_grow_lock
+/* The least a span asks its lender for: pieces this small let the small
+ * classes fill the holes that large and class blocks leave in their
+ * granules (bench/DECISIONS.md, "Spans fill the holes of used
+ * granules"). */
+#define SPAN_LENT_PIECE ((size_t)256 << 10)
+
+/* Where a span's memory may come from before a granule is mapped: memory
+ * some other layer holds mapped, free and ready for every stream (lend:
+ * want bytes, a power of two, or a whole granule: MAGPIE_OK, *base and
+ * *size, else nonzero), and where it goes back (take_back) once the span
+ * is empty. Called under span_grow_lock
  * (lend) and with no lock held (take_back). */
 typedef struct span_lender {
-  int (*lend)(void *ctx, uintptr_t *base);
+  int (*lend)(void *ctx, size_t want, uintptr_t *base, size_t *size);
   void (*take_back)(void *ctx, uintptr_t base);
   void *ctx;
 } span_lender;
@@ -80,7 +88,7 @@ void span_set_lender(span_set *ss, span_lender l);
 
 /* n contiguous free chunks of one span of ss (n * SPAN_CHUNK at most the
  * granularity): the run's address and span. When no span has such a run,
- * a new span takes a lent granule, or a mapped one if may_map, else
+ * a new span takes lent memory, or a mapped granule if may_map, else
  * SPAN_WOULD_MAP is returned. MAGPIE_ERR_OUT_OF_MEMORY (device or host)
  * otherwise. */
 int span_chunk_get(span_set *ss, unsigned n, int may_map, uintptr_t *base, span **out);
