@@ -1,8 +1,8 @@
 /* Spans (src/pool/span.c) against the deterministic fake device
  * (fake_backend.c), through their internal interface: threads that find
  * every span full together share one new span, and a span takes memory
- * lent by the large segments instead of mapping a granule: a whole free
- * granule where no used granule has room, else a piece of a used one. */
+ * lent by the large segments instead of mapping a granule: a piece of a
+ * hole in a used granule, else a whole free granule. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -150,25 +150,26 @@ static void test_span_takes_a_granule_lent_by_the_segments(void **state) {
   fake_stream_complete(s);
 }
 
-/* With a granule partly used by a large block, a new span takes a piece
- * of SPAN_LENT_PIECE bytes of that granule's free part, aligned to its
- * size, rather than a whole free granule (the previous test left some
- * mapped) or a new map; the piece's pages are the span's, its neighbours'
- * the segment's, and it merges back into the free part when the span is
- * empty. */
-static void test_span_takes_a_piece_of_a_used_granule(void **state) {
+/* A new span takes a piece of SPAN_LENT_PIECE bytes, aligned to its size,
+ * of a hole in a used granule (a free block holding no whole granule),
+ * not the edge of a free run that holds whole granules, which large blocks
+ * grow into: there it takes a whole granule of the run. The piece's pages
+ * are the span's, the rest of the hole's the segment's, and it merges
+ * back into the hole when the span is empty. */
+static void test_span_takes_a_piece_of_a_hole(void **state) {
   (void)state;
   heap *h = heap_get(1);
   assert_non_null(h);
   size_t g = h->region.gran;
   assert_true(SPAN_LENT_PIECE < g / 2 && g % SPAN_LENT_PIECE == 0);
   cudaStream_t s = fake_stream_create(1);
-  /* A large block of a granule and a half: the second granule's other
-   * half is mapped, free and ready (it was never handed out). */
-  size_t big_size = g + g / 2;
-  char *big = magpie_malloc_async(big_size, s);
-  assert_non_null(big);
-  assert_int_equal(((uintptr_t)big + big_size) % g, g / 2);
+  /* A large block of a granule and a half where the previous test's 8 MiB
+   * were: the second granule's other half is free, at the edge of a free
+   * run of two whole granules. */
+  size_t a_size = g + g / 2;
+  char *a = magpie_malloc_async(a_size, s);
+  assert_non_null(a);
+  assert_int_equal((uintptr_t)a % g, 0);
   static span_got held[SPAN_HOLD_MAX];
   int free_chunks = hold_free_chunks(h, held);
   fake_counters before, after;
@@ -178,27 +179,38 @@ static void test_span_takes_a_piece_of_a_used_granule(void **state) {
   uintptr_t base = 0;
   span *sp = NULL;
   assert_int_equal(span_chunk_get(&h->spans, 1, 0, &base, &sp), MAGPIE_OK);
+  assert_true(sp->lent);
+  assert_int_equal(sp->size, g); /* the edge of the run stays free */
+  assert_int_equal(base % g, 0);
+  assert_true(base >= (uintptr_t)a + 2 * g);
+  span_chunk_put(&h->spans, sp, base, 1);
+  assert_int_equal(atomic_load(&h->large.lent_bytes), lent);
+  /* A block of two granules closes the run: half a granule after a is a
+   * hole now. */
+  char *b = magpie_malloc_async(2 * g, s);
+  assert_ptr_equal(b, a + 2 * g);
+  assert_int_equal(span_chunk_get(&h->spans, 1, 0, &base, &sp), MAGPIE_OK);
   fake_get_counters(&after);
   assert_int_equal(after.maps, before.maps);
   assert_true(sp->lent);
   assert_int_equal(sp->size, SPAN_LENT_PIECE);
   assert_int_equal(sp->nchunks, SPAN_LENT_PIECE / SPAN_CHUNK);
-  assert_true(base >= (uintptr_t)big + big_size && base + SPAN_LENT_PIECE <= (uintptr_t)big + 2 * g);
+  assert_true(base >= (uintptr_t)a + a_size && base + SPAN_LENT_PIECE <= (uintptr_t)b);
   assert_int_equal(base % SPAN_LENT_PIECE, 0);
   assert_int_equal(atomic_load(&h->large.lent_bytes), lent + SPAN_LENT_PIECE);
   assert_int_equal(atomic_load(&h->region.overhead), overhead + (int64_t)(SPAN_LENT_PIECE - SPAN_CHUNK));
   assert_null(pagemap_lookup(base));
   assert_null(pagemap_lookup(base + SPAN_LENT_PIECE - SPAN_CHUNK));
-  /* A page of the granule's free part outside the piece. */
-  uintptr_t other = base > (uintptr_t)big + big_size ? (uintptr_t)big + big_size : base + SPAN_LENT_PIECE;
+  /* A page of the hole outside the piece. */
+  uintptr_t other = base > (uintptr_t)a + a_size ? (uintptr_t)a + a_size : base + SPAN_LENT_PIECE;
   slab *d = pagemap_lookup(other);
   assert_non_null(d);
   assert_int_equal(d->cls, SLAB_LARGE);
   magpie_stats st;
   assert_int_equal(magpie_stats_get(1, &st), MAGPIE_OK);
-  assert_int_equal(st.large_in_use_bytes, big_size);
-  /* Empty again: the piece is the segment's free memory, and the same
-   * piece is what the next span is lent. */
+  assert_int_equal(st.large_in_use_bytes, a_size + 2 * g);
+  /* Empty again: the piece is the hole's again, and the same piece is
+   * what the next span is lent. */
   span_chunk_put(&h->spans, sp, base, 1);
   assert_int_equal(atomic_load(&h->large.lent_bytes), lent);
   assert_int_equal(atomic_load(&h->region.overhead), overhead);
@@ -210,7 +222,8 @@ static void test_span_takes_a_piece_of_a_used_granule(void **state) {
   assert_int_equal(again, base);
   span_chunk_put(&h->spans, sp, again, 1);
   for (int i = 0; i < free_chunks; i++) span_chunk_put(&h->spans, held[i].sp, held[i].base, 1);
-  assert_int_equal(magpie_free_async(big, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(a, s), MAGPIE_OK);
+  assert_int_equal(magpie_free_async(b, s), MAGPIE_OK);
   fake_stream_complete(s);
 }
 
@@ -221,7 +234,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_concurrent_span_maps_share_a_span),
       cmocka_unit_test_setup(test_span_takes_a_granule_lent_by_the_segments, allocate_on_another_stream),
-      cmocka_unit_test(test_span_takes_a_piece_of_a_used_granule),
+      cmocka_unit_test(test_span_takes_a_piece_of_a_hole),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

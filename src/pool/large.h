@@ -434,8 +434,9 @@ static inline int large_class_mark(lseg *sg, uintptr_t p, int used) {
 /* ---- memory lent to the span set (heap.c wires them) ----
  * want bytes (a power of two, a multiple of the span's chunk) of free
  * memory ready for every stream (after one round of queries if there is
- * none): a piece aligned to want in a mapped granule something else uses,
- * else a whole mapped granule of a free block. It becomes a USED block
+ * none): a piece aligned to want of a hole (a free block holding no whole
+ * granule) in a mapped granule, else a whole mapped granule of a free
+ * block. It becomes a USED block
  * with klass LARGE_KLASS_LENT, outside the hash, its pages cleared in the
  * page map: MAGPIE_OK, *base and *size (want or the granule),
  * LARGE_WOULD_MAP if there is none, MAGPIE_ERR_OUT_OF_MEMORY (host). Taken

@@ -1,4 +1,4 @@
-/* Large blocks: free memory lent to the span set (pieces of partly used
+/* Large blocks: free memory lent to the span set (pieces of holes in used
  * granules, else whole granules) and its return.
  *
  * Lock order: large_cache.lock is a leaf. No driver call is made under it,
@@ -17,21 +17,20 @@
  * large free block, ready, lay in its segment (bench/DECISIONS.md, "The
  * span set borrows granules of free large blocks"). The segments' free
  * memory serves it instead, ready for every stream, and comes back free
- * and ready once the span is empty: first a piece of a granule something
- * else already uses, so that the small classes fill the holes beside
- * large and class blocks rather than holding a granule of their own
- * (bench/DECISIONS.md, "Spans fill the holes of used granules"); else a
- * whole mapped granule of the smallest free block that has one. */
+ * and ready once the span is empty: first a piece of a hole (a free block
+ * holding no whole granule, so in granules something else uses), so that
+ * the small classes fill the holes beside large and class blocks rather
+ * than holding a granule of their own (bench/DECISIONS.md, "Spans fill
+ * the holes of used granules"); else a whole mapped granule of the
+ * smallest free block that has one. */
 
-/* Offer the place at p in free ready block b for a piece of n bytes: taken
- * where its granule is mapped, partly used (not wholly inside b) and has
- * fewer free bytes than the best so far's, or as many in a smaller
- * block. */
+/* Offer the place at p in hole b for a piece of n bytes: taken where its
+ * granule is mapped and has fewer free bytes than the best so far's, or as
+ * many in a smaller hole. */
 static void large_offer_piece(const lblock *b, uintptr_t p, size_t n, size_t g, const lblock **pick, uintptr_t *at,
                               size_t *least) {
-  uintptr_t sb = b->seg->base, glo = sb + (p - sb) / g * g;
+  uintptr_t sb = b->seg->base;
   if (p < b->base || p + n > b->base + b->size || b->seg->gran[(p - sb) / g] != GRAN_MAPPED) return;
-  if (b->base <= glo && b->base + b->size >= glo + g) return; /* a whole free granule stays whole */
   size_t f = large_granule_free(b, p, g);
   if (f > *least || (f == *least && b->size >= (*pick)->size)) return;
   *least = f;
@@ -40,9 +39,8 @@ static void large_offer_piece(const lblock *b, uintptr_t p, size_t n, size_t g, 
 }
 
 /* A piece of n bytes (a power of two below the granule), aligned to n, of
- * a free ready block of a VMM segment, in a partly used granule: the
- * fullest such granule's, at the first or last aligned place of a block.
- * NULL if there is none. */
+ * a ready hole of a VMM segment: the fullest granule's, at the first or
+ * last aligned place of a hole. NULL if there is none. */
 static lblock *large_find_piece(large_cache *c, size_t n, uintptr_t *at) {
   size_t g = large_gran(c), least = SIZE_MAX;
   MAGPIE_ASSERT(n < g && g % n == 0);
@@ -50,6 +48,11 @@ static lblock *large_find_piece(large_cache *c, size_t n, uintptr_t *at) {
   for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
     if (b->ticket != NULL || b->size < n || !b->seg->vmm) continue;
     uintptr_t sb = b->seg->base;
+    /* Holes only: a free block holding a whole granule is where large
+     * blocks grow, and a piece at its edge would cut it off from the
+     * blocks beside it once they are freed (bench/DECISIONS.md, as
+     * above). */
+    if ((b->base - sb + g - 1) / g < (b->base + b->size - sb) / g) continue;
     large_offer_piece(b, sb + (b->base - sb + n - 1) / n * n, n, g, &pick, at, &least);
     large_offer_piece(b, sb + (b->base + b->size - n - sb) / n * n, n, g, &pick, at, &least);
   }

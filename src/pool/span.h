@@ -13,8 +13,8 @@
  *            contiguous bits; a span is on its set's list iff used != 0.
  *
  * A span's memory is lent by the set's lender (the large segments' free
- * memory, heap.c: a piece of SPAN_LENT_PIECE bytes or more of a granule
- * something else uses, else a whole granule) and given back there when the
+ * memory, heap.c: a piece of SPAN_LENT_PIECE bytes or more of a hole in a
+ * granule something else uses, else a whole granule) and given back there when the
  * span is empty, or, where the lender has none, a granule mapped for it.
  *
  * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock,
