@@ -86,7 +86,7 @@ int large_lend_span(large_cache *c, size_t want, uintptr_t *base, size_t *size) 
     }
     uintptr_t at = 0;
     size_t n = want;
-    lblock *pick = want < g ? large_find_piece(c, want, &at) : NULL;
+    lblock *pick = want < g && g % want == 0 ? large_find_piece(c, want, &at) : NULL;
     if (pick == NULL) {
       n = g;
       pick = large_find_granule(c, &at);
