@@ -379,13 +379,9 @@ static inline int large_or_slab_class(const struct slab *sl, uintptr_t p) {
   /* All ones for a segment (masks made by negating a signed 0 or 1: no
    * unsigned arithmetic wraps). */
   uintptr_t seg = (uintptr_t) - (intptr_t)(c >= SIZECLASS_COUNT);
-  /* A class slab's block index. A segment's magic is its ucls pointer:
-   * the product is not used, and may wrap (the builtin wraps by
-   * definition, where a plain product would be a wrap the sanitizers
-   * report). */
-  uint64_t i;
-  (void)__builtin_mul_overflow((uint64_t)off, sl->magic, &i);
-  i >>= 48;
+  /* A class slab's block index (for a segment, whose magic is its ucls
+   * pointer, unused). */
+  uint64_t i = slab_magic_index(off, sl->magic);
   uintptr_t slab_ok = (uintptr_t)((i * sl->bsize == off) & (i < sl->nblocks));
   uintptr_t in = seg & (uintptr_t) - (intptr_t)((off < sl->size) & (off % LARGE_QUANTUM == 0));
   uintptr_t at = (((uintptr_t)sl->ucls + off / LARGE_QUANTUM) & in) | ((uintptr_t)&large_no_class & ~in);
@@ -436,11 +432,11 @@ static inline int large_class_mark(lseg *sg, uintptr_t p, int used) {
  * memory ready for every stream (after one round of queries if there is
  * none): a piece aligned to want of a hole (a free block holding no whole
  * granule) in a mapped granule, else a whole mapped granule of a free
- * block. It becomes a USED block
- * with klass LARGE_KLASS_LENT, outside the hash, its pages cleared in the
- * page map: MAGPIE_OK, *base and *size (want or the granule),
- * LARGE_WOULD_MAP if there is none, MAGPIE_ERR_OUT_OF_MEMORY (host). Taken
- * under the span set's grow lock (span.c); this lock stays a leaf. */
+ * block. It becomes a USED block with klass LARGE_KLASS_LENT, outside the
+ * hash, its pages cleared in the page map: MAGPIE_OK, *base and *size
+ * (want or the granule), LARGE_WOULD_MAP if there is none,
+ * MAGPIE_ERR_OUT_OF_MEMORY (host). Taken under the span set's grow lock
+ * (span.c); this lock stays a leaf. */
 #define LARGE_KLASS_LENT UINT32_MAX
 int large_lend_span(large_cache *c, size_t want, uintptr_t *base, size_t *size);
 /* The memory lent at base comes back, free and ready for every stream

@@ -12,7 +12,7 @@
  *            span (span != NULL, span.h), or whole granules where the
  *            granularity cannot be cut into chunks.
  * INVARIANT: for a class slab, block i starts at base + i*bsize, i < nblocks,
- *            and (off * magic) >> 48 == off / bsize for off < size.
+ *            and (off * magic) >> SIZECLASS_MAGIC_SHIFT == off / bsize for off < size.
  * Descriptors are never returned to the host allocator (a stale lookup reads
  * a valid descriptor): they are recycled through slab_desc_get/put. */
 #ifndef MAGPIE_SLAB_H
@@ -114,6 +114,16 @@ int slab_carve(slab_set *ss, unsigned cls, int may_map, magazine **out);
  * slabs (sizeclass_info.seg) are left alone. */
 size_t slab_release_free(slab_set *ss, size_t want);
 
+/* The block index of offset off in a class slab of magic magic (the
+ * INVARIANT above). For a descriptor whose magic is not a class slab's
+ * (a large segment's) the product may wrap, which the builtin defines and
+ * the sanitizers accept; the index then means nothing. */
+static inline uint64_t slab_magic_index(uintptr_t off, uint64_t magic) {
+  uint64_t i;
+  (void)__builtin_mul_overflow((uint64_t)off, magic, &i);
+  return i >> SIZECLASS_MAGIC_SHIFT;
+}
+
 /* Is p the start of a block of s? Sets *index. */
 static inline int slab_block_index(const slab *s, uintptr_t p, uint32_t *index) {
   uintptr_t off = p - s->base;
@@ -121,7 +131,7 @@ static inline int slab_block_index(const slab *s, uintptr_t p, uint32_t *index) 
     *index = 0;
     return 1; /* large.c knows the blocks of a segment */
   }
-  uint64_t i = ((uint64_t)off * s->magic) >> 48;
+  uint64_t i = slab_magic_index(off, s->magic);
   *index = (uint32_t)i;
   return i * s->bsize == off && i < s->nblocks;
 }
