@@ -1,9 +1,10 @@
 /* Spans: granules (the smallest map, 2 MiB on the H200), or pieces of them
- * lent by the large segments, cut into chunks of SPAN_CHUNK bytes. A size class's slab is a run of one or more contiguous
- * chunks of one span, so that classes share granules instead of mapping
- * whole ones each: a class's slab of a whole granule held far more than
- * its blocks, most of it in carved blocks no allocation had reached
- * (bench/DECISIONS.md, "Slabs are runs of chunks of shared granules").
+ * lent by the large segments, cut into chunks of SPAN_CHUNK bytes. A size
+ * class's slab is a run of one or more contiguous chunks of one span, so
+ * that classes share granules instead of mapping whole ones each: a
+ * class's slab of a whole granule held far more than its blocks, most of
+ * it in carved blocks no allocation had reached (bench/DECISIONS.md,
+ * "Slabs are runs of chunks of shared granules").
  *
  * A span is mapped when no span has a free chunk and unmapped when its
  * last chunk comes back. Mapped chunks no slab uses count as overhead.
@@ -14,8 +15,9 @@
  *
  * A span's memory is lent by the set's lender (the large segments' free
  * memory, heap.c: a piece of SPAN_LENT_PIECE bytes or more of a hole in a
- * granule something else uses, else a whole granule) and given back there when the
- * span is empty, or, where the lender has none, a granule mapped for it.
+ * granule something else uses, else a whole granule) and given back there
+ * when the span is empty, or, where the lender has none, a granule mapped
+ * for it.
  *
  * Lock order: span_set.span_grow_lock -> (region.lock, span_set.span_lock,
  * the lender's lock: leaves, one at a time). A span is mapped or lent
@@ -40,7 +42,7 @@
 _Static_assert(SPAN_CHUNK_SHIFT >= PAGEMAP_PAGE_SHIFT, "chunks smaller than page-map pages");
 
 typedef struct span {
-  uintptr_t base; /* granule-aligned; immutable */
+  uintptr_t base; /* aligned to size; immutable */
   size_t size;    /* the granule, or the piece lent; immutable */
   uintptr_t raw;  /* what region_unmap takes back; immutable */
   size_t raw_size;
@@ -60,8 +62,8 @@ typedef struct span {
  * some other layer holds mapped, free and ready for every stream (lend:
  * want bytes, a power of two, or a whole granule: MAGPIE_OK, *base and
  * *size, else nonzero), and where it goes back (take_back) once the span
- * is empty. Called under span_grow_lock
- * (lend) and with no lock held (take_back). */
+ * is empty. Called under span_grow_lock (lend) and with no lock held
+ * (take_back). */
 typedef struct span_lender {
   int (*lend)(void *ctx, size_t want, uintptr_t *base, size_t *size);
   void (*take_back)(void *ctx, uintptr_t base);
