@@ -67,6 +67,13 @@ size_t suite_spread_size(uint64_t r, size_t min, size_t max);
 /* A mixed size as the options ask (--mix, --spread). */
 size_t suite_size_pick(const suite_opts *o, uint64_t r);
 
+/* The one driver call magpie makes per allocation (cuStreamGetId on s),
+ * alone: ns per call, the median of five trials of calls / 5 each, in
+ * the calling thread. It shows how much of magpie's time is the driver's
+ * and the CPU's state at the time (on a shared host it moves by half).
+ * Negative without CUDA. */
+double suite_stream_id_ns(cudaStream_t s, long calls);
+
 /* magpie's statistics as one line (and CSV rows): where its reserved
  * memory sits, for reading a figure, not a measurement of its own. */
 void suite_magpie_stats(const char *workload, const char *when);

@@ -106,26 +106,6 @@ static lat measure(bench_alloc *a, int which, size_t size, long pairs, cudaStrea
   return r;
 }
 
-/* The one driver call magpie makes per allocation, alone, timed like the
- * means above: it shows how much of magpie's pair is the driver's, and the
- * state of the CPU at the time (on a shared machine it moves by half).
- * Negative without CUDA. */
-static double measure_stream_id(long pairs, cudaStream_t s) {
-  unsigned long long id = 0;
-  if (bench_stream_get_id(s, &id) != 0) return -1;
-  double means[TRIALS];
-  long per = pairs / TRIALS > 0 ? pairs / TRIALS : 1;
-  for (int k = 0; k < TRIALS; k++) {
-    double t0 = suite_now();
-    for (long i = 0; i < per; i++) {
-      bench_stream_get_id(s, &id);
-      escape(&id);
-    }
-    means[k] = (suite_now() - t0) / (double)per * 1e9;
-  }
-  return median_of_trials(means);
-}
-
 void workload_latency(const suite_opts *o) {
   bench_alloc *a = bench_allocs();
   cudaStream_t s = bench_stream_create();
@@ -146,7 +126,7 @@ void workload_latency(const suite_opts *o) {
     for (int w = 0; w < BA_COUNT; w++) {
       if (!o->use[w] || !bench_alloc_touchable(w)) continue;
       if (w == BA_MAGPIE) {
-        double id_ns = measure_stream_id(o->lat_pairs, s);
+        double id_ns = suite_stream_id_ns(s, o->lat_pairs);
         if (id_ns >= 0) {
           printf("%8s %-16s %9.1f   (the driver call in each magpie allocation, alone)\n", sz, "cuStreamGetId", id_ns);
           char x[32];

@@ -3,9 +3,12 @@
  * blocks of mixed sizes (--mix) and replacing a random one per step (free +
  * alloc). Aggregate operations (allocs + frees) per second, and reserved
  * memory against the sum of the threads' peak live bytes (requested
- * sizes). Every allocator is reset before each point; magpie's peak cannot
- * be restarted, so its figure is its peak over the workload so far (the
- * points run from fewest threads to most). */
+ * sizes). On a GPU, magpie's rows also give the figure with each thread's
+ * cuStreamGetId calls (one per allocation, timed alone right after its
+ * loop) taken out of its time: its latency is judged without that one
+ * driver call. Every allocator is reset before each point; magpie's peak
+ * cannot be restarted, so its figure is its peak over the workload so far
+ * (the points run from fewest threads to most). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,7 +22,10 @@ typedef struct worker {
   bench_alloc *a;
   int index;
   cudaStream_t stream;
-  uint64_t ops;
+  int time_id; /* 1: time the stream's id call after the loop (magpie's points) */
+  uint64_t ops, allocs;
+  double end;   /* when its loop and its last frees were done */
+  double id_ns; /* ns per cuStreamGetId on this thread's stream after that; < 0: none */
   size_t peak_live;
   pthread_barrier_t *start;
 } worker;
@@ -34,7 +40,7 @@ static void *worker_main(void *arg) {
   void **live = calloc((size_t)window, sizeof *live);
   size_t *sz = calloc((size_t)window, sizeof *sz);
   size_t cur = 0;
-  uint64_t ops = 0;
+  uint64_t ops = 0, allocs = 0;
   pthread_barrier_wait(w->start);
   if (live == NULL || sz == NULL) goto out;
   double end = suite_now() + o->scale_seconds;
@@ -49,6 +55,7 @@ static void *worker_main(void *arg) {
       }
       sz[i] = suite_size_pick(o, suite_rand(&seed));
       live[i] = w->a->alloc(sz[i], w->stream);
+      allocs++;
       if (live[i]) {
         cur += sz[i];
         if (cur > w->peak_live) w->peak_live = cur;
@@ -60,37 +67,55 @@ static void *worker_main(void *arg) {
   for (int i = 0; i < window; i++)
     if (live[i]) w->a->free(live[i], sz[i], w->stream);
 out:
+  w->end = suite_now();
+  /* Then, outside the timed span, on the same CPU and stream: what the
+   * driver call in each of magpie's allocations costs now (the host's
+   * speed moves from one second to the next). */
+  w->id_ns = w->time_id ? suite_stream_id_ns(w->stream, 100000) : -1;
   w->ops = ops;
+  w->allocs = allocs;
   free(live);
   free(sz);
   return NULL;
 }
 
-static double run_point(const suite_opts *o, bench_alloc *a, int threads, cudaStream_t *streams, size_t *sum_peaks) {
+/* Operations per second of one point; *less_id (if the threads timed their
+ * stream's id call) the same with each thread's allocations' driver calls
+ * taken out of its time, else 0. */
+static double run_point(const suite_opts *o, bench_alloc *a, int threads, cudaStream_t *streams, int time_id,
+                        size_t *sum_peaks, double *less_id) {
   worker *w = calloc((size_t)threads, sizeof *w);
   pthread_t *t = calloc((size_t)threads, sizeof *t);
   if (w == NULL || t == NULL) return 0;
   pthread_barrier_t start;
   pthread_barrier_init(&start, NULL, (unsigned)threads + 1);
   for (int i = 0; i < threads; i++) {
-    w[i] = (worker){.o = o, .a = a, .index = i, .stream = streams[i], .start = &start};
+    w[i] = (worker){.o = o, .a = a, .index = i, .stream = streams[i], .time_id = time_id, .start = &start};
     pthread_create(&t[i], NULL, worker_main, &w[i]);
   }
   pthread_barrier_wait(&start);
-  double t0 = suite_now();
+  double t0 = suite_now(), end = t0, less = 0;
   uint64_t ops = 0;
   size_t peaks = 0;
   for (int i = 0; i < threads; i++) {
     pthread_join(t[i], NULL);
     ops += w[i].ops;
     peaks += w[i].peak_live;
+    if (w[i].end > end) end = w[i].end;
   }
-  double el = suite_now() - t0;
+  double el = end - t0;
+  /* A thread's operations over its span less its allocations' driver
+   * calls (each timed as that thread's own calls just after its loop). */
+  for (int i = 0; i < threads && less >= 0; i++) {
+    double own = (w[i].end - t0) - (double)w[i].allocs * w[i].id_ns * 1e-9;
+    less = w[i].id_ns >= 0 && own > 0 ? less + (double)w[i].ops / own : -1;
+  }
   pthread_barrier_destroy(&start);
   free(w);
   free(t);
   *sum_peaks = peaks;
-  return (double)ops / el;
+  *less_id = less > 0 ? less : 0;
+  return el > 0 ? (double)ops / el : 0;
 }
 
 void workload_scaling(const suite_opts *o) {
@@ -109,10 +134,10 @@ void workload_scaling(const suite_opts *o) {
       o->scale_window, o->mix_spread ? "2^e+U[0,2^e) over " : "", suite_size_name(o->mix_min, lo, sizeof lo),
       suite_size_name(o->mix_max, hi, sizeof hi), o->scale_seconds);
   suite_magpie_peak_note();
-  printf("%7s %-16s %12s %9s %11s %14s %12s\n", "threads", "allocator", "Mops/s", "x 1 thr", "magpie/x",
-         "reserved/peaks", "peaks MiB");
+  printf("%7s %-16s %12s %9s %11s %14s %12s %12s\n", "threads", "allocator", "Mops/s", "x 1 thr", "magpie/x",
+         "reserved/peaks", "peaks MiB", "less id");
   double base[BA_COUNT] = {0}, mp16 = 0, mp1 = 0, ratio16 = 0;
-  int top = 0, memory_ok = 1;
+  int top = 0, memory_ok = 1, any_less = 0;
   char memory_missed[96] = "";
   for (int pi = 0; pi < o->scale_points; pi++) {
     int th = o->scale_threads[pi];
@@ -121,7 +146,8 @@ void workload_scaling(const suite_opts *o) {
       if (!o->use[w]) continue;
       a[w].reset();
       size_t peaks = 0;
-      double r = run_point(o, &a[w], th, streams, &peaks);
+      double less_id = 0;
+      double r = run_point(o, &a[w], th, streams, w == BA_MAGPIE, &peaks, &less_id);
       uint64_t reserved = a[w].peak_reserved();
       if (base[w] == 0) base[w] = r;
       if (w == BA_MAGPIE) mp = r;
@@ -131,7 +157,9 @@ void workload_scaling(const suite_opts *o) {
       else printf(" %11s", "");
       if (ratio > 0) printf(" %14.2f", ratio);
       else printf(" %14s", "n/a");
-      printf(" %12.1f\n", (double)peaks / (1 << 20));
+      printf(" %12.1f", (double)peaks / (1 << 20));
+      if (less_id > 0) printf(" %12.2f", less_id / 1e6);
+      printf("\n");
       /* The memory bound: 1.3x the sum of the threads' peaks; at one or
        * two threads the sum plus 8 MiB a thread where that is more. */
       if (w == BA_MAGPIE && peaks && reserved) {
@@ -148,6 +176,10 @@ void workload_scaling(const suite_opts *o) {
       suite_row("scaling", a[w].name, x, "ops_per_s", r);
       suite_row("scaling", a[w].name, x, "sum_peak_live_bytes", (double)peaks);
       if (reserved) suite_row("scaling", a[w].name, x, "peak_reserved_bytes", (double)reserved);
+      if (less_id > 0) {
+        suite_row("scaling", a[w].name, x, "ops_per_s_less_stream_id", less_id);
+        any_less = 1;
+      }
       if (w == BA_MAGPIE) {
         if (th == 1) mp1 = r;
         if (th >= top) {
@@ -158,6 +190,10 @@ void workload_scaling(const suite_opts *o) {
       }
     }
   }
+  if (any_less)
+    printf(
+        "  less id: magpie's M ops/s with its allocations' cuStreamGetId calls taken out of each thread's time "
+        "(each thread times its own calls right after its loop), as its latency is judged\n");
   if (o->use[BA_MAGPIE]) suite_magpie_stats("scaling", "after the last point");
   if (o->use[BA_MAGPIE] && top >= 16) {
     char d[160];
