@@ -93,13 +93,22 @@ void suite_magpie_peak_note(void) {
 
 double suite_now(void) { return bench_now(); }
 
+double suite_median_of_trials(double means[SUITE_TRIALS]) {
+  for (int k = 1; k < SUITE_TRIALS; k++)
+    for (int j = k; j > 0 && means[j] < means[j - 1]; j--) {
+      double x = means[j];
+      means[j] = means[j - 1];
+      means[j - 1] = x;
+    }
+  return means[SUITE_TRIALS / 2];
+}
+
 double suite_stream_id_ns(cudaStream_t s, long calls) {
-  enum { TRIALS = 5 };
   unsigned long long id = 0;
   if (bench_stream_get_id(s, &id) != 0) return -1;
-  double means[TRIALS];
-  long per = calls / TRIALS > 0 ? calls / TRIALS : 1;
-  for (int k = 0; k < TRIALS; k++) {
+  double means[SUITE_TRIALS];
+  long per = calls / SUITE_TRIALS > 0 ? calls / SUITE_TRIALS : 1;
+  for (int k = 0; k < SUITE_TRIALS; k++) {
     double t0 = suite_now();
     for (long i = 0; i < per; i++) {
       bench_stream_get_id(s, &id);
@@ -107,13 +116,7 @@ double suite_stream_id_ns(cudaStream_t s, long calls) {
     }
     means[k] = (suite_now() - t0) / (double)per * 1e9;
   }
-  for (int k = 1; k < TRIALS; k++) /* insertion sort of five */
-    for (int j = k; j > 0 && means[j] < means[j - 1]; j--) {
-      double x = means[j];
-      means[j] = means[j - 1];
-      means[j - 1] = x;
-    }
-  return means[TRIALS / 2];
+  return suite_median_of_trials(means);
 }
 
 uint64_t suite_rand(uint64_t *s) { return bench_rand(s); }

@@ -67,8 +67,14 @@ size_t suite_spread_size(uint64_t r, size_t min, size_t max);
 /* A mixed size as the options ask (--mix, --spread). */
 size_t suite_size_pick(const suite_opts *o, uint64_t r);
 
+/* Timed means come from SUITE_TRIALS untimed trials; the median is
+ * reported, so that one disturbed trial does not move it (sorts means in
+ * place). */
+enum { SUITE_TRIALS = 5 };
+double suite_median_of_trials(double means[SUITE_TRIALS]);
+
 /* The one driver call magpie makes per allocation (cuStreamGetId on s),
- * alone: ns per call, the median of five trials of calls / 5 each, in
+ * alone: ns per call, the median of SUITE_TRIALS trials sharing calls, in
  * the calling thread. It shows how much of magpie's time is the driver's
  * and the CPU's state at the time (on a shared host it moves by half).
  * Negative without CUDA. */

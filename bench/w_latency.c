@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "bench/bench_dev.h"
+#include "bench/bench_util.h"
 #include "bench/suite.h"
 
 static inline uint64_t now_ns(void) {
@@ -20,8 +21,6 @@ static inline uint64_t now_ns(void) {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
-
-static inline void escape(void *p) { __asm__ volatile("" : : "g"(p) : "memory"); }
 
 static int cmp_u64(const void *a, const void *b) {
   uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
@@ -50,19 +49,6 @@ static long pairs_for(int which, long pairs) {
   return pairs;
 }
 
-enum { TRIALS = 5 };
-
-/* The median of the trials' means (sorted in place: five values). */
-static double median_of_trials(double means[TRIALS]) {
-  for (int k = 1; k < TRIALS; k++)
-    for (int j = k; j > 0 && means[j] < means[j - 1]; j--) {
-      double x = means[j];
-      means[j] = means[j - 1];
-      means[j - 1] = x;
-    }
-  return means[TRIALS / 2];
-}
-
 typedef struct lat {
   double mean, p50, p99, p999;
   int ok;
@@ -75,24 +61,24 @@ static lat measure(bench_alloc *a, int which, size_t size, long pairs, cudaStrea
     void *p = a->alloc(size, s);
     if (p) a->free(p, size, s);
   }
-  double means[TRIALS];
-  long per = pairs / TRIALS > 0 ? pairs / TRIALS : 1;
-  for (int k = 0; k < TRIALS; k++) {
+  double means[SUITE_TRIALS];
+  long per = pairs / SUITE_TRIALS > 0 ? pairs / SUITE_TRIALS : 1;
+  for (int k = 0; k < SUITE_TRIALS; k++) {
     double t0 = suite_now();
     for (long i = 0; i < per; i++) {
       void *p = a->alloc(size, s);
-      escape(p);
+      bench_escape(p);
       if (p) a->free(p, size, s);
     }
     means[k] = (suite_now() - t0) / (double)per * 1e9;
   }
-  r.mean = median_of_trials(means);
+  r.mean = suite_median_of_trials(means);
   uint64_t *v = malloc((size_t)pairs * sizeof *v);
   if (v == NULL) return r;
   for (long i = 0; i < pairs; i++) {
     uint64_t t = now_ns();
     void *p = a->alloc(size, s);
-    escape(p);
+    bench_escape(p);
     if (p) a->free(p, size, s);
     t = now_ns() - t;
     v[i] = t > clock ? t - clock : 0;
@@ -113,8 +99,8 @@ void workload_latency(const suite_opts *o) {
   uint64_t clock = clock_cost();
   printf(
       "\n== 1 latency: one alloc+free pair, one thread, one stream, warm (ns; magpie/noop %ld pairs per size; "
-      "mean: median of 5 trials; clock read %llu ns, subtracted from the percentiles)\n",
-      o->lat_pairs, (unsigned long long)clock);
+      "mean: median of %d trials; clock read %llu ns, subtracted from the percentiles)\n",
+      o->lat_pairs, (int)SUITE_TRIALS, (unsigned long long)clock);
   suite_magpie_peak_note();
   printf("%8s %-16s %9s %9s %9s %9s %10s\n", "size", "allocator", "mean", "p50", "p99", "p99.9", "mean/magpie");
   double worst_small = 0, worst_id = 0;
