@@ -86,6 +86,7 @@ int large_run_take(struct large_cache *c, size_t need, uint64_t stream_id, cudaS
 
 /* large_map.c */
 int large_map_under(struct large_cache *c, struct lblock *u);
+int large_whole_granules(const struct lblock *b, size_t g, size_t *i, size_t *end);
 int large_first_mapped_whole(const struct lblock *b, size_t g, size_t *i, size_t *end);
 size_t large_keep(struct large_cache *c);
 void large_shrink_before_grow(struct large_cache *c, size_t growing);

@@ -46,13 +46,13 @@ static lblock *large_find_piece(large_cache *c, size_t n, uintptr_t *at) {
   MAGPIE_ASSERT(n < g && g % n == 0);
   const lblock *pick = NULL;
   for (lblock *b = large_free_first(c); b; b = large_free_next(c, b)) {
-    if (b->ticket != NULL || b->size < n || !b->seg->vmm) continue;
-    uintptr_t sb = b->seg->base;
+    size_t i, end;
     /* Holes only: a free block holding a whole granule is where large
      * blocks grow, and a piece at its edge would cut it off from the
      * blocks beside it once they are freed (bench/DECISIONS.md, as
      * above). */
-    if ((b->base - sb + g - 1) / g < (b->base + b->size - sb) / g) continue;
+    if (b->ticket != NULL || b->size < n || !b->seg->vmm || large_whole_granules(b, g, &i, &end)) continue;
+    uintptr_t sb = b->seg->base;
     large_offer_piece(b, sb + (b->base - sb + n - 1) / n * n, n, g, &pick, at, &least);
     large_offer_piece(b, sb + (b->base + b->size - n - sb) / n * n, n, g, &pick, at, &least);
   }

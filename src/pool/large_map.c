@@ -65,7 +65,7 @@ int large_map_under(large_cache *c, lblock *u) {
 
 /* The granules [*i, *end) lying wholly inside free block b, if b is ready
  * and its segment can unmap granules; 0 otherwise. */
-static int large_whole_granules(const lblock *b, size_t g, size_t *i, size_t *end) {
+int large_whole_granules(const lblock *b, size_t g, size_t *i, size_t *end) {
   const lseg *sg = b->seg;
   if (!sg->vmm || b->ticket != NULL || b->size < g) return 0;
   *i = (b->base - sg->base + g - 1) / g;
